@@ -1,0 +1,27 @@
+# Two entry points, each doing its own set-up on a machine with only Python:
+#   make demo   - run the main job
+#   make test   - run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+# The CPU build of torch; a machine that already has a CUDA build in the venv keeps it.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e ".[worker,test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(PY) -m benchmarks.demo
+
+test: install
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

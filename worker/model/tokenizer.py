@@ -1,0 +1,44 @@
+"""Tokenizers: ``tokenizer.json`` through the ``tokenizers`` library, else bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    """What the worker needs from a tokenizer."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+
+class ByteTokenizer:
+    """Token ids 0..255 are raw UTF-8 bytes; ids above are specials that decode to nothing."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+
+class HfTokenizer:
+    """A ``tokenizer.json`` file loaded with the ``tokenizers`` library."""
+
+    def __init__(self, path: Path):
+        from tokenizers import Tokenizer as _Tokenizer
+
+        self._tok = _Tokenizer.from_file(str(path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def load_tokenizer(model_path: str | Path) -> Tokenizer:
+    path = Path(model_path) / "tokenizer.json"
+    return HfTokenizer(path) if path.is_file() else ByteTokenizer()

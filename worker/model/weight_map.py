@@ -1,0 +1,134 @@
+"""Checkpoint names ↔ fused serving parameters.
+
+Hugging Face checkpoints store ``q_proj``/``k_proj``/``v_proj`` and
+``gate_proj``/``up_proj`` separately; the model holds them as row shards of
+``qkv_proj`` and ``gate_up_proj``. This module is the one place that knows the
+correspondence, in both directions: loading (name → shard to copy into) and
+inspection (name → live view, used by the weights checker and by trainers that
+verify what a worker holds).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterable, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from worker.model.causal_lm import CausalLM
+
+# Names that appear in some checkpoints but carry no learned state.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class WeightLoadError(ValueError):
+    """A checkpoint tensor does not fit the model; raised before anything is modified."""
+
+
+@dataclass(frozen=True)
+class _Target:
+    param: torch.Tensor
+    start: int  # row range inside the fused parameter
+    stop: int
+
+    def view(self) -> torch.Tensor:
+        return self.param.data[self.start : self.stop]
+
+
+class WeightMap:
+    """Resolves checkpoint names to row ranges of the model's parameters."""
+
+    def __init__(self, model: "CausalLM"):
+        cfg = model.config
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        inter = cfg.intermediate_size
+        params = dict(model.named_parameters())
+        self.dtype = model.dtype
+        self._targets: dict[str, _Target] = {}
+        self._tied_aliases: set[str] = set()
+
+        def add(name: str, param_name: str, start: int | None = None, stop: int | None = None) -> None:
+            param = params[param_name]
+            self._targets[name] = _Target(param, start or 0, param.shape[0] if stop is None else stop)
+
+        add("model.embed_tokens.weight", "model.embed_tokens.weight")
+        for i in range(cfg.num_hidden_layers):
+            pre = f"model.layers.{i}"
+            kinds = ["weight", "bias"] if cfg.qkv_bias else ["weight"]
+            for kind in kinds:
+                fused = f"{pre}.self_attn.qkv_proj.{kind}"
+                add(f"{pre}.self_attn.q_proj.{kind}", fused, 0, q)
+                add(f"{pre}.self_attn.k_proj.{kind}", fused, q, q + kv)
+                add(f"{pre}.self_attn.v_proj.{kind}", fused, q + kv, q + 2 * kv)
+            add(f"{pre}.self_attn.o_proj.weight", f"{pre}.self_attn.o_proj.weight")
+            if cfg.o_bias:
+                add(f"{pre}.self_attn.o_proj.bias", f"{pre}.self_attn.o_proj.bias")
+            add(f"{pre}.mlp.gate_proj.weight", f"{pre}.mlp.gate_up_proj.weight", 0, inter)
+            add(f"{pre}.mlp.up_proj.weight", f"{pre}.mlp.gate_up_proj.weight", inter, 2 * inter)
+            add(f"{pre}.mlp.down_proj.weight", f"{pre}.mlp.down_proj.weight")
+            add(f"{pre}.input_layernorm.weight", f"{pre}.input_layernorm.weight")
+            add(f"{pre}.post_attention_layernorm.weight", f"{pre}.post_attention_layernorm.weight")
+        add("model.norm.weight", "model.norm.weight")
+        if cfg.tie_word_embeddings:
+            # Tied checkpoints may still carry lm_head.weight (a copy of the
+            # embedding); it is accepted and skipped, as serving engines do.
+            self._tied_aliases.add("lm_head.weight")
+        else:
+            add("lm_head.weight", "lm_head.weight")
+
+    def spec(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        return {name: (t.param.dtype, (t.stop - t.start, *t.param.shape[1:])) for name, t in self._targets.items()}
+
+    def iter_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, target in self._targets.items():
+            yield name, target.view()
+
+    def is_ignored(self, name: str) -> bool:
+        return name in self._tied_aliases or name.endswith(_IGNORED_SUFFIXES)
+
+    def validate(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_complete: bool = False) -> list[tuple[_Target, torch.Tensor]]:
+        """Check every tensor; return the copy plan or raise WeightLoadError listing the problems."""
+        plan: list[tuple[_Target, torch.Tensor]] = []
+        problems: list[str] = []
+        seen: set[str] = set()
+        for name, tensor in weights:
+            if self.is_ignored(name):
+                continue
+            target = self._targets.get(name)
+            if target is None:
+                problems.append(f"unknown parameter name {name!r}")
+                continue
+            if name in seen:
+                problems.append(f"duplicate parameter name {name!r}")
+                continue
+            seen.add(name)
+            expected_shape = (target.stop - target.start, *target.param.shape[1:])
+            if tuple(tensor.shape) != expected_shape:
+                problems.append(f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected_shape}")
+                continue
+            if tensor.dtype != target.param.dtype:
+                problems.append(f"{name}: dtype {_dtype_name(tensor.dtype)} does not match the model's {_dtype_name(target.param.dtype)}")
+                continue
+            plan.append((target, tensor))
+        if require_complete:
+            missing = [name for name in self._targets if name not in seen]
+            if missing:
+                problems.append(f"{len(missing)} checkpoint tensors missing, e.g. {missing[:3]}")
+        if problems:
+            shown = "; ".join(problems[:5])
+            more = f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""
+            raise WeightLoadError(f"{len(problems)} problem(s) loading weights: {shown}{more}")
+        return plan
+
+    def load(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_complete: bool = False) -> int:
+        plan = self.validate(weights, require_complete=require_complete)
+        with torch.no_grad():
+            for target, tensor in plan:
+                target.view().copy_(tensor, non_blocking=True)
+        return len(plan)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
