@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m benchmarks.demo
+	$(PY) -m worker.demo
 
 test: install
 	$(PY) -m pytest -q

@@ -102,6 +102,14 @@ class CausalLM(nn.Module):
         """
         return self.weight_map.load(weights, require_complete=require_complete)
 
+    def validate_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_complete: bool = False) -> None:
+        """Check names, shapes and dtypes as :meth:`load_weights` would, without copying anything."""
+        self.weight_map.validate(weights, require_complete=require_complete)
+
+    def is_ignored_weight(self, name: str) -> bool:
+        """Checkpoint names that are accepted but carry nothing to load (e.g. a tied ``lm_head``)."""
+        return self.weight_map.is_ignored(name)
+
     def checkpoint_spec(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
         """Every checkpoint name the model accepts, with its expected dtype and shape."""
         return self.weight_map.spec()

@@ -1,0 +1,59 @@
+"""Shared fixtures: tiny checkpoints and real ``omni-worker`` processes.
+
+Checkpoints are written once per session. Workers are started through the CLI
+(``tests/procs.py``) and shared per module; a module whose tests change worker
+state in ways others would notice starts its own through ``worker_factory``.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import pytest
+
+from tests._worker_helpers import Worker
+from tests.procs import start_worker
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """``llama`` (seed 0), ``llama_b`` (seed 1, same shapes) and ``qwen2`` (seed 0)."""
+    from worker.model import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {
+        "llama": write_tiny_checkpoint(root / "llama-seed0", "llama", seed=0),
+        "llama_b": write_tiny_checkpoint(root / "llama-seed1", "llama", seed=1),
+        "qwen2": write_tiny_checkpoint(root / "qwen2-seed0", "qwen2", seed=0),
+    }
+
+
+@pytest.fixture(scope="module")
+def worker_factory() -> Iterator[Callable[..., Worker]]:
+    """Start workers for this module; all are stopped at module teardown."""
+    started: list[Worker] = []
+
+    def start(model_dir: Path, *args: str, env: Optional[dict[str, str]] = None, headers: Optional[dict[str, str]] = None) -> Worker:
+        proc, url = start_worker(model_dir, extra_args=list(args), env=env)
+        w = Worker(proc, url, Path(model_dir), headers)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def worker(worker_factory: Callable[..., Worker], checkpoints: dict[str, Path]) -> Worker:
+    """A plain llama worker shared by the module."""
+    return worker_factory(checkpoints["llama"])
+
+
+@pytest.fixture
+def pool() -> Iterator[ThreadPoolExecutor]:
+    """Threads for requests that must be in flight while the test acts."""
+    with ThreadPoolExecutor(max_workers=8) as executor:
+        yield executor

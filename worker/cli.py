@@ -1,0 +1,122 @@
+"""``omni-worker``: serve a model, or write a tiny test checkpoint.
+
+    omni-worker --model-path DIR [--host H] [--port P] [--device cpu|cuda] [--dtype float32|bfloat16]
+                [--admin-api-key K] [--api-key K] [--max-running-requests N] [--log-level L]
+    omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N]
+
+Logs exactly one "omni-worker ready on http://HOST:PORT ..." line once it accepts requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from typing import Sequence
+
+from worker.config import WorkerConfig
+
+log = logging.getLogger("omni-worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-worker", description="Serve a Llama/Qwen2 model with the SGLang-compatible RL admin API.")
+    p.add_argument("--model-path", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    p.add_argument("--admin-api-key", default=None, help="Bearer key for admin routes (default: $SGLANG_OMNI_ADMIN_KEY)")
+    p.add_argument("--api-key", default=None, help="Bearer key for /generate")
+    p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--step-delay-ms", type=float, default=0.0, help="testing aid: sleep after every forward step")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> WorkerConfig:
+    return WorkerConfig(
+        model_path=args.model_path,
+        host=args.host,
+        port=args.port,
+        device=args.device,
+        dtype=args.dtype,
+        admin_api_key=args.admin_api_key,
+        api_key=args.api_key,
+        max_running_requests=args.max_running_requests,
+        served_model_name=args.served_model_name,
+        log_level=args.log_level,
+        step_delay_s=args.step_delay_ms / 1000.0,
+    )
+
+
+def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    if device == "cpu":
+        return
+    if not (device == "cuda" or device.startswith("cuda:")):
+        parser.error(f"--device must be cpu, cuda or cuda:N, not {device!r}")
+    import torch
+
+    if not torch.cuda.is_available():
+        parser.error("--device cuda requested but no CUDA device is available")
+
+
+async def serve(config: WorkerConfig) -> int:
+    from aiohttp import web
+
+    from worker.http.app import create_app
+
+    app = create_app(config)
+    runner = web.AppRunner(app, access_log=log if config.log_level == "debug" else None, shutdown_timeout=5.0)
+    await runner.setup()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        site = web.TCPSite(runner, config.host, config.port)
+        await site.start()
+        host, port = runner.addresses[0][:2]
+        worker = app_worker(app)
+        log.info(
+            "omni-worker ready on http://%s:%d (model %s, %s %s, weight_version %s)",
+            host, port, worker.model_path, worker.device, worker.dtype_name, worker.weight_version,
+        )
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def app_worker(app):  # type: ignore[no-untyped-def]
+    from worker.http.keys import COORDINATOR
+
+    return app[COORDINATOR].worker
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "make-tiny":
+        from worker.model.tiny import main as make_tiny
+
+        return make_tiny(argv[1:])
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.max_running_requests < 1:
+        parser.error("--max-running-requests must be at least 1")
+    _check_device(parser, args.device)
+    config = config_from_args(args)
+    try:
+        return asyncio.run(serve(config))
+    except (OSError, ValueError) as exc:
+        # Bad model directory, bad checkpoint, port in use: one clear line, no traceback.
+        log.error("omni-worker failed to start: %s", exc)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""WorkerConfig: everything ``omni-worker`` is started with."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+
+@dataclass(kw_only=True)
+class WorkerConfig:
+    """Settings of one worker process (the CLI fills these from its flags)."""
+
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 30000
+    device: str = "cpu"
+    """``cpu``, ``cuda`` or ``cuda:N``."""
+    dtype: str = "float32"
+    admin_api_key: Optional[str] = None
+    """Bearer key for admin routes; ``SGLANG_OMNI_ADMIN_KEY`` is used when unset."""
+    api_key: Optional[str] = None
+    """Bearer key for ``/generate`` (the admin key is accepted too)."""
+    max_running_requests: int = 32
+    log_level: str = "info"
+    served_model_name: Optional[str] = None
+    health_check_timeout_s: float = 20.0
+    step_delay_s: float = 0.0
+    """Testing aid: sleep this long after each forward step, to make a tiny
+    model behave like a slow one (requests stay in flight long enough to be
+    paused, retracted or aborted deterministically)."""
+
+    def public_dict(self) -> dict[str, Any]:
+        """The settings without secrets (for ``/server_info``)."""
+        data = asdict(self)
+        for key in ("admin_api_key", "api_key"):
+            data[key] = None
+            data[f"{key}_set"] = getattr(self, key) is not None
+        return data

@@ -1,0 +1,298 @@
+"""Coordinator: the event-loop facade the HTTP handlers use.
+
+It submits generations to the stage leader's scheduler, runs admin operations
+on every rank through the :class:`~worker.stage.Stage`, serializes operations
+that change weights or pause state, and bounds every wait with a timeout.
+Extension point for other admin routes: :meth:`Coordinator.run_on_scheduler`
+(a callable on the leader's scheduler thread) and :meth:`Coordinator.admin`
+(an op on every rank, aggregated with ``rank_results``), inside
+:meth:`Coordinator.admin_section` when the op changes weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from functools import partial
+from typing import Any, AsyncIterator, Callable, Optional
+
+from router.protocol.admin import PauseRequest, UpdateWeightsFromDiskRequest
+from worker.engine import admin_ops
+from worker.engine.admin_ops import OpResult
+from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpdateError
+from worker.engine.request import GenerationParams, OutputChannel, Request
+from worker.engine.scheduler import Scheduler
+from worker.generation import GenerationHandle
+from worker.stage import AdminBusy, AdminTimeout, RankOp, SchedulerUnavailable, Stage, StageResult
+
+log = logging.getLogger(__name__)
+
+#: Per-action default timeouts, as sglang-omni's coordinator uses them.
+DEFAULT_TIMEOUTS: dict[str, float] = {
+    "model_info": 30.0,
+    "pause_generation": 60.0,
+    "continue_generation": 60.0,
+    "update_weights_from_disk": 120.0,
+    "weights_checker": 120.0,
+    "init_weights_update_group": 300.0,
+    "destroy_weights_update_group": 300.0,
+    "update_weights_from_distributed": 300.0,
+}
+FALLBACK_TIMEOUT_S = 60.0
+
+
+def default_timeout(action: str) -> float:
+    return DEFAULT_TIMEOUTS.get(action, FALLBACK_TIMEOUT_S)
+
+
+class Coordinator:
+    """Generation and admin entry points for one worker process."""
+
+    def __init__(self, stage: Stage, *, health_check_timeout_s: float = 20.0):
+        self.stage = stage
+        self.health_check_timeout_s = health_check_timeout_s
+        self._admin_lock = asyncio.Lock()
+        self._inflight: dict[str, GenerationHandle] = {}
+
+    # -- accessors -------------------------------------------------------------------
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.stage.leader
+
+    @property
+    def worker(self) -> ModelWorker:
+        return self.stage.leader.worker
+
+    @property
+    def alive(self) -> bool:
+        return self.stage.alive
+
+    @property
+    def is_paused(self) -> bool:
+        return self.scheduler.is_paused
+
+    @property
+    def generation_blocked(self) -> Optional[str]:
+        """Why generation cannot make progress right now, or None."""
+        s = self.scheduler
+        if s.is_paused:
+            return f"generation is paused (mode={s.pause_mode})"
+        if self.worker.released_tags:
+            return f"memory is released ({', '.join(sorted(self.worker.released_tags))})"
+        if self.worker.weights_partial:
+            return "weights are partially updated"
+        return None
+
+    # -- admin plumbing ----------------------------------------------------------------
+    @contextlib.asynccontextmanager
+    async def admin_section(self, action: str, timeout_s: Optional[float] = None) -> AsyncIterator[None]:
+        """Hold the lock that serializes weight and pause changes (bounded wait)."""
+        timeout = default_timeout(action) if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(self._admin_lock.acquire(), timeout)
+        except asyncio.TimeoutError:
+            raise AdminBusy(f"{action}: another admin operation held the worker for {timeout:g}s") from None
+        try:
+            yield
+        finally:
+            self._admin_lock.release()
+
+    async def admin(self, action: str, op: RankOp, timeout_s: Optional[float] = None) -> StageResult:
+        """Run ``op`` on every rank (scheduler threads) and aggregate with ``rank_results``."""
+        return await self.stage.run(action, op, default_timeout(action) if timeout_s is None else timeout_s)
+
+    async def run_on_scheduler(self, fn: Callable[[], Any], timeout_s: float, action: str = "admin") -> Any:
+        """Run ``fn()`` on the leader's scheduler thread between steps; its raw result."""
+        if not self.scheduler.alive:
+            raise SchedulerUnavailable(f"{action}: the scheduler thread is not running")
+        fut = self.scheduler.submit_admin(fn)
+        try:
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
+        except asyncio.TimeoutError:
+            fut.cancel()
+            raise AdminTimeout(action, timeout_s) from None
+
+    # -- generation ------------------------------------------------------------------------
+    def rid_in_flight(self, rid: str) -> bool:
+        return rid in self._inflight
+
+    def submit(
+        self,
+        prompt_ids: list[int],
+        params: GenerationParams,
+        *,
+        rid: Optional[str] = None,
+        stream: bool = False,
+        return_text_in_logprobs: bool = False,
+        wakeup: Optional[asyncio.Event] = None,
+    ) -> GenerationHandle:
+        """Queue one prompt; the caller must :meth:`release` the handle when done."""
+        rid = rid or uuid.uuid4().hex
+        if rid in self._inflight:
+            raise ValueError(f"a request with rid {rid!r} is already in flight")
+        channel = OutputChannel(asyncio.get_running_loop(), wakeup)
+        request = Request(rid=rid, prompt_ids=list(prompt_ids), params=params, channel=channel, stream=stream)
+        handle = GenerationHandle(request, channel, return_text_in_logprobs=return_text_in_logprobs)
+        self._inflight[rid] = handle
+        self.scheduler.submit_request(request)
+        return handle
+
+    def release(self, handle: GenerationHandle) -> None:
+        """The handler is done with ``handle``: abort it if unfinished, mark it returned."""
+        if not handle.finished:
+            self.scheduler.submit_abort(handle.rid, message="Aborted: the client went away")
+        if self._inflight.get(handle.rid) is handle:
+            del self._inflight[handle.rid]
+        handle.returned.set()
+
+    async def abort(self, rid: Optional[str], *, abort_all: bool = False, message: str = "Aborted") -> list[str]:
+        fut = self.scheduler.submit_abort(rid, abort_all=abort_all, message=message)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), FALLBACK_TIMEOUT_S)
+
+    async def wait_returned(self, rids: list[str], timeout_s: float) -> None:
+        """Wait until the handlers of ``rids`` have produced their responses (bounded)."""
+        pending = [self._inflight[r].returned.wait() for r in rids if r in self._inflight]
+        if not pending:
+            return
+        try:
+            await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
+        except asyncio.TimeoutError:
+            log.warning("aborted requests did not all return within %.1fs", timeout_s)
+
+    # -- composite admin operations -------------------------------------------------------
+    async def pause(self, req: PauseRequest) -> StageResult:
+        """Pause; in ``abort`` mode return only after every aborted request has been answered."""
+        timeout = default_timeout("pause_generation")
+        deadline = time.monotonic() + timeout
+        async with self.admin_section("pause_generation", timeout):
+            result = await self.admin("pause_generation", partial(admin_ops.pause, req=req), _left(deadline))
+            if req.mode == "abort":
+                await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
+        return result
+
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> StageResult:
+        """Check, stage the checkpoint off the scheduler thread, then swap it in between steps."""
+        action = "update_weights_from_disk"
+        deadline = time.monotonic() + default_timeout(action)
+        async with self.admin_section(action, _left(deadline)):
+            check = await self.admin(action, partial(admin_ops.check_update_allowed, abort_all_requests=req.abort_all_requests), _left(deadline))
+            if not check.success:
+                check.data.setdefault("num_paused_requests", self.scheduler.num_waiting)
+                return check
+            staged: dict[int, StagedCheckpoint] = {}
+            loop = asyncio.get_running_loop()
+            for rank in self.stage.ranks:
+                try:
+                    staged[rank.rank] = await asyncio.wait_for(
+                        loop.run_in_executor(None, rank.worker.stage_checkpoint, req.model_path, req.load_format), _left(deadline)
+                    )
+                except WeightUpdateError as exc:
+                    failed = OpResult(False, f"Failed to update weights: {exc}", {"num_paused_requests": self.scheduler.num_waiting})
+                    return self.stage.describe(action, lambda _s: failed)
+                except asyncio.TimeoutError:
+                    raise AdminTimeout(action, default_timeout(action)) from None
+            pre_aborted: list[str] = []
+            if req.abort_all_requests:
+                # As SGLang's writer lock does: aborted requests are answered
+                # (with the old weight_version) before the weights change.
+                aborted = await self.admin(action, lambda s: OpResult(True, "", {"rids": s.abort_all("Aborted: weights updated from disk")}), _left(deadline))
+                pre_aborted = list(aborted.data.get("rids", []))
+                await self.wait_returned(pre_aborted, _left(deadline))
+            result = await self.admin(action, lambda s: admin_ops.update_weights_from_disk(s, req, staged[s.rank]), _left(deadline))
+            result.data["num_aborted"] = result.data.get("num_aborted", 0) + len(pre_aborted)
+            return result
+
+    async def flush_cache(self, wait_s: float = 0.0) -> StageResult:
+        """Flush; with ``wait_s`` > 0, retry until the worker is idle or the time is up."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            result = await self.admin("flush_cache", admin_ops.flush_cache)
+            if result.success or time.monotonic() >= deadline:
+                return result
+            await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
+
+    async def health_generate(self) -> tuple[bool, str]:
+        """A one-token generation. While generation is deliberately stopped (pause,
+        released memory) it answers healthy at once instead of timing out, unlike
+        SGLang, whose health request waits behind the pause and fails after 20 s.
+        Partially written weights are unhealthy."""
+        if self.worker.weights_partial:
+            return False, "weights are partially updated; reload them (e.g. update_weights_from_disk) before serving"
+        blocked = self.generation_blocked
+        if blocked:
+            return True, f"{blocked}; the worker is up but not generating"
+        params = GenerationParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+        handle = self.submit([0], params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        try:
+            deadline = time.monotonic() + self.health_check_timeout_s
+            while not handle.finished and time.monotonic() < deadline:
+                await handle.next_event(min(0.5, _left(deadline)))
+                if not self.alive:
+                    return False, "the scheduler thread is not running"
+                blocked = self.generation_blocked
+                if blocked and not handle.finished:
+                    return True, f"{blocked}; the worker is up but not generating"
+            if handle.finished:
+                return True, "ok"
+            return False, f"no output within {self.health_check_timeout_s:g}s"
+        finally:
+            self.release(handle)
+
+    # -- status ----------------------------------------------------------------------------
+    def model_info(self) -> dict[str, Any]:
+        """SGLang's ``/model_info`` fields plus the admin state; read without a
+        scheduler round trip so it answers even during a long update."""
+        worker = self.worker
+        cfg = worker.config
+        ranks = self.stage.describe("model_info", _rank_info)
+        return {
+            "model_path": worker.model_path,
+            "tokenizer_path": worker.tokenizer_path,
+            "is_generation": True,
+            "preferred_sampling_params": None,
+            "weight_version": worker.weight_version,
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": cfg.raw.get("model_type", cfg.architecture),
+            "architectures": [cfg.hf_architecture],
+            "served_model_name": worker.served_model_name,
+            "load_format": worker.load_format,
+            "tp_size": self.stage.tp_size,
+            "dtype": worker.dtype_name,
+            "device": str(worker.device),
+            "context_length": worker.context_len,
+            "is_paused": self.scheduler.is_paused,
+            "pause_mode": self.scheduler.pause_mode,
+            "weights_partial": any(r.worker.weights_partial for r in self.stage.ranks),
+            "weights_released": worker.weights_released,
+            "token_step": worker.token_step,
+            "supports_weight_update": True,
+            "supports_weight_checker": True,
+            "rank_results": ranks.rank_results,
+        }
+
+
+def _rank_info(s: Scheduler) -> OpResult:
+    w = s.worker
+    return OpResult(
+        True,
+        "",
+        {
+            "model_path": w.model_path,
+            "weight_version": w.weight_version,
+            "is_paused": s.is_paused,
+            "pause_mode": s.pause_mode,
+            "weights_partial": w.weights_partial,
+            "weights_released": w.weights_released,
+            "device": str(w.device),
+            "dtype": w.dtype_name,
+            "alive": s.alive,
+        },
+    )
+
+
+def _left(deadline: float) -> float:
+    return max(0.001, deadline - time.monotonic())

@@ -1,0 +1,165 @@
+"""Admin operations, each a plain function run on a rank's scheduler thread.
+
+Every function takes the rank's :class:`Scheduler` and a validated wire
+message, and returns an :class:`OpResult`. They run between forward steps, so
+they see a consistent set of requests and never race a forward pass.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from router.protocol.admin import (
+    AbortRequest,
+    ContinueRequest,
+    MemoryOccupationRequest,
+    PauseRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+    WeightsCheckerRequest,
+)
+from worker.engine.checker import CheckerError, compare_ok
+from worker.engine.model_worker import MEMORY_TAGS, StagedCheckpoint, WeightUpdateError
+from worker.engine.scheduler import Scheduler
+
+
+@dataclass
+class OpResult:
+    """One rank's outcome; ``data`` holds action-specific fields."""
+
+    success: bool
+    message: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def _active_message(count: int, what: str) -> str:
+    return (
+        f"cannot {what}: {count} active request(s) hold KV cache computed with the current weights; "
+        "pause with mode=retract or abort them first (or pass abort_all_requests=true)"
+    )
+
+
+def pause(s: Scheduler, req: PauseRequest) -> OpResult:
+    info = s.pause(req.mode)
+    return OpResult(True, "Generation paused successfully.", {"pause_mode": req.mode, **info})
+
+
+def continue_generation(s: Scheduler, req: ContinueRequest) -> OpResult:
+    was_paused = s.is_paused
+    s.continue_generation(empty_cache=req.torch_empty_cache)
+    return OpResult(True, "Generation continued successfully.", {"was_paused": was_paused})
+
+
+def abort_request(s: Scheduler, req: AbortRequest) -> OpResult:
+    """Prefix-match abort. An empty ``rid`` without ``abort_all`` aborts nothing:
+    SGLang's tokenizer also returns early for a rid it does not know, and a
+    prefix of ``""`` would otherwise match every request."""
+    message = req.abort_message or "Aborted by /abort_request"
+    rids = req.rid if isinstance(req.rid, list) else [req.rid]
+    aborted: list[str] = []
+    if req.abort_all:
+        aborted = s.abort_all(message)
+    else:
+        for rid in rids:
+            aborted += s.abort_matching(rid, message=message)
+    return OpResult(True, f"aborted {len(aborted)} request(s)", {"num_aborted": len(aborted), "aborted_rids": aborted})
+
+
+def flush_cache(s: Scheduler, _req: Any = None) -> OpResult:
+    ok, message = s.flush_cache()
+    return OpResult(ok, message)
+
+
+def update_weight_version(s: Scheduler, req: UpdateWeightVersionRequest) -> OpResult:
+    """Set the label, then (by default, as SGLang) abort every request. The
+    aborted responses are built after the change, so they carry the new label,
+    which is what SGLang's asynchronous abort shows in practice."""
+    s.worker.weight_version = req.new_version
+    aborted = s.abort_all("Aborted: weight version updated") if req.abort_all_requests else []
+    return OpResult(
+        True, f"Weight version updated to {req.new_version}", {"new_version": req.new_version, "num_aborted": len(aborted)}
+    )
+
+
+def check_update_allowed(s: Scheduler, abort_all_requests: bool) -> OpResult:
+    """Cheap pre-check before a checkpoint is read: refuse at once when it would be refused anyway."""
+    if s.worker.weights_released:
+        return OpResult(False, "weights are released; call /resume_memory_occupation before updating them")
+    if s.active_request_count and not abort_all_requests:
+        return OpResult(False, _active_message(s.active_request_count, "update weights"))
+    return OpResult(True, "ok")
+
+
+def update_weights_from_disk(s: Scheduler, req: UpdateWeightsFromDiskRequest, staged: StagedCheckpoint) -> OpResult:
+    """Swap in a staged checkpoint.
+
+    Pause after the update: generation that the caller paused before stays
+    paused (lift it with ``/continue_generation``); otherwise ``keep_pause=true``
+    leaves it paused in ``in_place`` mode (nothing is active after an update, so
+    that only holds back queued requests), and by default it runs on.
+    ``num_paused_requests`` counts the requests waiting (queued or retracted)
+    while the weights changed; they continue on the new weights.
+    """
+    allowed = check_update_allowed(s, req.abort_all_requests)
+    if not allowed.success:
+        return OpResult(False, allowed.message, {"num_paused_requests": s.num_waiting})
+    aborted = s.abort_all("Aborted: weights updated from disk") if req.abort_all_requests else []
+    waiting = s.num_waiting
+    try:
+        s.worker.apply_staged(staged)
+    except WeightUpdateError as exc:
+        return OpResult(False, f"Failed to update weights: {exc}", {"num_paused_requests": waiting, "num_aborted": len(aborted)})
+    worker = s.worker
+    worker.token_step = req.token_step
+    if req.weight_version is not None:
+        worker.weight_version = req.weight_version
+    message = "Succeeded to update model weights."
+    if req.flush_cache:
+        ok, reason = s.flush_cache()
+        if not ok:  # cannot happen (nothing is active here); reported rather than asserted
+            message += f" Cache flush failed: {reason}"
+    if req.torch_empty_cache:
+        worker.empty_device_cache()
+    if not s.is_paused and req.keep_pause:
+        s.pause("in_place")
+    return OpResult(
+        True,
+        message,
+        {
+            "num_paused_requests": waiting,
+            "num_aborted": len(aborted),
+            "weight_version": worker.weight_version,
+            "model_path": worker.model_path,
+            "is_paused": s.is_paused,
+        },
+    )
+
+
+def weights_checker(s: Scheduler, req: WeightsCheckerRequest) -> OpResult:
+    try:
+        summary = s.worker.run_checker(req.action, req.skip_tensor_list or ())
+    except (CheckerError, WeightUpdateError) as exc:
+        return OpResult(False, str(exc), {"action": req.action})
+    if req.action == "compare" and not compare_ok(summary):
+        n = len(summary["changed"]) + len(summary["missing"]) + len(summary["unexpected"])
+        return OpResult(False, f"check tensor equality failed: {n} tensor(s) differ from the snapshot", summary)
+    return OpResult(True, f"{req.action} done over {summary['tensor_count']} tensors", summary)
+
+
+def _tags(req: MemoryOccupationRequest) -> list[str]:
+    return list(req.tags) if req.tags else list(MEMORY_TAGS)
+
+
+def release_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult:
+    """Refused while requests are active. Queued requests stay queued: generation
+    does not step while any memory is released (they run after resume)."""
+    if s.active_request_count:
+        return OpResult(False, _active_message(s.active_request_count, "release memory").replace(" (or pass abort_all_requests=true)", ""))
+    released = s.worker.release_memory(_tags(req))
+    return OpResult(True, f"released {', '.join(released) or 'nothing (already released)'}", {"released": released})
+
+
+def resume_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult:
+    resumed = s.worker.resume_memory(_tags(req))
+    return OpResult(True, f"resumed {', '.join(resumed) or 'nothing (not released)'}", {"resumed": resumed})

@@ -1,0 +1,250 @@
+"""ModelWorker: the model, its tokenizer and the state of its weights.
+
+Everything that changes weights runs on the scheduler thread (between forward
+steps); the only method safe on other threads is :meth:`ModelWorker.stage_checkpoint`,
+which reads a checkpoint into host memory and validates it without touching
+the model, so a disk update's I/O does not stall inference.
+
+Disk updates are all-or-nothing: a checkpoint is read and validated completely
+(names, shapes, dtypes, architecture) before any parameter is modified, and the
+copy itself runs against a host snapshot taken just before it, so even a
+failure half-way through the copy restores the previous weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import torch
+
+from worker.engine.checker import WeightsChecker
+from worker.model import (
+    CausalLM,
+    ModelConfig,
+    ModelConfigError,
+    WeightLoadError,
+    checkpoint_files,
+    load_model,
+    load_tokenizer,
+    read_checkpoint,
+)
+
+log = logging.getLogger(__name__)
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SUPPORTED_LOAD_FORMATS = (None, "auto", "safetensors")
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+# Config fields that decide tensor shapes or the math; a checkpoint that
+# differs in any of them cannot be hot-loaded into the running model.
+_COMPAT_FIELDS = (
+    "architecture",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+    "qkv_bias",
+    "o_bias",
+    "rope_theta",
+    "rms_norm_eps",
+)
+
+
+class WeightUpdateError(ValueError):
+    """A weight update that was refused or failed; the previous weights are in place."""
+
+
+@dataclass
+class StagedCheckpoint:
+    """A checkpoint read into host memory and validated against the model."""
+
+    path: str
+    load_format: Optional[str]
+    tensors: list[tuple[str, torch.Tensor]]
+
+
+class ModelWorker:
+    """Owns the model, tokenizer and weight bookkeeping of one rank."""
+
+    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", served_model_name: Optional[str] = None):
+        if dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
+        self.device = torch.device(device)
+        self.dtype = DTYPES[dtype]
+        self.dtype_name = dtype
+        path = str(Path(model_path))
+        self.model: CausalLM = load_model(path, dtype=self.dtype, device=self.device)
+        self.config: ModelConfig = self.model.config
+        self.tokenizer = load_tokenizer(path)
+        self.model_path = path
+        self.tokenizer_path = path
+        self.served_model_name = served_model_name or path
+        self.load_format: Optional[str] = None
+        self.weight_version = "default"
+        self.token_step = 0
+        # True when a failed update could not restore the previous weights
+        # (or a transfer left them half-written): the worker must not serve.
+        self.weights_partial = False
+        self.checker = WeightsChecker()
+        self._released: set[str] = set()
+        self._host_weights: Optional[dict[str, torch.Tensor]] = None
+
+    # -- facts ----------------------------------------------------------------------
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset(self.config.eos_token_ids)
+
+    @property
+    def context_len(self) -> int:
+        return self.config.max_position_embeddings
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    @property
+    def released_tags(self) -> frozenset[str]:
+        return frozenset(self._released)
+
+    @property
+    def weights_released(self) -> bool:
+        return "weights" in self._released
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text)
+
+    def memory_usage(self) -> dict[str, float]:
+        gib = float(1 << 30)
+        weights = 0 if self.weights_released else self.model.parameter_nbytes()
+        return {"weight": weights / gib}
+
+    # -- disk updates -----------------------------------------------------------------
+    def stage_checkpoint(self, model_path: str, load_format: Optional[str] = None) -> StagedCheckpoint:
+        """Read and validate a checkpoint without touching the model (any thread).
+
+        Raises :class:`WeightUpdateError` with a caller-facing message.
+        """
+        if load_format not in SUPPORTED_LOAD_FORMATS:
+            raise WeightUpdateError(f"load_format {load_format!r} is not supported; use one of auto, safetensors or null")
+        root = Path(model_path)
+        if not root.is_dir():
+            raise WeightUpdateError(f"model_path {model_path!r} is not an existing directory")
+        if not (root / "config.json").is_file():
+            raise WeightUpdateError(f"model_path {model_path!r} has no config.json")
+        try:
+            checkpoint_files(root)
+            new_config = ModelConfig.from_dir(root)
+        except (WeightLoadError, ModelConfigError) as exc:
+            raise WeightUpdateError(str(exc)) from None
+        mismatched = [f for f in _COMPAT_FIELDS if getattr(new_config, f) != getattr(self.config, f)]
+        if mismatched:
+            detail = ", ".join(f"{f}: {getattr(new_config, f)!r} != {getattr(self.config, f)!r}" for f in mismatched)
+            raise WeightUpdateError(f"checkpoint at {model_path!r} does not match the served model ({detail})")
+        try:
+            tensors = list(read_checkpoint(root, self.dtype))
+            self.model.validate_weights(tensors, require_complete=True)
+        except WeightLoadError as exc:
+            raise WeightUpdateError(str(exc)) from None
+        except (OSError, RuntimeError, ValueError) as exc:
+            raise WeightUpdateError(f"cannot read checkpoint at {model_path!r}: {exc}") from None
+        return StagedCheckpoint(path=str(root), load_format=load_format, tensors=tensors)
+
+    def apply_staged(self, staged: StagedCheckpoint) -> int:
+        """Copy a staged checkpoint into the model (scheduler thread only).
+
+        On any failure the previous weights are restored from a host snapshot
+        and :class:`WeightUpdateError` is raised; if even that fails,
+        ``weights_partial`` is set.
+        """
+        if self.weights_released:
+            raise WeightUpdateError("weights are released; call /resume_memory_occupation before updating them")
+        snapshot = self._host_snapshot()
+        try:
+            count = self.model.load_weights(staged.tensors, require_complete=True)
+            self.synchronize()
+        except Exception as exc:  # noqa: BLE001 - any failure mid-copy must roll back
+            self._restore(snapshot)
+            if isinstance(exc, WeightLoadError):
+                raise WeightUpdateError(str(exc)) from None
+            raise WeightUpdateError(f"loading weights failed, previous weights restored: {type(exc).__name__}: {exc}") from None
+        self.model_path = staged.path
+        self.load_format = staged.load_format
+        self.weights_partial = False
+        return count
+
+    def _host_snapshot(self) -> dict[str, torch.Tensor]:
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+
+    def _restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+        try:
+            with torch.no_grad():
+                for name, param in self.model.named_parameters():
+                    param.data.copy_(snapshot[name])
+            self.synchronize()
+        except Exception:  # noqa: BLE001
+            log.exception("restoring weights after a failed update failed; weights are partial")
+            self.weights_partial = True
+            raise
+
+    # -- memory occupation --------------------------------------------------------------
+    def release_memory(self, tags: Iterable[str]) -> list[str]:
+        """Move released weights to a host copy and free their device storage."""
+        done = []
+        for tag in tags:
+            if tag in self._released or tag == "cuda_graph":
+                continue
+            if tag == "weights":
+                host: dict[str, torch.Tensor] = {}
+                with torch.no_grad():
+                    for name, param in self.model.named_parameters():
+                        # On a CPU device the parameter storage already is host memory.
+                        host[name] = param.data if param.device.type == "cpu" else param.data.to("cpu")
+                        param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+                self._host_weights = host
+            self._released.add(tag)
+            done.append(tag)
+        self.empty_device_cache()
+        return done
+
+    def resume_memory(self, tags: Iterable[str]) -> list[str]:
+        """Restore released weights from the host copy, bit for bit."""
+        done = []
+        for tag in tags:
+            if tag not in self._released:
+                continue
+            if tag == "weights":
+                host = self._host_weights or {}
+                with torch.no_grad():
+                    for name, param in self.model.named_parameters():
+                        saved = host[name]
+                        param.data = saved if self.device.type == "cpu" else saved.to(self.device)
+                self._host_weights = None
+                self.synchronize()
+            self._released.discard(tag)
+            done.append(tag)
+        return done
+
+    # -- checker ------------------------------------------------------------------------
+    def run_checker(self, action: str, skip: Iterable[str] = ()) -> dict[str, Any]:
+        if self.weights_released:
+            raise WeightUpdateError("weights are released; call /resume_memory_occupation first")
+        return self.checker.run(action, self.model.iter_checkpoint_tensors(), skip)
+
+    # -- device helpers -----------------------------------------------------------------
+    def synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def empty_device_cache(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()

@@ -1,0 +1,158 @@
+"""Per-request state, and the channel that carries its output to the event loop.
+
+A :class:`Request` is owned by the scheduler thread from submission to finish.
+The HTTP side only sees :class:`RequestEvent` objects arriving on the request's
+:class:`OutputChannel`: token deltas while streaming, then one final event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from worker.model import KVCache
+
+
+class ReqState(enum.Enum):
+    WAITING = "waiting"  # no KV: not admitted yet, or retracted
+    RUNNING = "running"  # holds KV computed with the current weights
+    FINISHED = "finished"
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """Sampling and stopping parameters of one request, resolved and validated."""
+
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop_strings: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    no_stop_trim: bool = False
+    seed: Optional[int] = None
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+
+@dataclass
+class RequestEvent:
+    """Output delivered to the event loop: new tokens since the last event, and
+    ``finish_reason`` on the final event."""
+
+    new_ids: list[int]
+    new_logprobs: list[float]
+    new_top_logprobs: list[list[tuple[float, int]]]
+    finish_reason: Optional[dict[str, Any]]
+    retractions: int
+
+
+class OutputChannel:
+    """Thread-safe hand-off of :class:`RequestEvent` objects to one asyncio queue.
+
+    ``wakeup`` (optional, shared by the prompts of one HTTP call) is set on
+    every delivery so one waiter can follow many requests.
+    """
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, wakeup: Optional[asyncio.Event] = None):
+        self._loop = loop
+        self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.wakeup = wakeup
+
+    def post(self, event: RequestEvent) -> None:
+        try:
+            self._loop.call_soon_threadsafe(self._deliver, event)
+        except RuntimeError:
+            # The event loop is closed (shutdown): nobody is waiting any more.
+            pass
+
+    def _deliver(self, event: RequestEvent) -> None:
+        self.queue.put_nowait(event)
+        if self.wakeup is not None:
+            self.wakeup.set()
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt's generation, as the scheduler sees it."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: GenerationParams
+    channel: Optional[OutputChannel] = None
+    stream: bool = False
+    output_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[float] = field(default_factory=list)
+    output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    state: ReqState = ReqState.WAITING
+    kv: Optional[KVCache] = None
+    finish_reason: Optional[dict[str, Any]] = None
+    retractions: int = 0
+    generator: Optional[torch.Generator] = None
+    created_at: float = field(default_factory=time.monotonic)
+    _sent: int = 0  # output tokens already delivered to the channel
+
+    @property
+    def total_len(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def pending_tokens(self) -> list[int]:
+        """Tokens not yet in the KV cache: the whole prompt on prefill, the
+        last sampled token on decode, prompt + output after a retraction."""
+        done = self.kv.length if self.kv is not None else 0
+        prompt_len = len(self.prompt_ids)
+        if done < prompt_len:
+            return self.prompt_ids[done:] + self.output_ids
+        return self.output_ids[done - prompt_len :]
+
+    def drop_kv(self) -> None:
+        self.kv = None
+
+    def append(self, token: int, logprob: Optional[float], top: Optional[list[tuple[float, int]]]) -> None:
+        self.output_ids.append(token)
+        if self.params.return_logprob:
+            self.output_logprobs.append(float(logprob) if logprob is not None else 0.0)
+            if self.params.top_logprobs_num:
+                self.output_top_logprobs.append(top or [])
+
+    def emit(self, final: bool) -> None:
+        """Send what the caller has not seen yet (streaming: every step; otherwise only at the end)."""
+        if self.channel is None or (not final and not self.stream):
+            return
+        start = self._sent
+        if not final and start == len(self.output_ids):
+            return
+        self._sent = len(self.output_ids)
+        self.channel.post(
+            RequestEvent(
+                new_ids=self.output_ids[start:],
+                new_logprobs=self.output_logprobs[start:] if self.params.return_logprob else [],
+                new_top_logprobs=self.output_top_logprobs[start:] if self.params.top_logprobs_num else [],
+                finish_reason=self.finish_reason if final else None,
+                retractions=self.retractions,
+            )
+        )
+
+
+def abort_reason(message: str = "Aborted") -> dict[str, Any]:
+    return {"type": "abort", "message": message}
+
+
+def length_reason(length: int) -> dict[str, Any]:
+    return {"type": "length", "length": length}
+
+
+def stop_reason(matched: int | str) -> dict[str, Any]:
+    return {"type": "stop", "matched": matched}

@@ -1,0 +1,1 @@
+"""The worker's aiohttp application: one route table over the Coordinator."""

@@ -1,0 +1,93 @@
+"""The worker's aiohttp application factory.
+
+``create_app(config)`` loads the model (blocking, before serving), builds the
+ModelWorker → Scheduler → Stage → Coordinator pipeline and one route table:
+health, generation, admin, plus the weight-sync routes when the
+``worker.http.weight_sync_routes`` module exists (it exports ``ROUTES``, a list
+of ``web.RouteDef``, or ``routes(app) -> list[web.RouteDef]``). The scheduler
+thread starts and stops with the app (``cleanup_ctx``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from router.web.auth import auth_middleware, resolve_admin_key
+from router.web.errors import error_middleware
+from router.web.parsing import MAX_BODY_BYTES
+from worker.config import WorkerConfig
+from worker.coordinator import Coordinator
+from worker.engine.model_worker import ModelWorker
+from worker.engine.scheduler import Scheduler
+from worker.http import admin_routes, generate_routes, health_routes
+from worker.http.keys import CONFIG, COORDINATOR
+from worker.stage import Stage
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/health_generate")
+GENERATION_PATHS = ("/generate",)
+EXTENSION_MODULES = ("worker.http.weight_sync_routes",)
+
+
+def build_coordinator(config: WorkerConfig) -> Coordinator:
+    """Load the model and assemble the pipeline (threads not started yet)."""
+    worker = ModelWorker(config.model_path, device=config.device, dtype=config.dtype, served_model_name=config.served_model_name)
+    scheduler = Scheduler(worker, rank=0, max_running_requests=config.max_running_requests, step_delay_s=config.step_delay_s)
+    return Coordinator(Stage("llm", [scheduler]), health_check_timeout_s=config.health_check_timeout_s)
+
+
+def extension_routes(app: web.Application) -> list[web.RouteDef]:
+    """Routes contributed by optional modules (the weight-sync module of the transfer team)."""
+    routes: list[web.RouteDef] = []
+    for name in EXTENSION_MODULES:
+        try:
+            module = importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name == name:
+                continue
+            raise
+        table = getattr(module, "ROUTES", None)
+        routes.extend(table if table is not None else module.routes(app))
+    return routes
+
+
+async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
+    coord = app[COORDINATOR]
+    coord.stage.start()
+    yield
+    await asyncio.get_running_loop().run_in_executor(None, coord.stage.stop)
+
+
+async def _abort_on_shutdown(app: web.Application) -> None:
+    """Answer every in-flight generation before the server waits for handlers."""
+    coord = app[COORDINATOR]
+    if coord.alive:
+        try:
+            await coord.abort(None, abort_all=True, message="Aborted: the worker is shutting down")
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            log.exception("aborting requests at shutdown failed")
+
+
+def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> web.Application:
+    """The worker app; pass ``coordinator`` to reuse an already loaded pipeline."""
+    coord = coordinator or build_coordinator(config)
+    admin_key = resolve_admin_key(config.admin_api_key)
+    app = web.Application(
+        client_max_size=MAX_BODY_BYTES,
+        middlewares=[
+            error_middleware,
+            auth_middleware(admin_key=admin_key, api_key=config.api_key, open_paths=OPEN_PATHS, generation_paths=GENERATION_PATHS),
+        ],
+    )
+    app[CONFIG] = config
+    app[COORDINATOR] = coord
+    app.add_routes([*health_routes.ROUTES, *generate_routes.ROUTES, *admin_routes.ROUTES, *extension_routes(app)])
+    app.cleanup_ctx.append(_engine_ctx)
+    app.on_shutdown.append(_abort_on_shutdown)
+    return app

@@ -1,0 +1,179 @@
+"""``POST|PUT /generate`` (SGLang ``GenerateReqInput`` semantics).
+
+One prompt returns one ``{"text", "output_ids", "meta_info"}`` object, a batch a
+list of them; with ``stream=true`` the cumulative object of each prompt is sent
+as SSE chunks (``index`` added for a batch). Requests aborted by a pause or
+``/abort_request`` return 200 with ``finish_reason.type == "abort"`` and their
+partial output. A caller that disconnects gets its requests aborted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import AsyncIterator, Optional
+
+from aiohttp import web
+
+from router.protocol.errors import error_body
+from router.protocol.generate import GenerateRequest, SamplingParams
+from router.web.errors import ApiError
+from router.web.parsing import parse_body
+from worker.coordinator import Coordinator
+from worker.engine.model_worker import ModelWorker
+from worker.engine.request import GenerationParams
+from worker.generation import GenerationHandle
+from worker.http.keys import COORDINATOR
+from worker.http.streaming import client_gone, open_sse, send_done, send_event
+
+POLL_S = 0.5
+
+
+class ClientGone(Exception):
+    """The caller closed the connection."""
+
+
+def generation_params(sp: SamplingParams, return_logprob: bool, top_logprobs_num: Optional[int]) -> GenerationParams:
+    return GenerationParams(
+        max_new_tokens=sp.max_new_tokens,
+        min_new_tokens=sp.min_new_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p,
+        top_k=sp.top_k,
+        min_p=sp.min_p,
+        stop_strings=tuple(sp.stop_strings()),
+        stop_token_ids=frozenset(sp.stop_token_ids or ()),
+        ignore_eos=sp.ignore_eos,
+        no_stop_trim=sp.no_stop_trim,
+        seed=sp.effective_seed,
+        return_logprob=return_logprob,
+        top_logprobs_num=(top_logprobs_num or 0) if return_logprob else 0,
+    )
+
+
+def prompts_of(body: GenerateRequest, worker: ModelWorker) -> list[list[int]]:
+    """Token ids of every prompt, validated against the vocabulary."""
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        prompts = [worker.encode(t) for t in texts]
+    else:
+        prompts = body.input_ids if body.is_batch else [body.input_ids]  # type: ignore[list-item]
+    vocab = worker.vocab_size
+    for i, ids in enumerate(prompts):
+        where = f"prompt {i}" if body.is_batch else "the prompt"
+        if not ids:
+            raise ApiError(400, f"{where} is empty")
+        bad = next((t for t in ids if t < 0 or t >= vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"{where} has token id {bad} outside the vocabulary [0, {vocab})")
+    return prompts  # type: ignore[return-value]
+
+
+def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
+    """SGLang's two context checks, with its messages."""
+    if prompt_len >= context_len:
+        raise ApiError(400, f"The input ({prompt_len} tokens) is longer than the model's context length ({context_len} tokens).")
+    if prompt_len + max_new_tokens >= context_len:
+        raise ApiError(
+            400,
+            f"Requested token count exceeds the model's maximum context length of {context_len} tokens. "
+            f"You requested a total of {prompt_len + max_new_tokens} tokens: {prompt_len} tokens from the input messages "
+            f"and {max_new_tokens} tokens for the completion. Please reduce the number of tokens in the input messages "
+            "or the completion to fit within the limit.",
+        )
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    coord = request.app[COORDINATOR]
+    body = await parse_body(request, GenerateRequest)
+    worker = coord.worker
+    prompts = prompts_of(body, worker)
+    items = []
+    for i, ids in enumerate(prompts):
+        sp = body.item_sampling_params(i)
+        check_lengths(len(ids), sp.max_new_tokens, worker.context_len)
+        rid = body.item_rid(i)
+        if rid is not None and coord.rid_in_flight(rid):
+            raise ApiError(400, f"a request with rid {rid!r} is already in flight")
+        items.append((ids, generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num), rid))
+    if not coord.alive:
+        raise ApiError(503, "the scheduler thread is not running")
+
+    wakeup = asyncio.Event()
+    handles: list[GenerationHandle] = []
+    try:
+        for ids, params, rid in items:
+            handles.append(
+                coord.submit(ids, params, rid=rid, stream=body.stream, return_text_in_logprobs=body.return_text_in_logprobs, wakeup=wakeup)
+            )
+        if body.stream:
+            return await _stream(request, coord, handles, body.is_batch, wakeup)
+        return await _collect(request, coord, handles, body.is_batch, wakeup)
+    finally:
+        for handle in handles:
+            coord.release(handle)
+
+
+async def _updates(
+    request: web.Request, coord: Coordinator, handles: list[GenerationHandle], wakeup: asyncio.Event
+) -> AsyncIterator[list[GenerationHandle]]:
+    """Yield the handles that received output, until all have finished.
+
+    Waits are bounded: every ``POLL_S`` it checks that the caller is still
+    connected and the scheduler thread still alive.
+    """
+    while True:
+        changed = [h for h in handles if h.drain()]
+        if changed:
+            yield changed
+        if all(h.finished for h in handles):
+            return
+        try:
+            await asyncio.wait_for(wakeup.wait(), POLL_S)
+        except asyncio.TimeoutError:
+            pass
+        wakeup.clear()
+        if client_gone(request):
+            raise ClientGone()
+        if not coord.alive:
+            raise ApiError(503, "the scheduler thread stopped while the request was running")
+
+
+async def _collect(
+    request: web.Request, coord: Coordinator, handles: list[GenerationHandle], is_batch: bool, wakeup: asyncio.Event
+) -> web.StreamResponse:
+    try:
+        async for _ in _updates(request, coord, handles, wakeup):
+            pass
+    except ClientGone:
+        return web.Response(status=499)
+    worker = coord.worker
+    outs = [h.build(worker.decode, worker.weight_version) for h in handles]
+    return web.json_response(outs if is_batch else outs[0])
+
+
+async def _stream(
+    request: web.Request, coord: Coordinator, handles: list[GenerationHandle], is_batch: bool, wakeup: asyncio.Event
+) -> web.StreamResponse:
+    resp = await open_sse(request)
+    index = {id(h): i for i, h in enumerate(handles)}
+    worker = coord.worker
+    try:
+        async for changed in _updates(request, coord, handles, wakeup):
+            for h in changed:
+                await send_event(resp, h.build(worker.decode, worker.weight_version, index[id(h)] if is_batch else None))
+        await send_done(resp)
+    except (ClientGone, ConnectionResetError):
+        pass  # the handles are aborted by the caller's finally
+    except ApiError as exc:
+        try:
+            await send_event(resp, error_body(exc.message))
+            await send_done(resp)
+        except ConnectionResetError:
+            pass
+    return resp
+
+
+ROUTES = [
+    web.post("/generate", generate),
+    web.put("/generate", generate),
+]
