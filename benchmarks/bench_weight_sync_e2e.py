@@ -1,0 +1,129 @@
+"""End-to-end part of ``bench_weight_sync``: one real ``omni-worker`` process over HTTP.
+
+Times, per sync (median of a few): pause → prepare → broadcast → complete →
+continue (the downtime window, "pause→resume") next to its pure broadcast
+time, for the two-phase flattened path and for SGLang's single-phase
+per-tensor sequence (slime: pause, flush, per bucket HTTP call + broadcast,
+continue). The model is a generated checkpoint of about 80 MB.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from worker.model import read_checkpoint, write_tiny_checkpoint
+from worker.transfer.sender import BucketPlan, TrainerWeightSender
+
+SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8, "head_dim": 128}
+BUCKET_BYTES = 16 << 20
+REPEATS = 3
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def post(url: str, body: Any = None, method: str = "POST") -> dict[str, Any]:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as resp:
+            return json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as err:
+        return json.loads(err.read() or b"null")
+
+
+def start_worker(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = _port()
+    exe = Path(sys.executable).with_name("omni-worker")
+    log = open(tempfile.mktemp(prefix="bench-worker-", suffix=".log"), "wb")
+    proc = subprocess.Popen([str(exe), "--model-path", str(model_dir), "--port", str(port)], stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2):
+                return proc, url
+        except OSError:
+            time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    raise RuntimeError(f"omni-worker did not start; see {log.name}")
+
+
+def timed(fn: Callable[[], float]) -> tuple[float, float]:
+    """Median (window, broadcast) seconds over REPEATS runs after one warm-up."""
+    fn()
+    runs = []
+    for _ in range(REPEATS):
+        start = time.perf_counter()
+        transfer = fn()
+        runs.append((time.perf_counter() - start, transfer))
+    return statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+
+
+def e2e_section() -> None:
+    root = Path(tempfile.mkdtemp(prefix="bench-weight-sync-"))
+    served = write_tiny_checkpoint(root / "served", "llama", 1, **SHAPE)
+    pushed = write_tiny_checkpoint(root / "pushed", "llama", 2, **SHAPE)
+    tensors = dict(read_checkpoint(pushed, torch.float32))
+    plan = BucketPlan.from_named_tensors(tensors, BUCKET_BYTES)
+    proc, url = start_worker(served)
+    sender = TrainerWeightSender(master_port=_port(), world_size=2, timeout_s=120)
+    try:
+        answer = sender.connect(lambda: post(url + "/init_weights_update_group", sender.init_body(1)))
+        assert answer.get("success"), answer
+
+        def two_phase() -> float:
+            post(url + "/pause_generation", {"mode": "retract"})
+            ready = post(url + "/prepare_weights_update", plan.prepare_body(sender.group_name, load_format="flattened_bucket"))
+            assert ready.get("status") == "ready", ready
+            transfer = sender.send(plan, tensors, load_format="flattened_bucket").elapsed_s
+            done = post(url + "/complete_weights_update", {"group_name": sender.group_name})
+            assert done.get("success"), done
+            post(url + "/continue_generation", {})
+            return transfer
+
+        def single_phase() -> float:
+            post(url + "/pause_generation", {})
+            post(url + "/flush_cache", method="GET")
+            transfer = 0.0
+            for layout in plan.buckets:
+                body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes,
+                        "group_name": sender.group_name, "flush_cache": False}
+                box: dict[str, Any] = {}
+                call = threading.Thread(target=lambda: box.update(r=post(url + "/update_weights_from_distributed", body)))
+                call.start()
+                transfer += sender.send(BucketPlan((layout,), BUCKET_BYTES), tensors).elapsed_s
+                call.join(300)
+                assert box.get("r", {}).get("success"), box
+            post(url + "/continue_generation", {})
+            return transfer
+
+        rows = [("two-phase flattened", *timed(two_phase)), ("single-phase per-tensor (SGLang)", *timed(single_phase))]
+        post(url + "/destroy_weights_update_group", {"group_name": sender.group_name})
+    finally:
+        sender.close()
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(30)
+    print(f"\n== end to end through one omni-worker: {plan.total_bytes / 2**20:.0f} MiB, {plan.num_tensors} tensors, "
+          f"{len(plan.buckets)} buckets ==")
+    print(f"{'path':36s} {'pause->resume s':>16s} {'broadcast s':>12s} {'window/broadcast':>17s}")
+    for name, window, transfer in rows:
+        print(f"{name:36s} {window:16.3f} {transfer:12.3f} {window / transfer:16.2f}x")

@@ -1,0 +1,86 @@
+"""Shared pieces of the weight-sync HTTP tests: checkpoints, workers, a trainer run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+
+from tests.procs import ManagedProcess, free_port, http_json, start_worker
+
+NUM_BUCKETS = 73
+#: 8 layers → 75 checkpoint tensors, enough for the 73 buckets of the specification's case.
+LAYERS = 8
+TRAINER_EXIT_S = 150  # a hang guard only
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Three tiny checkpoints of one architecture with different weights."""
+    from worker.model import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpts")
+    return {name: str(write_tiny_checkpoint(root / name, "llama", seed, num_hidden_layers=LAYERS))
+            for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+@pytest.fixture(scope="module")
+def workers(ckpts: dict[str, str]) -> Iterator[list[str]]:
+    """Two omni-worker processes serving checkpoint ``a``."""
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(start_worker(ckpts["a"]))
+        yield [url for _, url in procs]
+    finally:
+        for proc, _ in procs:
+            proc.stop()
+
+
+def run_trainer(tmp: Path, workers: list[str], *, wait: bool = True, **cfg: Any) -> tuple[dict, ManagedProcess]:
+    out = tmp / f"trainer-{free_port()}.json"
+    full = {"workers": workers, "port": free_port(), "group": "weight_update_group", "timeout_s": 30,
+            "num_buckets": NUM_BUCKETS, "out": str(out), **cfg}
+    proc = ManagedProcess("trainer", [sys.executable, "-m", "tests._weight_sync_trainer", json.dumps(full)]).start()
+    if wait:
+        try:
+            proc.proc.wait(timeout=TRAINER_EXIT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"the trainer hung:\n{proc.log_text()}")
+    report = json.loads(out.read_text()) if out.exists() else {}
+    assert "crash" not in report, report["crash"]
+    return report, proc
+
+
+def steps(report: dict, name: str) -> list[dict]:
+    return [s for s in report.get("steps", []) if s["step"] == name]
+
+
+def checksum(url: str) -> str:
+    status, body = http_json("POST", url + "/weights_checker", {"action": "checksum"})
+    assert status == 200, body
+    return body["per_gpu_checksum"]
+
+
+def model_info(url: str) -> dict:
+    status, body = http_json("GET", url + "/model_info")
+    assert status == 200, body
+    return body
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [72, 101, 108, 108, 111], [200, 17, 3]]
+
+
+def greedy(url: str, prompt: list[int], n: int = 12) -> list[int]:
+    status, body = http_json(
+        "POST", url + "/generate",
+        {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}},
+        timeout=60,
+    )
+    assert status == 200, body
+    return body["output_ids"]
