@@ -1,0 +1,233 @@
+"""Router benchmark: admin broadcast latency to N workers, and /generate proxy overhead.
+
+    .venv/bin/python -m benchmarks.bench_router            # default run, < 2 min on 2 cores
+    .venv/bin/python -m benchmarks.bench_router --workers 1 16 64 256 --iters 300
+
+The router is the real ``omni-router`` process. The workers are STAND-INS:
+one lightweight process serving the worker contract's routes (``/health``,
+``/model_info``, the admin routes, a fixed-reply ``/generate``) on N ports.
+They do no model work, so the figures isolate the router's own cost. Stand-ins
+are used only here; tests use real ``omni-worker`` processes.
+
+Printed figures (no pass/fail; targets: p99 broadcast to 256 workers <= 50 ms,
+p50 added proxy latency <= 1 ms):
+- broadcast: client-observed latency of ``POST /flush_cache`` (plain fan-out)
+  and ``POST /pause_generation`` (locked, fenced, journaled) per N;
+- proxy: p50/p99 of ``/generate`` direct to a stand-in vs through the router,
+  the added latency, and throughput at a fixed concurrency both ways.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+REPO = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+
+# ----------------------------------------------------------------------------- stand-in workers
+
+GENERATE_REPLY = json.dumps(
+    {"text": " world", "output_ids": [1, 2, 3], "meta_info": {"id": "r", "finish_reason": {"type": "length", "length": 3},
+     "prompt_tokens": 2, "completion_tokens": 3, "weight_version": "default"}}  # fmt: skip
+).encode()
+
+
+def standin_app() -> web.Application:
+    """A contract-speaking stand-in worker (benchmark only): fixed, instant answers."""
+    ok = json.dumps({"success": True, "message": "ok"}).encode()
+    info = json.dumps({"model_path": "standin", "weight_version": "default", "tp_size": 1}).encode()
+
+    async def reply_ok(_: web.Request) -> web.Response:
+        return web.Response(body=ok, content_type="application/json")
+
+    async def model_info(_: web.Request) -> web.Response:
+        return web.Response(body=info, content_type="application/json")
+
+    async def generate(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=GENERATE_REPLY, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_routes([
+        web.get("/health", reply_ok), web.get("/model_info", model_info), web.post("/generate", generate),
+        *(web.post(p, reply_ok) for p in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request")),
+    ])  # fmt: skip
+    return app
+
+
+async def serve_standins(ports: list[int]) -> None:
+    runner = web.AppRunner(standin_app(), access_log=None)
+    await runner.setup()
+    for port in ports:
+        await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
+    print("standins ready", flush=True)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await runner.cleanup()
+
+
+# ----------------------------------------------------------------------------- process helpers
+
+
+def free_ports(n: int) -> list[int]:
+    socks, ports = [], []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+        ports.append(s.getsockname()[1])
+    for s in socks:
+        s.close()
+    return ports
+
+
+def wait_http(url: str, timeout: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if r.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def start_router(urls: list[str], state_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_ports(1)[0]
+    argv = [str(BIN / "omni-router"), "--port", str(port), "--health-check-interval-s", "3600", "--log-level", "warning",
+            "--state-dir", state_dir, "--worker-urls", *urls]  # fmt: skip
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/readiness", timeout=60)
+    return proc, url
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+# ----------------------------------------------------------------------------- measurements
+
+
+def pct(samples: list[float], q: float) -> float:
+    s = sorted(samples)
+    return s[min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1))))]
+
+
+async def timed_posts(session: aiohttp.ClientSession, url: str, body: bytes, iters: int, warmup: int = 10) -> list[float]:
+    out: list[float] = []
+    for i in range(warmup + iters):
+        t = time.perf_counter()
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+            await r.read()
+            if r.status != 200:
+                raise RuntimeError(f"{url} -> {r.status}: {(await r.read())[:300]!r}")
+        if i >= warmup:
+            out.append((time.perf_counter() - t) * 1000.0)
+    return out
+
+
+async def throughput(session: aiohttp.ClientSession, url: str, seconds: float, concurrency: int) -> float:
+    done = 0
+    deadline = time.perf_counter() + seconds
+
+    async def loop() -> None:
+        nonlocal done
+        while time.perf_counter() < deadline:
+            async with session.post(url, data=b'{"text": "hi"}', headers={"Content-Type": "application/json"}) as r:
+                await r.read()
+            done += 1
+
+    start = time.perf_counter()
+    await asyncio.gather(*(loop() for _ in range(concurrency)))
+    return done / (time.perf_counter() - start)
+
+
+async def bench(args: argparse.Namespace) -> None:
+    n_max = max(args.workers)
+    ports = free_ports(n_max)
+    standins = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.bench_router", "--serve-standins", *map(str, ports)],
+        cwd=REPO, stdout=subprocess.PIPE, start_new_session=True,
+    )  # fmt: skip
+    assert standins.stdout is not None
+    standins.stdout.readline()  # "standins ready"
+    all_urls = [f"http://127.0.0.1:{p}" for p in ports]
+    print(f"# stand-in workers: {n_max} (one process); cpus: {os.cpu_count()}; python {sys.version.split()[0]}")
+    connector = aiohttp.TCPConnector(limit=256)
+    try:
+        async with aiohttp.ClientSession(connector=connector) as session:
+            print("\n## Admin broadcast latency (client-observed, ms)")
+            print(f"{'workers':>8} {'route':<20} {'p50':>8} {'p99':>8} {'mean':>8}")
+            for n in args.workers:
+                with tempfile.TemporaryDirectory() as state:
+                    router, rurl = start_router(all_urls[:n], state)
+                    try:
+                        for route, body in (("/flush_cache", b"{}"), ("/pause_generation", b'{"mode": "retract"}')):
+                            xs = await timed_posts(session, rurl + route, body, args.iters)
+                            print(f"{n:>8} {route:<20} {pct(xs, 50):>8.2f} {pct(xs, 99):>8.2f} {statistics.mean(xs):>8.2f}")
+                    finally:
+                        stop(router)
+
+            print("\n## /generate proxy overhead (sequential, ms)")
+            with tempfile.TemporaryDirectory() as state:
+                router, rurl = start_router(all_urls[:1], state)
+                try:
+                    body = b'{"text": "hello", "sampling_params": {"max_new_tokens": 3}}'
+                    direct = await timed_posts(session, all_urls[0] + "/generate", body, args.proxy_iters, warmup=50)
+                    routed = await timed_posts(session, rurl + "/generate", body, args.proxy_iters, warmup=50)
+                    d50, r50 = pct(direct, 50), pct(routed, 50)
+                    print(f"{'direct':<10} p50 {d50:.3f}  p99 {pct(direct, 99):.3f}")
+                    print(f"{'router':<10} p50 {r50:.3f}  p99 {pct(routed, 99):.3f}")
+                    print(f"added p50 {r50 - d50:.3f} ms   added p99 {pct(routed, 99) - pct(direct, 99):.3f} ms   ratio p50 {r50 / d50:.2f}x")
+                    print(f"\n## /generate throughput, concurrency {args.concurrency}, {args.seconds:g}s each (req/s)")
+                    t_direct = await throughput(session, all_urls[0] + "/generate", args.seconds, args.concurrency)
+                    t_router = await throughput(session, rurl + "/generate", args.seconds, args.concurrency)
+                    print(f"direct {t_direct:.0f}   router {t_router:.0f}   ratio {t_router / t_direct:.2f}")
+                finally:
+                    stop(router)
+    finally:
+        stop(standins)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workers", type=int, nargs="+", default=[1, 16, 64, 256])
+    p.add_argument("--iters", type=int, default=200)
+    p.add_argument("--proxy-iters", type=int, default=1000)
+    p.add_argument("--concurrency", type=int, default=16)
+    p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--serve-standins", type=int, nargs="+", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.serve_standins:
+        asyncio.run(serve_standins(args.serve_standins))
+    else:
+        asyncio.run(bench(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Asyncio client (aiohttp). ``sync_weights`` runs the blocking cycle in a thread,
+so torch work in the caller's ``broadcast`` never runs on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any, Callable, Sequence
+
+import aiohttp
+
+from router.client.calls import RouterCallError, RouterCalls
+from router.client.sync import RouterClient
+from router.client.weight_sync import SyncReport
+
+
+class AsyncRouterClient(RouterCalls):
+    """Like :class:`RouterClient`, but every call is awaited. Use as ``async with``."""
+
+    def __init__(self, url: str, *, admin_key: str | None = None, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.admin_key = admin_key
+        self.timeout_s = timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> "AsyncRouterClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
+        if self._session is None:
+            self._session = aiohttp.ClientSession()
+        headers = {"Content-Type": "application/json"}
+        if self.admin_key:
+            headers["Authorization"] = f"Bearer {self.admin_key}"
+        data = None if body is None else json.dumps(body).encode()
+        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        try:
+            async with self._session.request(method, self.url + path, data=data, headers=headers, timeout=timeout) as resp:
+                status, raw = resp.status, await resp.read()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            raise RouterCallError(method, path, None, {"error": {"message": f"router unreachable: {exc!r}"}}) from exc
+        try:
+            parsed = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            parsed = raw.decode("utf-8", errors="replace")
+        if not 200 <= status < 300:
+            raise RouterCallError(method, path, status, parsed)
+        return parsed
+
+    async def sync_weights(self, *, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None], **options: Any) -> SyncReport:
+        blocking = RouterClient(self.url, admin_key=self.admin_key, timeout_s=self.timeout_s)
+        return await asyncio.to_thread(blocking.sync_weights, buckets=buckets, broadcast=broadcast, **options)

@@ -1,0 +1,51 @@
+"""Blocking client (stdlib ``urllib`` only, safe to call from trainer threads)."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Sequence
+
+from router.client.calls import RouterCallError, RouterCalls
+from router.client.weight_sync import SyncReport, WeightSync
+
+
+class RouterClient(RouterCalls):
+    """Talk to one router URL. ``admin_key`` is sent as ``Authorization: Bearer``."""
+
+    def __init__(self, url: str, *, admin_key: str | None = None, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.admin_key = admin_key
+        self.timeout_s = timeout_s
+
+    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Content-Type", "application/json")
+        if self.admin_key:
+            req.add_header("Authorization", f"Bearer {self.admin_key}")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as err:
+            status, raw = err.code, err.read()
+        except (urllib.error.URLError, OSError) as exc:
+            raise RouterCallError(method, path, None, {"error": {"message": f"router unreachable: {exc}"}}) from exc
+        try:
+            parsed = json.loads(raw) if raw else None
+        except json.JSONDecodeError:
+            parsed = raw.decode("utf-8", errors="replace")
+        if not 200 <= status < 300:
+            raise RouterCallError(method, path, status, parsed)
+        return parsed
+
+    def sync_weights(
+        self,
+        *,
+        buckets: Sequence[dict[str, Any]],
+        broadcast: Callable[[int], None],
+        **options: Any,
+    ) -> SyncReport:
+        """Run one whole weight sync through the router; see :class:`WeightSync`."""
+        return WeightSync(self, **options).run(buckets, broadcast)

@@ -1,0 +1,249 @@
+"""The trainer's whole weight-sync cycle through one router URL.
+
+    group init (once per group) -> pause -> prepare -> broadcast -> complete -> verify -> continue
+
+The tensors themselves never pass through here: the caller supplies
+``broadcast(bucket_index)``, which sends one bucket over the process group
+(the torch sender lives with the worker package), and, for the first sync,
+``GroupSpec.join(world_size)``, which creates the trainer's rank-0 side of the
+group. Both run on the calling thread; HTTP calls that must be in flight at
+the same time (group init, single-phase updates) run on a helper thread.
+
+Failure handling, by stage:
+- init, pause or prepare fails: no weights changed; generation is resumed
+  (if it was paused) and :class:`SyncError` is raised.
+- broadcast, complete or verify fails: the fleet's weights are uncertain; the
+  router keeps the workers disabled, generation stays paused, and
+  :class:`SyncError` carries the per-worker results.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Literal, Sequence
+
+from router.client.calls import RouterCallError, RouterCalls
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[str, dict[str, Any]], None]
+
+
+class SyncError(RuntimeError):
+    """A sync stage failed. ``results`` holds the router's per-worker results when it gave any."""
+
+    def __init__(self, stage: str, message: str, *, cause: BaseException | None = None, weights_uncertain: bool):
+        self.stage = stage
+        self.cause = cause
+        self.weights_uncertain = weights_uncertain
+        self.results: list[dict[str, Any]] = cause.results if isinstance(cause, RouterCallError) else []
+        super().__init__(f"weight sync failed at {stage}: {message}")
+
+
+@dataclass
+class GroupSpec:
+    """Where the weight-update group meets, and how the trainer joins it as rank 0."""
+
+    master_address: str
+    master_port: int
+    join: Callable[[int], None]
+    group_name: str = "weight_update_group"
+    backend: str | None = None
+    timeout_s: float | None = None
+
+
+@dataclass
+class SyncReport:
+    protocol: str
+    num_buckets: int
+    weight_version: str | None
+    world_size: int | None
+    seconds: float
+    stage_seconds: dict[str, float] = field(default_factory=dict)
+    checksums: dict[str, Any] = field(default_factory=dict)
+    fleet_identical: bool | None = None
+    matches_expected: bool | None = None
+    group_init: Any = None
+    """The router's answer to the group init (per-worker ``ranks``), on the sync that created the group."""
+
+
+def _log_progress(stage: str, info: dict[str, Any]) -> None:
+    log.info("weight sync: %s %s", stage, info)
+
+
+def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
+    box: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            box["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
+            box["error"] = exc
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, box
+
+
+class WeightSync:
+    """One configured sync; :meth:`run` performs it. Group init is remembered per client."""
+
+    def __init__(
+        self,
+        client: RouterCalls,
+        *,
+        group: GroupSpec,
+        protocol: Literal["two_phase", "single_phase"] = "two_phase",
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        pause_mode: str = "retract",
+        atomic: bool | None = None,
+        timeout_s: float | None = None,
+        verify: bool = True,
+        expected_checksum: str | None = None,
+        progress: Progress | None = None,
+    ):
+        if protocol not in ("two_phase", "single_phase"):
+            raise ValueError(f"protocol must be 'two_phase' or 'single_phase', got {protocol!r}")
+        self.client = client
+        self.group = group
+        self.protocol = protocol
+        self.load_format = load_format
+        self.weight_version = weight_version
+        self.pause_mode = pause_mode
+        self.atomic = atomic
+        self.timeout_s = timeout_s
+        self.verify = verify
+        self.expected_checksum = expected_checksum
+        self.progress = progress or _log_progress
+        self._stages: dict[str, float] = {}
+        self._group_init: Any = None
+
+    # ------------------------------------------------------------------ stages
+
+    def _stage(self, name: str, fn: Callable[[], Any], *, uncertain: bool) -> Any:
+        start = time.perf_counter()
+        self.progress(name, {"state": "start"})
+        try:
+            value = fn()
+        except RouterCallError as exc:
+            raise SyncError(name, exc.message, cause=exc, weights_uncertain=uncertain) from exc
+        except SyncError:
+            raise
+        except Exception as exc:  # the caller's broadcast or join
+            raise SyncError(name, f"{type(exc).__name__}: {exc}", cause=exc, weights_uncertain=uncertain) from exc
+        self._stages[name] = round(time.perf_counter() - start, 4)
+        self.progress(name, {"state": "done", "seconds": self._stages[name]})
+        return value
+
+    def ensure_group(self) -> int | None:
+        ready: set[str] = self.client.__dict__.setdefault("_ready_groups", set())
+        if self.group.group_name in ready:
+            return None
+        world = int(self.client.get_world_size()["world_size"]) + 1
+        g = self.group
+        thread, box = _in_thread(
+            lambda: self.client.init_weights_update_group(
+                g.master_address, g.master_port, world, group_name=g.group_name, backend=g.backend, timeout_s=g.timeout_s
+            )
+        )
+        try:
+            g.join(world)
+        finally:
+            thread.join((g.timeout_s or 900) + 120)
+        if "error" in box:
+            raise box["error"]
+        if thread.is_alive():
+            raise TimeoutError("router did not answer /init_weights_update_group in time")
+        self._group_init = box.get("value")
+        ready.add(g.group_name)
+        return world
+
+    def _single_phase(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> None:
+        for i, bucket in enumerate(buckets):
+            last = i == len(buckets) - 1
+            thread, box = _in_thread(
+                lambda b=bucket, last=last: self.client.update_weights_from_distributed(
+                    b["names"], b["dtypes"], b["shapes"], group_name=self.group.group_name, load_format=self.load_format,
+                    weight_version=self.weight_version if last else None, flush_cache=last, timeout_s=self.timeout_s,
+                )
+            )  # fmt: skip
+            broadcast(i)
+            thread.join((self.timeout_s or 1800) + 120)
+            if "error" in box:
+                raise box["error"]
+            if thread.is_alive():
+                raise TimeoutError(f"router did not answer update_weights_from_distributed for bucket {i}")
+            self.progress("bucket", {"index": i, "of": len(buckets)})
+
+    def _two_phase_send(self, n: int, broadcast: Callable[[int], None]) -> None:
+        for i in range(n):
+            broadcast(i)
+            self.progress("bucket", {"index": i, "of": n})
+
+    # ------------------------------------------------------------------ the cycle
+
+    def run(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> SyncReport:
+        start = time.perf_counter()
+        world = self._stage("init_group", self.ensure_group, uncertain=False)
+        self._stage("pause", lambda: self.client.pause_generation(self.pause_mode), uncertain=False)
+        complete: Any = None
+        try:
+            if self.protocol == "two_phase":
+                self._stage(
+                    "prepare",
+                    lambda: self.client.prepare_weights_update(
+                        buckets, group_name=self.group.group_name, load_format=self.load_format,
+                        weight_version=self.weight_version, atomic=self.atomic, timeout_s=self.timeout_s,
+                    ),
+                    uncertain=False,
+                )  # fmt: skip
+        except SyncError:
+            self._resume_after_clean_failure()
+            raise
+        if self.protocol == "two_phase":
+            self._stage("broadcast", lambda: self._two_phase_send(len(buckets), broadcast), uncertain=True)
+            complete = self._stage(
+                "complete",
+                lambda: self.client.complete_weights_update(
+                    group_name=self.group.group_name, weight_version=self.weight_version,
+                    return_checksum=self.verify or None, timeout_s=self.timeout_s,
+                ),
+                uncertain=True,
+            )
+        else:
+            self._stage("broadcast", lambda: self._single_phase(buckets, broadcast), uncertain=True)
+        report = SyncReport(
+            protocol=self.protocol, num_buckets=len(buckets), weight_version=self.weight_version,
+            world_size=world, seconds=0.0, stage_seconds=self._stages, group_init=self._group_init,
+        )  # fmt: skip
+        if isinstance(complete, dict):
+            report.checksums = dict(complete.get("checksums") or {})
+        if self.verify:
+            self._stage("verify", lambda: self._verify(report), uncertain=True)
+        self._stage("continue", self.client.continue_generation, uncertain=True)
+        report.seconds = round(time.perf_counter() - start, 4)
+        return report
+
+    def _verify(self, report: SyncReport) -> None:
+        checked = self.client.weights_checker("checksum")
+        report.checksums = dict(checked.get("checksums") or report.checksums)
+        report.fleet_identical = bool(checked.get("identical"))
+        if not report.fleet_identical:
+            raise SyncError("verify", f"workers hold different weights: {report.checksums}", weights_uncertain=True)
+        if self.expected_checksum is not None:
+            ranks = dict(checked.get("rank_checksums") or {})
+            report.matches_expected = bool(ranks) and all(set(v) == {self.expected_checksum} for v in ranks.values())
+            if not report.matches_expected:
+                raise SyncError(
+                    "verify", f"rank checksums {ranks} != trainer's {self.expected_checksum}", weights_uncertain=True
+                )
+
+    def _resume_after_clean_failure(self) -> None:
+        try:
+            self.client.continue_generation()
+        except RouterCallError as exc:
+            log.warning("could not resume generation after a failed sync: %s", exc)

@@ -1,0 +1,90 @@
+"""Router settings: one typed dataclass, filled by the CLI or by tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+PolicyName = Literal["least_inflight", "round_robin", "random"]
+
+
+@dataclass(kw_only=True, slots=True)
+class RouterConfig:
+    """Everything ``create_app`` needs; defaults are the CLI defaults."""
+
+    worker_urls: list[str] = field(default_factory=list)
+    """Workers registered at start-up, in order (their order fixes rank assignment)."""
+
+    admin_api_key: str | None = None
+    """Bearer key for every admin and registry route; forwarded to workers as given."""
+
+    api_key: str | None = None
+    """Optional bearer key for ``/generate`` (the admin key is accepted too)."""
+
+    policy: PolicyName = "least_inflight"
+    """How ``/generate`` picks among routable workers."""
+
+    admin_lock_timeout_s: float = 300.0
+    """How long an admin update waits for the update lock before answering 503."""
+
+    request_timeout_s: float = 1800.0
+    """Upper bound on one proxied ``/generate`` call, streaming included."""
+
+    connect_timeout_s: float = 5.0
+    """Bound on opening a connection to a worker (also ends a dead worker's retry quickly)."""
+
+    max_retries: int = 2
+    """Extra attempts for ``/generate`` on another worker, only before the first response byte."""
+
+    retry_initial_backoff_s: float = 0.05
+    retry_max_backoff_s: float = 1.0
+
+    health_check_interval_s: float = 10.0
+    health_check_timeout_s: float = 5.0
+    health_failure_threshold: int = 3
+    """Consecutive failed probes that take a healthy worker out of routing (unhealthy)."""
+
+    health_dead_threshold: int | None = None
+    """Consecutive failed probes after which a worker is dead (no traffic, no broadcasts).
+    ``None`` means twice the failure threshold."""
+
+    health_success_threshold: int = 2
+    """Consecutive good probes that bring an unhealthy or dead worker back."""
+
+    update_session_timeout_s: float = 900.0
+    """Default life of a two-phase update session (prepare to complete) when the
+    caller gives no ``timeout_s``; past it the router fails the update closed."""
+
+    state_dir: Path | None = None
+    """Where the update journal lives. ``None``: in-memory only (no crash safety)."""
+
+    max_connections: int = 1024
+    """Size of the shared connection pool; admitted calls should not wait inside it."""
+
+    @property
+    def dead_threshold(self) -> int:
+        if self.health_dead_threshold is not None:
+            return max(self.health_dead_threshold, self.health_failure_threshold)
+        return 2 * self.health_failure_threshold
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first bad setting."""
+        positive = {
+            "admin_lock_timeout_s": self.admin_lock_timeout_s,
+            "request_timeout_s": self.request_timeout_s,
+            "connect_timeout_s": self.connect_timeout_s,
+            "health_check_interval_s": self.health_check_interval_s,
+            "health_check_timeout_s": self.health_check_timeout_s,
+            "update_session_timeout_s": self.update_session_timeout_s,
+        }
+        for name, value in positive.items():
+            if not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value}")
+        for name in ("health_failure_threshold", "health_success_threshold", "max_connections"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_retries < 0:
+            raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if self.policy not in ("least_inflight", "round_robin", "random"):
+            raise ValueError(f"unknown policy {self.policy!r}")

@@ -1,0 +1,121 @@
+"""Helpers for router tests: start a real ``omni-router`` process, poll its state.
+
+Workers are real ``omni-worker`` processes (``tests.procs.start_worker``) on a
+tiny generated checkpoint; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tests.procs import ManagedProcess, cli, free_port, http_json, start_worker
+
+ADMIN_KEY = "router-test-admin-key"
+
+
+def auth(key: str | None = ADMIN_KEY) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
+    subprocess.run([cli("omni-worker"), "make-tiny", str(out_dir), "--seed", str(seed)], check=True, timeout=120, capture_output=True)
+    return out_dir
+
+
+def start_workers(model_dir: Path, n: int, *, extra_args: Sequence[str] = ()) -> list[tuple[ManagedProcess, str]]:
+    """Start ``n`` workers (concurrently: torch import dominates start-up)."""
+    ports = [free_port() for _ in range(n)]
+    procs = []
+    for port in ports:
+        argv = [cli("omni-worker"), "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra_args]
+        procs.append(ManagedProcess(f"worker-{port}", argv).start())
+    out = []
+    try:
+        for proc, port in zip(procs, ports):
+            url = f"http://127.0.0.1:{port}"
+            proc.wait_http_ready(url + "/health", timeout=120)
+            out.append((proc, url))
+    except BaseException:
+        for proc in procs:
+            proc.kill()
+        raise
+    return out
+
+
+def start_router(
+    worker_urls: Sequence[str],
+    *,
+    admin_key: str | None = None,
+    state_dir: Path | None = None,
+    extra_args: Sequence[str] = (),
+    port: int | None = None,
+    wait_healthy: int | None = None,
+) -> tuple[ManagedProcess, str]:
+    """Start ``omni-router`` and wait for ``/liveness`` (and ``wait_healthy`` healthy workers)."""
+    port = port or free_port()
+    argv = [cli("omni-router"), "--host", "127.0.0.1", "--port", str(port), "--health-check-interval-s", "0.5", "--log-level", "debug"]
+    if worker_urls:
+        argv += ["--worker-urls", *worker_urls]
+    if admin_key:
+        argv += ["--admin-api-key", admin_key]
+    if state_dir is not None:
+        argv += ["--state-dir", str(state_dir)]
+    argv += list(extra_args)
+    proc = ManagedProcess(f"router-{port}", argv).start()
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http_ready(url + "/liveness", timeout=60)
+    n = len(worker_urls) if wait_healthy is None else wait_healthy
+    if n:
+        wait_for(lambda: sum(w["health"] == "healthy" for w in workers(url, admin_key)) >= n, 30, proc, "workers healthy")
+    return proc, url
+
+
+def workers(router_url: str, admin_key: str | None = None) -> list[dict[str, Any]]:
+    status, body = http_json("GET", router_url + "/workers", headers=auth(admin_key), timeout=10)
+    assert status == 200, body
+    return body["workers"]
+
+
+def by_url(router_url: str, admin_key: str | None = None) -> dict[str, dict[str, Any]]:
+    return {w["url"]: w for w in workers(router_url, admin_key)}
+
+
+def escaped(url: str) -> str:
+    return urllib.parse.quote(url, safe="")
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, proc: ManagedProcess | None = None, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    log = proc.log_text() if proc is not None else ""
+    raise TimeoutError(f"{what} not reached within {timeout}s\n{log}")
+
+
+def generate_via(router_url: str, text: str = "hello", max_new_tokens: int = 4, timeout: float = 60) -> tuple[int, Any, str | None]:
+    """POST /generate through the router; returns (status, body, id of the worker that served it)."""
+    body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}).encode()
+    req = urllib.request.Request(router_url + "/generate", data=body, method="POST", headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.status, json.loads(resp.read()), resp.headers.get("X-Omni-Worker")
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read() or b"null"), err.headers.get("X-Omni-Worker")
+
+
+def generate(url: str, text: str = "hello", max_new_tokens: int = 4, **extra: Any) -> tuple[int, Any]:
+    body = {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}, **extra}
+    return http_json("POST", url + "/generate", body, timeout=60)
+
+
+__all__ = ["ADMIN_KEY", "auth", "by_url", "escaped", "generate", "generate_via", "make_tiny_checkpoint", "start_router", "start_worker",
+           "start_workers", "wait_for", "workers"]  # fmt: skip

@@ -1,0 +1,160 @@
+"""Admin broadcast through a real router to two real workers that share its admin
+key: auth, the update lock, fencing and fail-closed bookkeeping, rank checks."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from router.operations import OPERATIONS
+from tests._router_fixtures import (
+    ADMIN_KEY, auth, by_url, generate_via, make_tiny_checkpoint, start_router, start_workers, wait_for, workers,
+)  # fmt: skip
+from tests.procs import free_port, http_json
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    root = tmp_path_factory.mktemp("admin")
+    model = make_tiny_checkpoint(root / "model", seed=0)
+    other = make_tiny_checkpoint(root / "other", seed=1)
+    pair = start_workers(model, 2, extra_args=["--admin-api-key", ADMIN_KEY])
+    yield [url for _, url in pair], model, other
+    for proc, _ in pair:
+        proc.stop()
+
+
+@pytest.fixture
+def router(fleet, tmp_path):
+    urls, _, _ = fleet
+    proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state", extra_args=["--admin-lock-timeout-s", "1"])
+    yield url, proc
+    proc.stop()
+
+
+def post(url: str, path: str, body=None, key: str | None = ADMIN_KEY, timeout: float = 120):
+    return http_json("POST", url + path, {} if body is None else body, headers=auth(key), timeout=timeout)
+
+
+ADMIN_PATHS = sorted(
+    {(m, p) for p, op in OPERATIONS.items() for m in op.methods}
+    | {("GET", "/workers"), ("POST", "/workers"), ("GET", "/workers/x"), ("PUT", "/workers/x"), ("DELETE", "/workers/x"),
+       ("POST", "/add_worker"), ("POST", "/remove_worker"), ("GET", "/list_workers"), ("GET", "/get_world_size"),
+       ("GET", "/weight_update_journal"), ("POST", "/weight_update_journal/resolve"), ("POST", "/abort_weights_update")}
+)  # fmt: skip
+
+
+def test_every_admin_route_needs_the_key_and_the_key_reaches_workers(router, fleet):
+    url, _ = router
+    for method, path in ADMIN_PATHS:
+        for key in (None, "wrong-key"):
+            status, body = http_json(method, url + path, {} if method != "GET" else None, headers=auth(key), timeout=30)
+            assert status == 401, (method, path, key, status, body)
+            assert "Bearer" in body["error"]["message"]
+    assert http_json("GET", url + "/health")[0] == 200 and http_json("GET", url + "/metrics")[0] == 200
+    # Workers demand the same key: a broadcast succeeds only if the router forwarded it.
+    status, body = post(url, "/pause_generation", {"mode": "retract"})
+    assert status == 200, body
+    assert [r["status_code"] for r in body["results"]] == [200, 200]
+    status, body = post(url, "/continue_generation")
+    assert status == 200, body
+    # Caller mistakes are 400 at the router, before any worker is touched.
+    status, body = post(url, "/pause_generation", {"mode": "sideways"})
+    assert status == 400 and "mode" in body["error"]["message"]
+    assert all(not w["disabled"] for w in workers(url, ADMIN_KEY))
+
+
+def test_update_from_disk_moves_the_whole_fleet(router, fleet):
+    url = router[0]
+    _, model, other = fleet
+    status, before, _ = generate_via(url, "abc", 8)
+    assert status == 200
+    status, body = post(url, "/update_weights_from_disk", {"model_path": str(other), "weight_version": "v1"})
+    assert status == 200, body
+    assert body["worker_count"] == 2 and all(r["success"] for r in body["results"])
+    assert {w["weight_version"] for w in workers(url, ADMIN_KEY)} == {"v1"}
+    assert all(not w["disabled"] for w in workers(url, ADMIN_KEY))
+    status, info = http_json("GET", url + "/model_info", headers=auth())
+    assert status == 200 and info["weight_version"] == "v1"
+    status, after, _ = generate_via(url, "abc", 8)
+    assert after["meta_info"]["weight_version"] == "v1" and after["output_ids"] != before["output_ids"]
+    status, body = post(url, "/update_weights_from_disk", {"model_path": str(model), "weight_version": "default"})
+    assert status == 200, body
+
+
+def test_failed_update_fails_closed_until_an_operator_resolves(router, fleet):
+    url, _ = router
+    status, body = post(url, "/update_weights_from_disk", {"model_path": "/nonexistent/checkpoint"})
+    assert status == 502
+    assert [r["success"] for r in body["results"]] == [False, False]
+    assert all(r["status_code"] == 400 and "body" in r for r in body["results"])
+    assert "stay disabled" in body["message"]
+    assert all(w["disabled"] for w in workers(url, ADMIN_KEY))
+    status, body, _ = generate_via(url)
+    assert status == 503
+    # Further updates are refused while the failure is unresolved.
+    status, body = post(url, "/pause_generation", {"mode": "retract"})
+    assert status == 409 and "did not finish cleanly" in body["error"]["message"]
+    status, journal = http_json("GET", url + "/weight_update_journal", headers=auth())
+    assert journal["pending"]["state"] == "failed" and journal["pending"]["path"] == "/update_weights_from_disk"
+    assert http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": False}, headers=auth())[0] == 409
+    status, body = http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": True}, headers=auth())
+    assert status == 200 and body["resolved"] and len(body["workers"]) == 2
+    assert all(not w["disabled"] for w in workers(url, ADMIN_KEY))
+    assert generate_via(url)[0] == 200
+
+
+def test_wrong_world_size_is_400_before_any_worker_is_contacted(router):
+    url, _ = router
+    status, body = http_json("GET", url + "/get_world_size", headers=auth())
+    assert status == 200 and body["world_size"] == 2
+    assert [w["rank_offset"] for w in body["workers"]] == [1, 2]
+    start = time.monotonic()
+    init = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2, "timeout_s": 5}
+    status, body = post(url, "/init_weights_update_group", init)
+    assert status == 400 and body["expected_world_size"] == 3
+    assert "world_size must be 3" in body["error"]["message"]
+    assert time.monotonic() - start < 3  # no worker waited for a rendezvous
+    assert http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"] is None
+    assert all(not w["disabled"] for w in workers(url, ADMIN_KEY))
+
+
+def test_update_lock_contention_registry_409_and_failed_init_fences(router, fleet):
+    url, proc = router
+    urls, _, _ = fleet
+    # A group init whose trainer never shows up holds the update lock until the workers give up.
+    init = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 3, "timeout_s": 6}
+    answer: dict = {}
+    thread = threading.Thread(target=lambda: answer.update(r=post(url, "/init_weights_update_group", init, timeout=120)))
+    thread.start()
+    try:
+        wait_for(lambda: all(w["disabled"] for w in workers(url, ADMIN_KEY)), 10, proc, "targets disabled")
+        # Another update cannot get the lock: 503 within the (1 s) lock timeout.
+        start = time.monotonic()
+        status, body = post(url, "/pause_generation", {"mode": "retract"})
+        assert status == 503 and "lock not acquired within 1s" in body["error"]["message"]
+        assert time.monotonic() - start < 5
+        # The registry is frozen while the update runs.
+        some = workers(url, ADMIN_KEY)[0]
+        assert post(url, "/workers", {"url": f"http://127.0.0.1:{free_port()}"})[0] == 409
+        assert http_json("PUT", f"{url}/workers/{some['id']}", {"disabled": False}, headers=auth())[0] == 409
+        assert http_json("DELETE", f"{url}/workers/{some['id']}", headers=auth())[0] == 409
+        # No generation reaches a worker that is in the update.
+        status, body, worker = generate_via(url)
+        assert status == 503 and worker is None
+    finally:
+        thread.join(60)
+    status, body = answer["r"]
+    assert status == 502, body
+    assert len(body["results"]) == 2 and not any(r["success"] for r in body["results"])
+    assert sorted(r["rank_offset"] for r in body["ranks"]) == [1, 2]
+    # Failed init: workers stay disabled until an operator re-enables them, one by one.
+    assert all(w["disabled"] for w in workers(url, ADMIN_KEY))
+    for w in workers(url, ADMIN_KEY):
+        assert http_json("PUT", f"{url}/workers/{w['id']}", {"disabled": False}, headers=auth())[0] == 200
+    assert http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"] is None
+    assert generate_via(url)[0] == 200
+    assert {w["health"] for w in by_url(url, ADMIN_KEY).values()} == {"healthy"}
+    assert urls  # the fleet itself is untouched

@@ -1,0 +1,177 @@
+"""Request routing and the worker registry, through a real router in front of
+two real workers (no admin key here; auth is covered in test_router_admin)."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+import urllib.request
+
+import pytest
+
+from tests._router_fixtures import (
+    by_url, escaped, generate_via, make_tiny_checkpoint, start_router, start_workers, wait_for, workers,
+)  # fmt: skip
+from tests.procs import free_port, http_json
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "model")
+    pair = start_workers(model, 2, extra_args=["--step-delay-ms", "20"])
+    yield [url for _, url in pair], model
+    for proc, _ in pair:
+        proc.stop()
+
+
+@pytest.fixture
+def router(fleet):
+    urls, _ = fleet
+    proc, url = start_router(urls, extra_args=["--policy", "round_robin"])
+    yield url, proc
+    proc.stop()
+
+
+def test_generate_spreads_over_routable_workers_and_passes_body_through(router, fleet):
+    url, _ = router
+    served = set()
+    for _ in range(4):
+        status, body, worker = generate_via(url)
+        assert status == 200, body
+        assert body["meta_info"]["weight_version"] == "default"
+        served.add(worker)
+    assert served == {w["id"] for w in workers(url)}
+
+
+def test_disabled_worker_gets_no_traffic_and_none_routable_is_503(router, fleet):
+    url, proc = router
+    first, second = workers(url)
+    status, body = http_json("PUT", f"{url}/workers/{first['id']}", {"disabled": True})
+    assert status == 200 and body["disabled"] is True
+    for _ in range(4):
+        status, _, worker = generate_via(url)
+        assert status == 200 and worker == second["id"]
+    # Disabling by URL-escaped url works too; now nothing is routable: 503 at once, with the reason.
+    status, _ = http_json("PUT", f"{url}/workers/{escaped(second['url'])}", {"disabled": True})
+    assert status == 200
+    start = time.monotonic()
+    status, body, worker = generate_via(url)
+    assert status == 503 and worker is None
+    assert "no routable worker" in body["error"]["message"] and "2 disabled" in body["error"]["message"]
+    assert time.monotonic() - start < 5
+    status, body = http_json("GET", url + "/readiness")
+    assert status == 503 and body["status"] == "not_ready"
+    for w in (first, second):
+        assert http_json("PUT", f"{url}/workers/{w['id']}", {"disabled": False})[0] == 200
+    assert generate_via(url)[0] == 200
+    assert http_json("GET", url + "/readiness")[0] == 200
+
+
+def test_registry_crud_and_legacy_routes(router, fleet):
+    url, _ = router
+    first, second = workers(url)
+    assert http_json("GET", f"{url}/workers/{escaped(first['url'])}")[1]["id"] == first["id"]
+    assert http_json("GET", f"{url}/workers/w-nope")[0] == 404
+    assert http_json("POST", url + "/workers", {"url": first["url"]})[0] == 409  # duplicate
+    assert http_json("POST", url + "/workers", {"url": "ftp://x:1"})[0] == 400
+    assert http_json("PUT", f"{url}/workers/{first['id']}", {"disabled": "yes"})[0] == 400
+    status, body = http_json("DELETE", f"{url}/workers/{first['id']}")
+    assert status == 200 and body["removed"]["id"] == first["id"]
+    assert [w["id"] for w in workers(url)] == [second["id"]]
+    status, body = http_json("POST", url + "/workers", {"url": first["url"]})
+    assert status == 201 and body["id"] == first["id"] and body["health"] == "healthy" and body["tp_size"] == 1
+    status, body = http_json("POST", f"{url}/remove_worker?url={escaped(second['url'])}")
+    assert status == 200 and body["success"]
+    assert http_json("GET", url + "/list_workers")[1]["urls"] == [first["url"]]
+    status, body = http_json("POST", f"{url}/add_worker?url={escaped(second['url'])}")
+    assert status == 200 and body["worker"]["id"] == second["id"]
+    assert sorted(w["id"] for w in workers(url)) == sorted([first["id"], second["id"]])
+
+
+def test_dead_url_is_skipped_by_retry_and_marked_dead(fleet):
+    urls, _ = fleet
+    closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    proc, url = start_router(
+        [closed, *urls], wait_healthy=2, extra_args=["--policy", "round_robin", "--health-failure-threshold", "1", "--health-dead-threshold", "2"]
+    )
+    try:
+        wait_for(lambda: by_url(url)[closed]["health"] == "dead", 20, proc, "closed url dead")
+        dead_id = by_url(url)[closed]["id"]
+        for _ in range(6):
+            status, body, worker = generate_via(url)
+            assert status == 200 and worker != dead_id
+        # A dead worker is no broadcast target either.
+        status, body = http_json("POST", url + "/flush_cache", {})
+        assert status == 200 and body["worker_count"] == 2
+    finally:
+        proc.stop()
+
+
+def test_model_info_reports_common_version_or_409_when_mixed(router, fleet):
+    url, _ = router
+    urls, _ = fleet
+    status, body = http_json("GET", url + "/model_info")
+    assert status == 200 and body["weight_version"] == "default" and body["worker_count"] == 2
+    # One worker moves on behind the router's back: the fleet is mixed.
+    assert http_json("POST", urls[0] + "/update_weight_version", {"new_version": "v7", "abort_all_requests": False})[0] == 200
+    try:
+        status, body = http_json("GET", url + "/model_info")
+        assert status == 409
+        assert "mixed worker weight_version" in body["error"]["message"]
+        assert sorted(body["versions"].values()) == ["default", "v7"]
+        assert http_json("GET", url + "/get_weight_version")[0] == 409
+        assert sorted(w["weight_version"] for w in workers(url)) == ["default", "v7"]
+    finally:
+        assert http_json("POST", urls[0] + "/update_weight_version", {"new_version": "default", "abort_all_requests": False})[0] == 200
+    assert http_json("GET", url + "/get_weight_version")[1]["weight_version"] == "default"
+
+
+def test_weights_checker_reports_identical_fleet(router):
+    url, _ = router
+    status, body = http_json("POST", url + "/weights_checker", {"action": "checksum"})
+    assert status == 200, body
+    assert body["identical"] is True and len(set(body["checksums"].values())) == 1
+    assert all(r["success"] and r["elapsed_ms"] >= 0 for r in body["results"])
+
+
+def test_stream_and_client_disconnect_aborts_on_worker(router, fleet):
+    url, _ = router
+    urls, _ = fleet
+    # Streaming passes through as SSE.
+    req = urllib.request.Request(
+        url + "/generate", method="POST", headers={"Content-Type": "application/json"},
+        data=json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).encode(),
+    )  # fmt: skip
+    with urllib.request.urlopen(req, timeout=30) as resp:
+        assert resp.headers["Content-Type"].startswith("text/event-stream")
+        text = resp.read().decode()
+    assert text.rstrip().endswith("data: [DONE]") and text.count("data: ") >= 2
+
+    def aborted() -> int:
+        return sum(http_json("GET", u + "/server_info")[1]["internal_states"][0]["aborted_requests"] for u in urls)
+
+    before = aborted()
+    # A long request (20 ms per step x 400 tokens) whose caller hangs up after a moment.
+    body = json.dumps({"text": "long", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}).encode()
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(
+            b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+        )  # fmt: skip
+        time.sleep(1.0)
+    wait_for(lambda: aborted() > before, 15, what="request aborted on the worker")
+    running = [http_json("GET", u + "/server_info")[1]["internal_states"][0]["num_running_reqs"] for u in urls]
+    assert running == [0, 0]
+
+
+def test_metrics_exposes_routing_and_fleet_series(router):
+    url, _ = router
+    generate_via(url)
+    status, text = http_json("GET", url + "/metrics")
+    assert status == 200
+    for name in ("omni_router_requests_total", "omni_router_worker_health", "omni_router_worker_disabled",
+                 "omni_router_worker_inflight_requests", "omni_router_worker_weight_version_info"):  # fmt: skip
+        assert name in text
+    assert 'route="/generate"' in text
