@@ -50,7 +50,11 @@ def setup_logging(level: str, fmt: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     d = RouterConfig()
-    p = argparse.ArgumentParser(prog="omni-router", description="One URL in front of N omni workers: routing, admin broadcast, weight sync.")
+    p = argparse.ArgumentParser(
+        prog="omni-router",
+        description="One URL in front of N omni workers: routing, admin broadcast, weight sync.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL", help="workers to register at start-up, in rank order")

@@ -16,6 +16,9 @@ NUM_BUCKETS = 73
 #: 8 layers → 75 checkpoint tensors, enough for the 73 buckets of the specification's case.
 LAYERS = 8
 TRAINER_EXIT_S = 150  # a hang guard only
+#: One torch thread: on a small shared machine, idle OpenMP threads spinning after each
+#: forward step starve the gloo transport (see ``omni-worker --num-threads``).
+WORKER_ARGS = ["--num-threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +37,7 @@ def workers(ckpts: dict[str, str]) -> Iterator[list[str]]:
     procs = []
     try:
         for _ in range(2):
-            procs.append(start_worker(ckpts["a"]))
+            procs.append(start_worker(ckpts["a"], extra_args=WORKER_ARGS))
         yield [url for _, url in procs]
     finally:
         for proc, _ in procs:

@@ -184,3 +184,15 @@ def test_byte_tokenizer_round_trip(tmp_path):
     ids = tok.encode("héllo")
     assert ids == list("héllo".encode())
     assert tok.decode(ids + [257]) == "héllo"
+
+
+def test_forward_logits_is_the_serving_math_and_differentiable(tiny):
+    ids = torch.tensor([3, 1, 4, 1, 5, 9, 2, 6])
+    for param in tiny.parameters():
+        param.requires_grad_(True)
+    logits = tiny.forward_logits(ids)
+    torch.testing.assert_close(logits.detach(), tiny.forward_full(ids[None])[0], atol=1e-6, rtol=1e-6)
+    torch.nn.functional.cross_entropy(logits[:-1], ids[1:]).backward()
+    grads = [p.grad for p in tiny.parameters()]
+    assert all(g is not None for g in grads)
+    assert tiny.model.layers[0].self_attn.qkv_proj.weight.grad.abs().sum() > 0

@@ -81,9 +81,9 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
     from worker.transfer.sender import BucketPlan, TrainerWeightSender
 
     urls, qwen = mixed_fleet
-    status, _ = http_json("POST", urls[1] + "/abort_weights_update", {"group_name": "weight_update_group"}, headers=auth())
-    if status == 404:
-        pytest.skip("pending on the transfer team: worker route POST /abort_weights_update {group_name}")
+    status, body = http_json("POST", urls[1] + "/abort_weights_update", {"group_name": "weight_update_group"}, headers=auth())
+    assert status == 400 and "no prepared weight update" in body["message"]  # nothing to abort yet
+    before = [http_json("POST", u + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["per_gpu_checksum"] for u in urls]
     proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     sender = TrainerWeightSender(master_port=free_port(), world_size=3, timeout_s=30)
     try:
@@ -95,12 +95,26 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
         assert status == 502 and body["status"] == "error"
         ok = {r["url"]: r["success"] for r in body["results"]}
         assert ok == {urls[0]: False, urls[1]: True}
-        assert [a["success"] for a in body["aborts"]] == [True]
+        (dropped,) = body["aborts"]
+        assert dropped["success"] is True and dropped["body"]["weights_partial"] is False
         # Nothing was received anywhere, so nobody is fenced and the lock is free again.
         assert not any(w["disabled"] for w in workers(url, ADMIN_KEY))
         assert http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"] is None
+        after = [http_json("POST", u + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["per_gpu_checksum"] for u in urls]
+        assert after == before
+        for u in urls:
+            info = http_json("GET", u + "/model_info", headers=auth())[1]
+            assert not info["is_paused"] and not info["weights_partial"] and info["weight_version"] == "default"
         assert http_json("POST", url + "/pause_generation", {"mode": "retract"}, headers=auth())[0] == 200
         assert http_json("POST", url + "/continue_generation", {}, headers=auth())[0] == 200
+        # The dropped receive had been posted: that worker's side of the group is out of
+        # lockstep, so the next prepare is refused there until the group is re-initialized.
+        status, body = http_json("POST", url + "/prepare_weights_update", plan.prepare_body("weight_update_group"), headers=auth())
+        assert status == 502
+        refused = {r["url"]: r["body"]["message"] for r in body["results"]}
+        assert "a prepared receive was aborted" in refused[urls[1]] and "re-initialize" in refused[urls[1]]
+        status, body = http_json("POST", url + "/destroy_weights_update_group", {"group_name": "weight_update_group"}, headers=auth(), timeout=20)
+        assert status == 200, body
     finally:
         sender.close()
         proc.stop()

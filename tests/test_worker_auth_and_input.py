@@ -95,7 +95,7 @@ def test_admin_key_opens_every_admin_route(kw, checkpoints, served_routes):
 
 
 def _is_extension(path):
-    return "weights_update_group" in path or "distributed" in path or path in ("/prepare_weights_update", "/complete_weights_update")
+    return "weights_update" in path or "distributed" in path
 
 
 def test_generate_needs_the_api_key_and_accepts_the_admin_key(kw):

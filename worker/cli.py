@@ -1,7 +1,7 @@
 """``omni-worker``: serve a model, or write a tiny test checkpoint.
 
     omni-worker --model-path DIR [--host H] [--port P] [--device cpu|cuda] [--dtype float32|bfloat16]
-                [--admin-api-key K] [--api-key K] [--max-running-requests N] [--log-level L]
+                [--admin-api-key K] [--api-key K] [--max-running-requests N] [--num-threads N] [--log-level L]
     omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N]
 
 Logs exactly one "omni-worker ready on http://HOST:PORT ..." line once it accepts requests.
@@ -31,6 +31,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admin-api-key", default=None, help="Bearer key for admin routes (default: $SGLANG_OMNI_ADMIN_KEY)")
     p.add_argument("--api-key", default=None, help="Bearer key for /generate")
     p.add_argument("--max-running-requests", type=int, default=32)
+    p.add_argument(
+        "--num-threads", type=int, default=None,
+        help="torch intra-op CPU threads (torch.set_num_threads; default: torch's choice, one per core). On a small "
+             "CPU machine shared with a trainer or other workers, 1 keeps PyTorch's spinning OpenMP threads from "
+             "starving the gloo transport of weight sync",
+    )
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--step-delay-ms", type=float, default=0.0, help="testing aid: sleep after every forward step")
@@ -50,6 +56,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         step_delay_s=args.step_delay_ms / 1000.0,
+        num_threads=args.num_threads,
     )
 
 
@@ -108,8 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.max_running_requests < 1:
         parser.error("--max-running-requests must be at least 1")
+    if args.num_threads is not None and args.num_threads < 1:
+        parser.error("--num-threads must be at least 1")
     _check_device(parser, args.device)
     config = config_from_args(args)
+    if config.num_threads is not None:
+        import torch
+
+        torch.set_num_threads(config.num_threads)
     try:
         return asyncio.run(serve(config))
     except (OSError, ValueError) as exc:

@@ -24,6 +24,8 @@ class WorkerConfig:
     log_level: str = "info"
     served_model_name: Optional[str] = None
     health_check_timeout_s: float = 20.0
+    num_threads: Optional[int] = None
+    """torch intra-op threads (``torch.set_num_threads``); ``None`` keeps torch's default."""
     step_delay_s: float = 0.0
     """Testing aid: sleep this long after each forward step, to make a tiny
     model behave like a slow one (requests stay in flight long enough to be

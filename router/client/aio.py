@@ -9,7 +9,7 @@ from typing import Any, Callable, Sequence
 
 import aiohttp
 
-from router.client.calls import RouterCallError, RouterCalls
+from router.client.calls import RouterCalls, decode_response, unreachable
 from router.client.sync import RouterClient
 from router.client.weight_sync import SyncReport
 
@@ -37,23 +37,14 @@ class AsyncRouterClient(RouterCalls):
     async def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        headers = {"Content-Type": "application/json"}
-        if self.admin_key:
-            headers["Authorization"] = f"Bearer {self.admin_key}"
         data = None if body is None else json.dumps(body).encode()
         timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
         try:
-            async with self._session.request(method, self.url + path, data=data, headers=headers, timeout=timeout) as resp:
+            async with self._session.request(method, self.url + path, data=data, headers=self.headers(), timeout=timeout) as resp:
                 status, raw = resp.status, await resp.read()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise RouterCallError(method, path, None, {"error": {"message": f"router unreachable: {exc!r}"}}) from exc
-        try:
-            parsed = json.loads(raw) if raw else None
-        except json.JSONDecodeError:
-            parsed = raw.decode("utf-8", errors="replace")
-        if not 200 <= status < 300:
-            raise RouterCallError(method, path, status, parsed)
-        return parsed
+            raise unreachable(method, path, exc) from exc
+        return decode_response(method, path, status, raw)
 
     async def sync_weights(self, *, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None], **options: Any) -> SyncReport:
         blocking = RouterClient(self.url, admin_key=self.admin_key, timeout_s=self.timeout_s)

@@ -2,12 +2,15 @@
 
 Each method builds its request and hands it to ``self._request``; the sync
 client's ``_request`` returns the parsed body, the async client's returns a
-coroutine. A non-2xx answer raises :class:`RouterCallError` carrying the
-status, the message and the per-worker results the router returned.
+coroutine. Both transports build headers with :meth:`RouterCalls.headers` and
+turn the answer into a result with :func:`decode_response`, so a non-2xx answer
+raises the same :class:`RouterCallError` (status, message and the per-worker
+results the router returned) whichever client made the call.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any, Sequence
 from urllib.parse import quote
 
@@ -42,12 +45,38 @@ class RouterCallError(RuntimeError):
         return [r.get("worker", "?") for r in self.results if not r.get("success")]
 
 
+def decode_response(method: str, path: str, status: int, raw: bytes) -> Any:
+    """The parsed body of a 2xx answer (JSON, else text, ``None`` when empty); raise otherwise."""
+    try:
+        parsed = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        parsed = raw.decode("utf-8", errors="replace")
+    if not 200 <= status < 300:
+        raise RouterCallError(method, path, status, parsed)
+    return parsed
+
+
+def unreachable(method: str, path: str, exc: BaseException) -> RouterCallError:
+    """The error for a call that got no HTTP answer at all (refused, reset, timed out)."""
+    detail = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)  # a timeout's str() is empty
+    return RouterCallError(method, path, None, {"error": {"message": f"router unreachable: {detail}"}})
+
+
 def _drop_none(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if v is not None}
 
 
 class RouterCalls:
     """The router's HTTP surface as methods (transport supplied by the subclass)."""
+
+    admin_key: str | None = None
+
+    def headers(self) -> dict[str, str]:
+        """Headers for every call: JSON, and the admin key as ``Authorization: Bearer``."""
+        out = {"Content-Type": "application/json"}
+        if self.admin_key:
+            out["Authorization"] = f"Bearer {self.admin_key}"
+        return out
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         raise NotImplementedError

@@ -7,7 +7,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Sequence
 
-from router.client.calls import RouterCallError, RouterCalls
+from router.client.calls import RouterCalls, decode_response, unreachable
 from router.client.weight_sync import SyncReport, WeightSync
 
 
@@ -21,24 +21,15 @@ class RouterClient(RouterCalls):
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.admin_key:
-            req.add_header("Authorization", f"Bearer {self.admin_key}")
+        req = urllib.request.Request(self.url + path, data=data, method=method, headers=self.headers())
         try:
             with urllib.request.urlopen(req, timeout=timeout_s or self.timeout_s) as resp:
                 status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as err:
             status, raw = err.code, err.read()
         except (urllib.error.URLError, OSError) as exc:
-            raise RouterCallError(method, path, None, {"error": {"message": f"router unreachable: {exc}"}}) from exc
-        try:
-            parsed = json.loads(raw) if raw else None
-        except json.JSONDecodeError:
-            parsed = raw.decode("utf-8", errors="replace")
-        if not 200 <= status < 300:
-            raise RouterCallError(method, path, status, parsed)
-        return parsed
+            raise unreachable(method, path, exc) from exc
+        return decode_response(method, path, status, raw)
 
     def sync_weights(
         self,

@@ -64,6 +64,8 @@ class SyncReport:
     seconds: float
     stage_seconds: dict[str, float] = field(default_factory=dict)
     checksums: dict[str, Any] = field(default_factory=dict)
+    rank_checksums: dict[str, list[str]] = field(default_factory=dict)
+    """Each worker's per-rank checksums from the verify step (what ``expected_checksum`` is compared with)."""
     fleet_identical: bool | None = None
     matches_expected: bool | None = None
     group_init: Any = None
@@ -231,11 +233,11 @@ class WeightSync:
     def _verify(self, report: SyncReport) -> None:
         checked = self.client.weights_checker("checksum")
         report.checksums = dict(checked.get("checksums") or report.checksums)
+        report.rank_checksums = ranks = {w: list(v) for w, v in (checked.get("rank_checksums") or {}).items()}
         report.fleet_identical = bool(checked.get("identical"))
         if not report.fleet_identical:
             raise SyncError("verify", f"workers hold different weights: {report.checksums}", weights_uncertain=True)
         if self.expected_checksum is not None:
-            ranks = dict(checked.get("rank_checksums") or {})
             report.matches_expected = bool(ranks) and all(set(v) == {self.expected_checksum} for v in ranks.values())
             if not report.matches_expected:
                 raise SyncError(

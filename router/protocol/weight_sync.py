@@ -6,7 +6,8 @@ Two flows move weights over a distributed group (trainer = rank 0):
   and broadcast race each other and the collective pairs them (slime, miles).
 * The two-phase protocol: ``/prepare_weights_update`` validates every bucket's
   metadata and answers ``ready`` only once the receive loop is running; the
-  trainer then broadcasts and calls ``/complete_weights_update``.
+  trainer then broadcasts and calls ``/complete_weights_update`` — or, when it
+  will not broadcast after all, ``/abort_weights_update``.
 
 Field names and defaults follow SGLang's ``io_struct.py`` and the two-phase
 specification exactly; every addition is optional with a default that keeps
@@ -208,6 +209,23 @@ class CompleteWeightsUpdateRequest(StrictRequest):
 
     _version = field_validator("weight_version", mode="before")(_version_to_str)
     _timeout = field_validator("timeout_s")(_check_timeout)
+
+
+class AbortWeightsUpdateRequest(StrictRequest):
+    """``POST /abort_weights_update``: drop a prepared receive the trainer will not feed
+    (the router sends it to the ready workers when another one's prepare failed)."""
+
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+
+
+class AbortWeightsUpdateResponse(WireResponse):
+    """``success``: the prepared receive was dropped and the weights are untouched.
+    ``weights_partial``: the worker's weights are a mix of versions (some buckets were
+    applied before the abort, or an earlier update failed); it stays paused."""
+
+    success: bool
+    message: str = ""
+    weights_partial: bool = False
 
 
 class RankChecksum(WireResponse):

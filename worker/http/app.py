@@ -2,16 +2,13 @@
 
 ``create_app(config)`` loads the model (blocking, before serving), builds the
 ModelWorker → Scheduler → Stage → Coordinator pipeline and one route table:
-health, generation, admin, plus the weight-sync routes when the
-``worker.http.weight_sync_routes`` module exists (it exports ``ROUTES``, a list
-of ``web.RouteDef``, or ``routes(app) -> list[web.RouteDef]``). The scheduler
-thread starts and stops with the app (``cleanup_ctx``).
+health, generation, admin and weight sync. The scheduler thread and the
+weight-sync controller start and stop with the app (``cleanup_ctx``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 from typing import AsyncIterator
 
@@ -24,7 +21,7 @@ from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker
 from worker.engine.scheduler import Scheduler
-from worker.http import admin_routes, generate_routes, health_routes
+from worker.http import admin_routes, generate_routes, health_routes, weight_sync_routes
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.stage import Stage
 
@@ -32,7 +29,6 @@ log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/health_generate")
 GENERATION_PATHS = ("/generate",)
-EXTENSION_MODULES = ("worker.http.weight_sync_routes",)
 
 
 def build_coordinator(config: WorkerConfig) -> Coordinator:
@@ -40,21 +36,6 @@ def build_coordinator(config: WorkerConfig) -> Coordinator:
     worker = ModelWorker(config.model_path, device=config.device, dtype=config.dtype, served_model_name=config.served_model_name)
     scheduler = Scheduler(worker, rank=0, max_running_requests=config.max_running_requests, step_delay_s=config.step_delay_s)
     return Coordinator(Stage("llm", [scheduler]), health_check_timeout_s=config.health_check_timeout_s)
-
-
-def extension_routes(app: web.Application) -> list[web.RouteDef]:
-    """Routes contributed by optional modules (the weight-sync module of the transfer team)."""
-    routes: list[web.RouteDef] = []
-    for name in EXTENSION_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name == name:
-                continue
-            raise
-        table = getattr(module, "ROUTES", None)
-        routes.extend(table if table is not None else module.routes(app))
-    return routes
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -87,7 +68,8 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
     )
     app[CONFIG] = config
     app[COORDINATOR] = coord
-    app.add_routes([*health_routes.ROUTES, *generate_routes.ROUTES, *admin_routes.ROUTES, *extension_routes(app)])
-    app.cleanup_ctx.append(_engine_ctx)
+    app.add_routes([*health_routes.ROUTES, *generate_routes.ROUTES, *admin_routes.ROUTES, *weight_sync_routes.ROUTES])
+    # Cleanup runs in reverse: the controller cancels a receive in flight before the scheduler stops.
+    app.cleanup_ctx.extend([_engine_ctx, weight_sync_routes.controller_ctx])
     app.on_shutdown.append(_abort_on_shutdown)
     return app

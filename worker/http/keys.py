@@ -6,9 +6,12 @@ from aiohttp import web
 
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
+from worker.transfer.session import WeightSyncController
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
-"""The event-loop facade over the stage and its scheduler threads; extension
-route modules (weight sync) reach the scheduler through it."""
+"""The event-loop facade over the stage and its scheduler threads."""
 
 CONFIG = web.AppKey("config", WorkerConfig)
+
+WEIGHT_SYNC = web.AppKey("weight_sync", WeightSyncController)
+"""The per-worker weight-sync controller (groups and the update in flight)."""

@@ -142,6 +142,15 @@ class CausalLM(nn.Module):
         hidden = self._hidden([SeqInput(ids, self.new_kv_cache(len(ids)))])
         return self._logits(hidden)[None]
 
+    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Float32 logits ``[T, vocab]`` of one sequence, differentiable (for trainers).
+
+        The same math as serving, outside inference mode: a trainer that turns
+        ``requires_grad`` on can back-propagate through it.
+        """
+        ids = input_ids.reshape(-1).tolist()
+        return self._logits(self._hidden([SeqInput(ids, self.new_kv_cache(len(ids)))]))
+
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = rms_norm(hidden, self.model.norm.weight, self.config.rms_norm_eps)
         head = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

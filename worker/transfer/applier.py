@@ -47,6 +47,9 @@ class ModelApplier:
     def __init__(self, scheduler: "Scheduler"):
         self.scheduler = scheduler
         self._rewritten: Optional[set[str]] = None
+        #: Buckets of the current update written into the model (streaming), counted
+        #: before the copy: a copy that fails midway has changed weights too.
+        self.buckets_applied = 0
 
     @property
     def worker(self):  # noqa: ANN201 - ModelWorker, imported lazily by the scheduler module
@@ -68,6 +71,7 @@ class ModelApplier:
         if hold and not s.is_paused:
             s.pause("in_place")
             paused_by_update = True
+        self.buckets_applied = 0
         return Admission(paused_by_update=paused_by_update, partial_before=w.weights_partial)
 
     def release_hold(self) -> None:
@@ -80,6 +84,7 @@ class ModelApplier:
             raise RuntimeError("the update already failed; bucket not applied")
         w = self.worker
         w.weights_partial = True
+        self.buckets_applied += 1
         count = w.model.load_weights(named)
         w.synchronize()  # the receive thread reuses the buffer as soon as this returns
         return count
@@ -120,6 +125,20 @@ class ModelApplier:
         if not atomic and w.weights_partial:
             self._rewritten = set()
         return bool(w.weights_partial)
+
+    def after_abort(self, *, resume: bool) -> tuple[int, bool]:
+        """A prepared update dropped by ``/abort_weights_update`` (its later applies are
+        already refused). Returns (buckets it applied, ``weights_partial``).
+
+        Nothing applied: generation goes back to how the update found it (``resume``
+        lifts the update's own hold). Something applied: like a failed streaming
+        update, the worker stays paused and partial."""
+        applied = self.buckets_applied
+        if applied:
+            return applied, self.after_failure(atomic=False)
+        if resume:
+            self.release_hold()
+        return 0, bool(self.worker.weights_partial)
 
     def mark_partial(self) -> None:
         """Single-phase failure: earlier buckets of this sync may already be applied."""

@@ -57,6 +57,8 @@ class WeightUpdateGroup:
     timeout_s: float
     pg: dist.ProcessGroup | None
     broken_reason: str | None = None
+    #: Broadcasts posted and not yet seen to complete (a failed or timed-out wait leaves one posted).
+    outstanding: int = 0
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
@@ -93,10 +95,13 @@ class WeightUpdateGroup:
     def broadcast_async(self, tensor: torch.Tensor) -> dist.Work:
         pg = self.require_usable()
         try:
-            return dist.broadcast(tensor, src=0, group=pg, async_op=True)
+            work = dist.broadcast(tensor, src=0, group=pg, async_op=True)
         except Exception as exc:
             self.mark_broken(f"broadcast failed: {exc}")
             raise GroupError(f"broadcast on group {self.name!r} failed: {exc}") from exc
+        with self._lock:
+            self.outstanding += 1
+        return work
 
     def wait(self, work: dist.Work, timeout_s: float) -> None:
         try:
@@ -107,18 +112,24 @@ class WeightUpdateGroup:
         if ok is False:
             self.mark_broken(f"broadcast did not finish within {timeout_s:.1f}s")
             raise GroupError(f"broadcast on group {self.name!r} did not finish within {timeout_s:.1f}s")
+        with self._lock:
+            self.outstanding -= 1
 
     def destroy(self) -> None:
-        """Leave the group; idempotent."""
+        """Leave the group; idempotent, and prompt even while a broadcast is still posted."""
         with self._lock:
-            pg, self.pg = self.pg, None
-        if pg is None:
+            # Held only through this list, so that the last reference drops where we decide.
+            holder, self.pg = [self.pg], None
+            posted = self.outstanding > 0
+        if holder[0] is None:
             return
         try:
-            dist.destroy_process_group(pg)
+            dist.destroy_process_group(holder[0])
         except Exception as exc:  # a broken group may fail to shut down cleanly; it is gone either way
             log.warning("destroying weight-update group %r: %s", self.name, exc)
-            _forget(pg)
+            _forget(holder[0])
+        if posted:
+            _release_later(holder, self.name)
 
 
 def init_weight_update_group(
@@ -279,6 +290,19 @@ def _short(exc: BaseException, limit: int = 400) -> str:
     text = str(exc).split("Exception raised from", 1)[0]
     text = " ".join(text.split()) or type(exc).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _release_later(holder: list[dist.ProcessGroup], name: str) -> None:
+    """Drop the last reference to a group (the only item of ``holder``) on a daemon thread.
+
+    torch's destructor of a gloo group joins its I/O threads, so it waits for
+    any broadcast still posted on it (until its data arrives, the peer leaves or
+    the group's timeout passes). A receive abandoned by an abort or a timeout
+    must not hold up ``destroy`` (an HTTP call, or shutdown): that wait happens
+    here. Only then: a group with nothing posted is released at once, in the
+    caller, so that no destructor is left running when the process exits.
+    """
+    threading.Thread(target=holder.clear, name=f"release-{name}", daemon=True).start()
 
 
 def _forget(pg: dist.ProcessGroup) -> None:

@@ -121,6 +121,7 @@ class BucketReceiver:
         self._running = threading.Event()
         self._finished = threading.Event()
         self._cancelled: str | None = None
+        self._apply_overran = False
         self._staged: list[torch.Tensor] = []
         self._thread: threading.Thread | None = None
         self._started_at = 0.0
@@ -153,15 +154,21 @@ class BucketReceiver:
             )
         return self.outcome()
 
-    def cancel(self, reason: str) -> None:
-        """Fail the receive now. A broadcast already posted cannot be withdrawn, so the
-        group is marked broken; the thread exits at its next step or its deadline."""
+    def cancel(self, reason: str, *, broken_reason: str | None = None) -> bool:
+        """Fail the receive now; ``False`` if it had already finished.
+
+        A broadcast already posted cannot be withdrawn, so the group is marked
+        broken (with ``broken_reason`` when given); the thread exits at its next
+        step or its deadline, and a bucket that still lands is dropped.
+        """
         with self._lock:
             if self.state.finished:
-                return
+                return False
             self._cancelled = reason
             self._fail_locked(reason)
-        self.group.mark_broken(f"a weight update was cancelled: {reason}")
+            self._staged = []
+        self.group.mark_broken(broken_reason or f"a weight update was cancelled: {reason}")
+        return True
 
     def outcome(self) -> ReceiveOutcome:
         with self._lock:
@@ -197,6 +204,7 @@ class BucketReceiver:
         pending: dict[int, Future[object]] = {}
         scratch: torch.Tensor | None = None
         apply_error: str | None = None
+        reusable = False  # set once no broadcast can still be writing into the buffers
         try:
             buffers = pool.lease(biggest, count, self.device)
             self._set_state(ReceiveState.RECEIVING)
@@ -215,6 +223,7 @@ class BucketReceiver:
                         scratch = allocate_bytes(biggest, self.device)
                     buffer = scratch
                 self._receive(buffer, layout, index)
+                self._check_cancelled()  # a bucket that lands after cancel() is neither staged nor applied
                 with self._lock:
                     self.buckets_received += 1
                     self.bytes_received += layout.total_bytes
@@ -223,12 +232,14 @@ class BucketReceiver:
                 elif apply_error is None:
                     pending[index] = self._apply(index, unpack(buffer, layout))  # type: ignore[misc]
             if self.atomic:
+                reusable = True
                 self._finish(ReceiveState.STAGED)
                 return
             self._set_state(ReceiveState.DRAINING)
             for index in sorted(pending):
                 err = self._settle(index, pending.pop(index))
                 apply_error = apply_error or err
+            reusable = not self._apply_overran
             if apply_error is not None:
                 self._finish(ReceiveState.FAILED, apply_error)
             else:
@@ -240,8 +251,10 @@ class BucketReceiver:
             self.group.mark_broken(f"receive loop crashed: {exc}")
             self._finish(ReceiveState.FAILED, f"receive loop crashed: {type(exc).__name__}: {exc}")
         finally:
-            # Only now can no broadcast write into them any more.
-            pool.give_back(buffers)
+            # After a failed or abandoned broadcast torch may still complete it later (gloo
+            # keeps it posted until its own timeout): such buffers are dropped, never reused.
+            if reusable:
+                pool.give_back(buffers)
             self._running.set()
             self._finished.set()
 
@@ -262,6 +275,7 @@ class BucketReceiver:
         try:
             future.result(timeout=max(self._deadline - time.monotonic(), 0.0))
         except FutureTimeout:
+            self._apply_overran = True  # it may still read its buffer
             return f"applying bucket {index + 1} did not finish before the update's deadline"
         except Exception as exc:
             return f"applying bucket {index + 1} failed: {exc}"
@@ -312,7 +326,9 @@ class ReceiveBuffers:
     buffers; allocating them afresh would make each update pay for new pages
     (large host allocations are fresh ``mmap`` s, zeroed by the kernel on first
     touch). A lease is exclusive: a receive thread still blocked in a cancelled
-    broadcast keeps its buffers, and a later update gets new ones.
+    broadcast keeps its buffers, and a later update gets new ones; buffers of a
+    failed receive are never given back (a broadcast posted into them may still
+    complete).
     """
 
     def __init__(self) -> None:

@@ -20,6 +20,15 @@ The HTTP handlers call one method each; all policy lives here:
   with a rollback copy of exactly the tensors it overwrites, so a failure keeps
   the old weights bit for bit and generation may continue.
 * The visible ``weight_version`` changes only after a successful apply.
+* **Abort** (``/abort_weights_update``): drops a prepared update that the
+  trainer will not broadcast. A broadcast already posted cannot be withdrawn,
+  so if the receive was still waiting the group is marked broken ("a prepared
+  receive was aborted") and every later prepare or update on it is refused
+  until it is destroyed and re-initialized; the receive thread drops whatever
+  still lands and ends by its deadline at the latest. Nothing applied yet (the
+  normal case): success, weights and version untouched, generation as before
+  the prepare. Buckets already applied (streaming, trainer already sending):
+  failure with ``weights_partial``, and the worker stays paused.
 * Single phase (SGLang's call): one bucket, staged and applied in one step. A
   refusal there cannot stop a trainer that broadcasts right after its HTTP
   call (slime does); its broadcast then waits until the trainer's own timeout.
@@ -29,15 +38,18 @@ The HTTP handlers call one method each; all policy lives here:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
 
 from router.protocol.weight_sync import (
+    AbortWeightsUpdateRequest,
+    AbortWeightsUpdateResponse,
     CompleteWeightsUpdateRequest,
     CompleteWeightsUpdateResponse,
     DestroyWeightsUpdateGroupRequest,
@@ -48,6 +60,7 @@ from router.protocol.weight_sync import (
     UpdateWeightsFromDistributedRequest,
     WeightSyncResponse,
 )
+from worker.stage import AdminBusy
 from worker.transfer.applier import ModelApplier
 from worker.transfer.flat_bucket import NamedTensors
 from worker.transfer.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
@@ -62,6 +75,9 @@ log = logging.getLogger(__name__)
 DEFAULT_RECEIVE_TIMEOUT_S = 600.0
 #: Scheduler-thread steps (checks, a bucket's copy) are short; this only guards a stuck thread.
 SCHEDULER_STEP_TIMEOUT_S = 120.0
+#: How long an abort waits for another weight-sync call on this worker before answering 503.
+ABORT_WAIT_S = 10.0
+ABORTED = "a prepared receive was aborted"
 PARTIAL_NOTE = " The full weights of the ModelRunner are partially updated. Please discard the whole weights."
 
 
@@ -84,7 +100,7 @@ class _Update:
 
 
 class WeightSyncController:
-    """Per-worker weight-sync state behind the five weight-sync routes."""
+    """Per-worker weight-sync state behind the six weight-sync routes."""
 
     def __init__(self, coordinator: "Coordinator", *, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
                  receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S):
@@ -200,6 +216,42 @@ class WeightSyncController:
                 response.rank_checksums = [RankChecksum(rank=0, checksum=result.checksum)]
             return response
 
+    async def abort(self, req: AbortWeightsUpdateRequest) -> AbortWeightsUpdateResponse:
+        """Drop the prepared update of ``req.group_name`` (see the module docstring)."""
+        async with self._exclusive("abort_weights_update", ABORT_WAIT_S):
+            update = self._update
+            if update is None or update.group.name != req.group_name:
+                other = f" (the prepared one is for group {update.group.name!r})" if update is not None else ""
+                return AbortWeightsUpdateResponse(
+                    success=False, weights_partial=bool(self.coordinator.worker.weights_partial),
+                    message=f"no prepared weight update for group {req.group_name!r} to abort{other}",
+                )
+            self._update = None
+            update.failed.set()  # bucket applies not yet run are refused from here on
+            update.receiver.cancel(ABORTED, broken_reason=ABORTED)
+            update.receiver.release()
+            outcome = update.receiver.outcome()
+            async with self.coordinator.admin_section("update_weights_from_distributed", SCHEDULER_STEP_TIMEOUT_S):
+                applied, partial_now = await self._on_scheduler(
+                    partial(self.applier.after_abort, resume=update.paused_by_update)
+                )
+        group = update.group
+        group_note = _group_note(group)
+        if applied:
+            return AbortWeightsUpdateResponse(
+                success=False, weights_partial=partial_now,
+                message=f"Aborted the weight update for group {group.name!r}, but {applied} bucket(s) had already been "
+                        "applied: the weights are partially updated; the worker stays paused and serves nothing until a "
+                        f"full update or a reload from disk replaces them.{group_note}",
+            )
+        earlier = " The weights were already partially updated by an earlier failed update." if partial_now else ""
+        return AbortWeightsUpdateResponse(
+            success=True, weights_partial=partial_now,
+            message=f"Dropped the prepared weight update for group {group.name!r} ({outcome.buckets_received} of "
+                    f"{outcome.buckets_expected} bucket(s) received, none applied); weights and weight_version "
+                    f"unchanged.{earlier}{group_note}",
+        )
+
     # -- single phase --------------------------------------------------------------------------
 
     async def update_from_distributed(self, req: UpdateWeightsFromDistributedRequest) -> WeightSyncResponse:
@@ -252,7 +304,7 @@ class WeightSyncController:
         model = self.coordinator.worker.model
         try:
             layouts = validate_buckets(buckets, model.checkpoint_spec(), flattened=flattened,
-                                       is_ignored=model.weight_map.is_ignored)
+                                       is_ignored=model.is_ignored_weight)
         except MetadataError as exc:
             raise _Refused(str(exc)) from None
         timeout = timeout_s or self.receive_timeout_s
@@ -284,6 +336,20 @@ class WeightSyncController:
     async def _on_scheduler(self, fn: Any) -> Any:
         return await self.coordinator.run_on_scheduler(fn, SCHEDULER_STEP_TIMEOUT_S, action="weight_sync")
 
+    @contextlib.asynccontextmanager
+    async def _exclusive(self, action: str, wait_s: float) -> AsyncIterator[None]:
+        """This controller's lock, waited for at most ``wait_s`` (then :class:`AdminBusy`, a 503)."""
+        try:
+            await asyncio.wait_for(self._lock.acquire(), wait_s)
+        except asyncio.TimeoutError:
+            raise AdminBusy(
+                f"{action}: another weight-sync call (a complete or a single-phase update) is still running on this worker"
+            ) from None
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     async def _in_thread(self, fn: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
 
@@ -301,6 +367,16 @@ class WeightSyncController:
 
 class _Refused(Exception):
     """An update refused before any receive was posted."""
+
+
+def _group_note(group: WeightUpdateGroup) -> str:
+    """What the caller must do with ``group`` before the next update, if anything."""
+    if group.pg is None:
+        return f" Group {group.name!r} was destroyed: call /init_weights_update_group before the next update."
+    if group.broken_reason is not None:
+        return (f" Group {group.name!r} is out of step with the trainer ({group.broken_reason}): destroy it and call "
+                "/init_weights_update_group again before the next update.")
+    return ""
 
 
 def _fail(message: str) -> WeightSyncResponse:
