@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
 import torch
 
 from router.protocol.bucket_layout import BucketLayout, aligned_order
+from worker.model.digest import digest_named_tensors
 from worker.transfer.flat_bucket import dtype_name, pack
 from worker.transfer.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
 
@@ -95,6 +96,10 @@ class BucketPlan:
     @property
     def max_bucket_bytes(self) -> int:
         return max((b.total_bytes for b in self.buckets), default=0)
+
+    def bucket(self, index: int) -> "BucketPlan":
+        """A plan holding only bucket ``index`` (for callers that send bucket by bucket)."""
+        return BucketPlan(buckets=(self.buckets[index],), budget_bytes=self.budget_bytes)
 
     def metadata(self) -> list[dict[str, Any]]:
         """The ``buckets`` field of a prepare request."""
@@ -268,6 +273,13 @@ class TrainerWeightSender:
             raise ValueError(f"unknown load_format {load_format!r}; expected None or 'flattened_bucket'")
         return SendStats(len(plan.buckets), plan.num_tensors, plan.total_bytes, time.perf_counter() - started)
 
+    def send_bucket(
+        self, plan: BucketPlan, index: int, tensors: Mapping[str, torch.Tensor], *, load_format: str | None = None
+    ) -> SendStats:
+        """Broadcast bucket ``index`` of ``plan`` alone: the ``broadcast(i)`` callback that
+        :meth:`router.client.RouterClient.sync_weights` expects."""
+        return self.send(plan.bucket(index), tensors, load_format=load_format)
+
     def update_two_phase(
         self,
         plan: BucketPlan,
@@ -360,14 +372,10 @@ class TrainerWeightSender:
         return done
 
 
-def sent_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str | None:
-    """The per-rank checksum of ``named`` in the weights-checker scheme, or ``None``
-    when ``worker.model.digest`` is not importable here."""
-    try:
-        from worker.model.digest import rank_checksum, tensor_digest
-    except ImportError:
-        return None
-    return rank_checksum({name: tensor_digest(name, t) for name, t in named})
+def sent_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The per-rank checksum of ``named`` in the weights-checker scheme: what every
+    worker reports once it holds exactly these tensors."""
+    return digest_named_tensors(named)[1]
 
 
 def _contiguous(tensors: Mapping[str, torch.Tensor], name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
