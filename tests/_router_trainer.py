@@ -1,4 +1,5 @@
-"""A trainer process that syncs weights through the router (used by test_router_sync).
+"""A trainer process that syncs weights through the router (used by test_router_sync
+and test_client_recovery).
 
     python -m tests._router_trainer CONFIG_JSON
 
@@ -6,10 +7,19 @@ Loads the tiny checkpoint, and for each configured step perturbs every tensor,
 then runs ``RouterClient.sync_weights`` (group init on the first step, pause,
 prepare/broadcast/complete or the single-phase calls, verify, continue) with
 the transfer package's sender doing the broadcasts. Writes a JSON report.
+
+A step is ``[protocol, load_format]`` or ``[protocol, load_format, options]``;
+options: ``atomic`` (two-phase mode) and ``fail_at_bucket`` (the broadcast
+callable raises instead of sending that bucket). A step with ``fail_at_bucket``
+is expected to fail: its :class:`SyncError` is recorded in the step's entry,
+followed by what the router says right after (``after_failure``), and the
+next step goes on with the same client. ``"client": "async"`` in the config
+runs every sync through one :class:`AsyncRouterClient` instead.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import sys
@@ -17,9 +27,39 @@ import traceback
 
 import torch
 
-from router.client import GroupSpec, RouterClient, SyncError
+from router.client import AsyncRouterClient, GroupSpec, RouterCallError, RouterClient, SyncError, SyncReport
 from worker.model.checkpoint import read_checkpoint
 from worker.transfer.sender import BucketPlan, TrainerWeightSender, sent_checksum
+
+#: Short enough that a router still holding its admin lock answers 503 before this expires.
+PROBE_TIMEOUT_S = 20
+
+
+class InjectedFailure(RuntimeError):
+    """The broadcast callable's planned failure."""
+
+
+def after_failure(client: RouterClient | AsyncRouterClient) -> dict:
+    """The router's state right after a failed sync: is its admin lock free, is anything fenced?"""
+    probe = RouterClient(client.url, admin_key=client.admin_key, timeout_s=PROBE_TIMEOUT_S)
+    try:
+        probe.pause_generation()
+        pause: dict = {"status": 200}
+    except RouterCallError as exc:
+        pause = {"status": exc.status, "message": exc.message}
+    return {
+        "joined_groups": sorted(client.joined_groups),
+        "pause": pause,
+        "journal_pending": probe.update_journal().get("pending"),
+        "disabled": [w["url"] for w in probe.list_workers()["workers"] if w["disabled"]],
+        "checksums": probe.weights_checker("checksum").get("rank_checksums"),
+    }
+
+
+def sync(client: RouterClient | AsyncRouterClient, **options: object) -> SyncReport:
+    if isinstance(client, AsyncRouterClient):
+        return asyncio.run(client.sync_weights(**options))  # type: ignore[arg-type]
+    return client.sync_weights(**options)  # type: ignore[arg-type]
 
 
 def main(cfg: dict) -> dict:
@@ -28,30 +68,49 @@ def main(cfg: dict) -> dict:
     plan = BucketPlan.from_named_tensors(tensors, budget_bytes=cfg["bucket_bytes"])
     world = client.get_world_size()["world_size"] + 1
     sender = TrainerWeightSender(master_port=cfg["port"], world_size=world, timeout_s=60)
-    group = GroupSpec(master_address="127.0.0.1", master_port=cfg["port"], join=lambda _world: sender.join(), timeout_s=60)
+    group = GroupSpec(
+        master_address="127.0.0.1", master_port=cfg["port"], join=lambda _world: sender.join(), leave=sender.close, timeout_s=60
+    )
     report: dict = {"world_size": world, "num_buckets": len(plan.buckets), "steps": []}
+    syncing: RouterClient | AsyncRouterClient = client
+    if cfg.get("client") == "async":
+        syncing = AsyncRouterClient(cfg["router"], admin_key=cfg["admin_key"], timeout_s=60)
     try:
-        for step, (protocol, fmt) in enumerate(cfg["steps"]):
+        for step, (protocol, fmt, *more) in enumerate(cfg["steps"]):
+            options = more[0] if more else {}
+            fail_at = options.get("fail_at_bucket")
             with torch.no_grad():
                 for t in tensors.values():
                     t.add_(0.001 * (step + 1))
             expected = sent_checksum(tensors.items())
 
-            def broadcast(i: int, fmt=fmt) -> None:
+            def broadcast(i: int, fmt=fmt, fail_at=fail_at) -> None:
+                if i == fail_at:
+                    raise InjectedFailure(f"the trainer failed before sending bucket {i}")
                 sender.send(BucketPlan((plan.buckets[i],), plan.budget_bytes), tensors, load_format=fmt)
 
             stages: list[str] = []
-            result = client.sync_weights(
-                buckets=plan.metadata(), broadcast=broadcast, group=group, protocol=protocol, load_format=fmt,
-                weight_version=f"step-{step}", expected_checksum=expected, timeout_s=60,
-                progress=lambda stage, info: stages.append(stage) if info.get("state") == "done" else None,
-            )  # fmt: skip
+            try:
+                result = sync(
+                    syncing, buckets=plan.metadata(), broadcast=broadcast, group=group, protocol=protocol, load_format=fmt,
+                    weight_version=f"step-{step}", expected_checksum=expected, timeout_s=60, atomic=options.get("atomic"),
+                    progress=lambda stage, info: stages.append(stage) if info.get("state") == "done" else None,
+                )  # fmt: skip
+            except SyncError as exc:
+                if fail_at is None:
+                    raise
+                report["steps"].append({
+                    "failed": {"stage": exc.stage, "weights_uncertain": exc.weights_uncertain, "message": str(exc),
+                               "cause": type(exc.cause).__name__, "recovery": exc.recovery},
+                    "stages": stages, "after_failure": after_failure(syncing),
+                })  # fmt: skip
+                continue
             entry = dataclasses.asdict(result)
             entry.update(expected=expected, stages=stages)
             report["steps"].append(entry)
         client.destroy_weights_update_group()
     except SyncError as exc:
-        report["error"] = {"stage": exc.stage, "message": str(exc), "results": exc.results}
+        report["error"] = {"stage": exc.stage, "message": str(exc), "results": exc.results, "recovery": exc.recovery}
     except Exception:  # noqa: BLE001 - reported to the test
         report["error"] = {"stage": "?", "message": traceback.format_exc()}
     finally:

@@ -18,10 +18,12 @@ class AsyncRouterClient(RouterCalls):
     """Like :class:`RouterClient`, but every call is awaited. Use as ``async with``."""
 
     def __init__(self, url: str, *, admin_key: str | None = None, timeout_s: float = 120.0):
-        self.url = url.rstrip("/")
-        self.admin_key = admin_key
-        self.timeout_s = timeout_s
+        super().__init__(url, admin_key=admin_key, timeout_s=timeout_s)
         self._session: aiohttp.ClientSession | None = None
+        # sync_weights runs the blocking cycle; one client for every sync, sharing
+        # ``joined_groups``, so a joined group is initialized once, not once per sync.
+        self._blocking = RouterClient(self.url, admin_key=admin_key, timeout_s=timeout_s)
+        self._blocking.joined_groups = self.joined_groups
 
     async def __aenter__(self) -> "AsyncRouterClient":
         return self
@@ -47,5 +49,5 @@ class AsyncRouterClient(RouterCalls):
         return decode_response(method, path, status, raw)
 
     async def sync_weights(self, *, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None], **options: Any) -> SyncReport:
-        blocking = RouterClient(self.url, admin_key=self.admin_key, timeout_s=self.timeout_s)
-        return await asyncio.to_thread(blocking.sync_weights, buckets=buckets, broadcast=broadcast, **options)
+        """:meth:`RouterClient.sync_weights` on a thread (``broadcast`` and ``join`` run there too)."""
+        return await asyncio.to_thread(self._blocking.sync_weights, buckets=buckets, broadcast=broadcast, **options)

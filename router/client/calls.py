@@ -67,9 +67,23 @@ def _drop_none(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class RouterCalls:
-    """The router's HTTP surface as methods (transport supplied by the subclass)."""
+    """The router's HTTP surface as methods (transport supplied by the subclass).
 
-    admin_key: str | None = None
+    Args:
+        url: the router's base URL (a trailing ``/`` is dropped).
+        admin_key: sent as ``Authorization: Bearer`` on every call.
+        timeout_s: the HTTP timeout of a call that does not set its own.
+    """
+
+    def __init__(self, url: str, *, admin_key: str | None = None, timeout_s: float = 120.0):
+        self.url = url.rstrip("/")
+        self.admin_key = admin_key
+        self.timeout_s = timeout_s
+        self.joined_groups: set[str] = set()
+        """Names of the weight-update groups this trainer has joined as rank 0 through this
+        client. ``sync_weights`` initializes a group not in it (asking the router for ranks,
+        calling ``GroupSpec.join``) and removes a group whose sync failed after it was
+        joined, so that the next sync rebuilds it."""
 
     def headers(self) -> dict[str, str]:
         """Headers for every call: JSON, and the admin key as ``Authorization: Bearer``."""

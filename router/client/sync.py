@@ -12,12 +12,7 @@ from router.client.weight_sync import SyncReport, WeightSync
 
 
 class RouterClient(RouterCalls):
-    """Talk to one router URL. ``admin_key`` is sent as ``Authorization: Bearer``."""
-
-    def __init__(self, url: str, *, admin_key: str | None = None, timeout_s: float = 120.0):
-        self.url = url.rstrip("/")
-        self.admin_key = admin_key
-        self.timeout_s = timeout_s
+    """Talk to one router URL, blocking. Constructor arguments: see :class:`RouterCalls`."""
 
     def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()

@@ -12,9 +12,22 @@ the same time (group init, single-phase updates) run on a helper thread.
 Failure handling, by stage:
 - init, pause or prepare fails: no weights changed; generation is resumed
   (if it was paused) and :class:`SyncError` is raised.
-- broadcast, complete or verify fails: the fleet's weights are uncertain; the
-  router keeps the workers disabled, generation stays paused, and
-  :class:`SyncError` carries the per-worker results.
+- broadcast, complete or verify fails: the fleet's weights are uncertain;
+  generation stays paused, the router keeps disabled every worker that cannot
+  vouch for its weights (an atomic update dropped before complete changes
+  nothing, so those workers come back), and :class:`SyncError` carries the
+  per-worker results.
+
+A failure at prepare, broadcast or complete also leaves the group out of
+lockstep (a worker whose prepared receive was dropped, or that missed part of a
+broadcast, refuses the group from then on), so the group is rebuilt: an update
+session the router may still hold (broadcast failed after a ready prepare) is
+ended with ``/abort_weights_update`` rather than left to expire with the admin
+lock held; the workers leave the group (``/destroy_weights_update_group``); the
+trainer leaves it (``GroupSpec.leave``); and the client forgets it, so the next
+sync initializes it again. Each of these is best effort; what was done is in
+:attr:`SyncError.recovery` and the log. Verify and continue failures keep the
+group: every broadcast matched.
 """
 
 from __future__ import annotations
@@ -23,6 +36,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Callable, Literal, Sequence
 
 from router.client.calls import RouterCallError, RouterCalls
@@ -40,12 +54,21 @@ class SyncError(RuntimeError):
         self.cause = cause
         self.weights_uncertain = weights_uncertain
         self.results: list[dict[str, Any]] = cause.results if isinstance(cause, RouterCallError) else []
+        self.recovery: dict[str, str] = {}
+        """What the client did to the group after this failure, step -> outcome
+        (``abort_weights_update``, ``destroy_weights_update_group``, ``leave``); empty when nothing."""
         super().__init__(f"weight sync failed at {stage}: {message}")
 
 
 @dataclass
 class GroupSpec:
-    """Where the weight-update group meets, and how the trainer joins it as rank 0."""
+    """Where the weight-update group meets, and how the trainer joins and leaves it as rank 0.
+
+    ``join(world_size)`` is called whenever the group is (re)initialized: on the
+    first sync, and on the sync after one that failed past the join. ``leave()``
+    closes the trainer's side (e.g. ``TrainerWeightSender.close``) when such a
+    failure tears the group down, so that the next ``join`` starts clean.
+    """
 
     master_address: str
     master_port: int
@@ -53,6 +76,7 @@ class GroupSpec:
     group_name: str = "weight_update_group"
     backend: str | None = None
     timeout_s: float | None = None
+    leave: Callable[[], None] | None = None
 
 
 @dataclass
@@ -91,7 +115,8 @@ def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]
 
 
 class WeightSync:
-    """One configured sync; :meth:`run` performs it. Group init is remembered per client."""
+    """One configured sync; :meth:`run` performs it. Joined groups are remembered per client
+    (``client.joined_groups``)."""
 
     def __init__(
         self,
@@ -123,6 +148,9 @@ class WeightSync:
         self.progress = progress or _log_progress
         self._stages: dict[str, float] = {}
         self._group_init: Any = None
+        # From a ready prepare until the router has answered complete: the router
+        # holds an update session (and its admin lock) for this group.
+        self._session_open = False
 
     # ------------------------------------------------------------------ stages
 
@@ -142,8 +170,8 @@ class WeightSync:
         return value
 
     def ensure_group(self) -> int | None:
-        ready: set[str] = self.client.__dict__.setdefault("_ready_groups", set())
-        if self.group.group_name in ready:
+        joined = self.client.joined_groups
+        if self.group.group_name in joined:
             return None
         world = int(self.client.get_world_size()["world_size"]) + 1
         g = self.group
@@ -161,7 +189,7 @@ class WeightSync:
         if thread.is_alive():
             raise TimeoutError("router did not answer /init_weights_update_group in time")
         self._group_init = box.get("value")
-        ready.add(g.group_name)
+        joined.add(g.group_name)
         return world
 
     def _single_phase(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> None:
@@ -192,32 +220,13 @@ class WeightSync:
         start = time.perf_counter()
         world = self._stage("init_group", self.ensure_group, uncertain=False)
         self._stage("pause", lambda: self.client.pause_generation(self.pause_mode), uncertain=False)
-        complete: Any = None
         try:
-            if self.protocol == "two_phase":
-                self._stage(
-                    "prepare",
-                    lambda: self.client.prepare_weights_update(
-                        buckets, group_name=self.group.group_name, load_format=self.load_format,
-                        weight_version=self.weight_version, atomic=self.atomic, timeout_s=self.timeout_s,
-                    ),
-                    uncertain=False,
-                )  # fmt: skip
-        except SyncError:
-            self._resume_after_clean_failure()
+            complete = self._update(buckets, broadcast)
+        except SyncError as exc:
+            self._rebuild_group_after(exc)
+            if not exc.weights_uncertain:
+                self._resume_after_clean_failure()
             raise
-        if self.protocol == "two_phase":
-            self._stage("broadcast", lambda: self._two_phase_send(len(buckets), broadcast), uncertain=True)
-            complete = self._stage(
-                "complete",
-                lambda: self.client.complete_weights_update(
-                    group_name=self.group.group_name, weight_version=self.weight_version,
-                    return_checksum=self.verify or None, timeout_s=self.timeout_s,
-                ),
-                uncertain=True,
-            )
-        else:
-            self._stage("broadcast", lambda: self._single_phase(buckets, broadcast), uncertain=True)
         report = SyncReport(
             protocol=self.protocol, num_buckets=len(buckets), weight_version=self.weight_version,
             world_size=world, seconds=0.0, stage_seconds=self._stages, group_init=self._group_init,
@@ -229,6 +238,51 @@ class WeightSync:
         self._stage("continue", self.client.continue_generation, uncertain=True)
         report.seconds = round(time.perf_counter() - start, 4)
         return report
+
+    def _update(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> Any:
+        """prepare -> broadcast -> complete (two phase; returns complete's answer) or the single-phase calls."""
+        if self.protocol == "single_phase":
+            self._stage("broadcast", lambda: self._single_phase(buckets, broadcast), uncertain=True)
+            return None
+        prepare = partial(
+            self.client.prepare_weights_update, buckets, group_name=self.group.group_name,
+            load_format=self.load_format, weight_version=self.weight_version, atomic=self.atomic, timeout_s=self.timeout_s,
+        )  # fmt: skip
+        self._stage("prepare", lambda: self._session_call(prepare, opens=True), uncertain=False)
+        self._stage("broadcast", lambda: self._two_phase_send(len(buckets), broadcast), uncertain=True)
+        complete = partial(
+            self.client.complete_weights_update, group_name=self.group.group_name,
+            weight_version=self.weight_version, return_checksum=self.verify or None, timeout_s=self.timeout_s,
+        )  # fmt: skip
+        return self._stage("complete", lambda: self._session_call(complete, opens=False), uncertain=True)
+
+    def _session_call(self, call: Callable[[], Any], *, opens: bool) -> Any:
+        """Prepare (``opens``) or complete, tracking whether the router may hold an update session."""
+        try:
+            answer = call()
+        except RouterCallError as exc:
+            # An answer means the router decided: a failed prepare releases everything,
+            # and complete ends the session whatever its outcome. No answer (refused,
+            # timed out) leaves it unknown: the session may be open.
+            self._session_open = exc.status is None
+            raise
+        self._session_open = opens
+        return answer
+
+    def _rebuild_group_after(self, error: SyncError) -> None:
+        """End the router's session, have everyone leave the group, forget it (best effort, recorded)."""
+        g, done = self.group, error.recovery
+        if self._session_open:
+            done["abort_weights_update"] = _attempt(lambda: self.client.abort_weights_update(g.group_name))
+            self._session_open = False
+        done["destroy_weights_update_group"] = _attempt(lambda: self.client.destroy_weights_update_group(g.group_name))
+        if g.leave is not None:
+            done["leave"] = _attempt(g.leave)
+        self.client.joined_groups.discard(g.group_name)
+        log.warning(
+            "weight sync failed at %s; group %r torn down, the next sync initializes it again: %s",
+            error.stage, g.group_name, done,
+        )  # fmt: skip
 
     def _verify(self, report: SyncReport) -> None:
         checked = self.client.weights_checker("checksum")
@@ -249,3 +303,15 @@ class WeightSync:
             self.client.continue_generation()
         except RouterCallError as exc:
             log.warning("could not resume generation after a failed sync: %s", exc)
+
+
+def _attempt(fn: Callable[[], Any]) -> str:
+    """Run one clean-up step; its outcome as a line, never an exception (the sync's error is what counts)."""
+    try:
+        answer = fn()
+    except RouterCallError as exc:
+        return f"failed: {exc}"
+    except Exception as exc:  # noqa: BLE001 - the caller's leave; recorded, not raised
+        return f"failed: {type(exc).__name__}: {exc}"
+    message = answer.get("message") if isinstance(answer, dict) else None
+    return f"ok: {message}" if message and message != "ok" else "ok"

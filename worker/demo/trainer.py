@@ -83,22 +83,31 @@ class Trainer:
         self.target_ids = policy.tokenizer.encode(target)
         self.timeout_s = timeout_s
         self.plan = BucketPlan.from_named_tensors(policy.tensors, budget_bytes=bucket_bytes)
-        self._bucket_plans = [BucketPlan((b,), self.plan.budget_bytes) for b in self.plan.buckets]
-        self.group = GroupSpec(master_address="127.0.0.1", master_port=group_port, join=self._join, timeout_s=timeout_s)
+        self.group = GroupSpec(
+            master_address="127.0.0.1", master_port=group_port, join=self._join, leave=self._leave, timeout_s=timeout_s
+        )
         self.sender: TrainerWeightSender | None = None
 
     def _join(self, world_size: int) -> None:
         # The world size comes from the router (1 + every worker's ranks), so the
-        # sender can only be built once the first sync has asked for it.
+        # sender is built when a sync asks for it: the first one, and the one after
+        # a failed sync that tore the group down.
+        self._leave()
         self.sender = TrainerWeightSender(
             master_address=self.group.master_address, master_port=self.group.master_port,
             world_size=world_size, group_name=self.group.group_name, timeout_s=self.timeout_s,
         )  # fmt: skip
         self.sender.join()
 
+    def _leave(self) -> None:
+        """Close the trainer's side of the group (idempotent)."""
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+
     def _broadcast(self, index: int) -> None:
         assert self.sender is not None, "the group is joined before the first broadcast"
-        self.sender.send(self._bucket_plans[index], self.policy.tensors, load_format=LOAD_FORMAT)
+        self.sender.send_bucket(self.plan, index, self.policy.tensors, load_format=LOAD_FORMAT)
 
     def rollouts(self, n: int) -> list[Rollout]:
         """``n`` greedy rollouts of the prompt (round-robin across the workers)."""
@@ -129,8 +138,7 @@ class Trainer:
                 self.client.destroy_weights_update_group(self.group.group_name)
             except RouterCallError as exc:
                 print(f"note: destroy_weights_update_group failed: {exc}")
-        self.sender.close()
-        self.sender = None
+        self._leave()
 
 
 def _quiet(stage: str, info: dict) -> None:
