@@ -52,6 +52,15 @@ def admin_handler(fn: Handler) -> Handler:
     return wrapper
 
 
+async def _exclusive(request: web.Request, action: str, op: Callable[..., Any], req: Any, **extra: Any) -> web.Response:
+    """Run a state-changing admin op inside the coordinator's admin section, so it
+    cannot interleave with another one (a weight update, a memory release)."""
+    coord = request.app[COORDINATOR]
+    async with coord.admin_section(action):
+        result = await coord.admin(action, functools.partial(op, req=req))
+    return admin_response(result, **extra)
+
+
 def admin_response(result: StageResult, **extra: Any) -> web.Response:
     body = result.body(**extra)
     if not result.success:
@@ -89,10 +98,7 @@ async def server_info(request: web.Request) -> web.Response:
 @admin_handler
 async def update_weight_version(request: web.Request) -> web.Response:
     req = await parse_body(request, UpdateWeightVersionRequest, allow_empty=False)
-    coord = request.app[COORDINATOR]
-    async with coord.admin_section("update_weight_version"):
-        result = await coord.admin("update_weight_version", functools.partial(admin_ops.update_weight_version, req=req))
-    return admin_response(result)
+    return await _exclusive(request, "update_weight_version", admin_ops.update_weight_version, req)
 
 
 # -- pause / continue / abort / flush ------------------------------------------------------
@@ -108,10 +114,7 @@ async def pause_generation(request: web.Request) -> web.Response:
 @admin_handler
 async def continue_generation(request: web.Request) -> web.Response:
     req = await parse_body(request, ContinueRequest)
-    coord = request.app[COORDINATOR]
-    async with coord.admin_section("continue_generation"):
-        result = await coord.admin("continue_generation", functools.partial(admin_ops.continue_generation, req=req))
-    return admin_response(result, status="ok")
+    return await _exclusive(request, "continue_generation", admin_ops.continue_generation, req, status="ok")
 
 
 @admin_handler
@@ -185,19 +188,13 @@ async def release_memory_occupation(request: web.Request) -> web.Response:
     """Refused while requests are active. Released weights are kept in a host
     copy and restored by resume (SGLang drops their contents)."""
     req = await parse_body(request, MemoryOccupationRequest)
-    coord = request.app[COORDINATOR]
-    async with coord.admin_section("release_memory_occupation"):
-        result = await coord.admin("release_memory_occupation", functools.partial(admin_ops.release_memory, req=req))
-    return admin_response(result)
+    return await _exclusive(request, "release_memory_occupation", admin_ops.release_memory, req)
 
 
 @admin_handler
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     req = await parse_body(request, MemoryOccupationRequest)
-    coord = request.app[COORDINATOR]
-    async with coord.admin_section("resume_memory_occupation"):
-        result = await coord.admin("resume_memory_occupation", functools.partial(admin_ops.resume_memory, req=req))
-    return admin_response(result)
+    return await _exclusive(request, "resume_memory_occupation", admin_ops.resume_memory, req)
 
 
 def _get_post(path: str, handler: Handler) -> list[web.RouteDef]:
