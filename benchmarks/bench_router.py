@@ -26,17 +26,14 @@ import os
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import aiohttp
 from aiohttp import web
 
-REPO = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
+from router.launch import ManagedProcess, cli
 
 # ----------------------------------------------------------------------------- stand-in workers
 
@@ -74,7 +71,6 @@ async def serve_standins(ports: list[int]) -> None:
     await runner.setup()
     for port in ports:
         await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()
-    print("standins ready", flush=True)
     stop = asyncio.Event()
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     await stop.wait()
@@ -96,38 +92,14 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def wait_http(url: str, timeout: float = 30.0) -> None:
-    import urllib.request
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
-def start_router(urls: list[str], state_dir: str) -> tuple[subprocess.Popen[bytes], str]:
+def start_router(urls: list[str], state_dir: str) -> tuple[ManagedProcess, str]:
     port = free_ports(1)[0]
-    argv = [str(BIN / "omni-router"), "--port", str(port), "--health-check-interval-s", "3600", "--log-level", "warning",
+    argv = [cli("omni-router"), "--port", str(port), "--health-check-interval-s", "3600", "--log-level", "warning",
             "--state-dir", state_dir, "--worker-urls", *urls]  # fmt: skip
-    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = ManagedProcess(f"bench-router-{port}", argv).start()
     url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/readiness", timeout=60)
+    proc.wait_http_ready(url + "/readiness", timeout=60)
     return proc, url
-
-
-def stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 # ----------------------------------------------------------------------------- measurements
@@ -170,13 +142,10 @@ async def throughput(session: aiohttp.ClientSession, url: str, seconds: float, c
 async def bench(args: argparse.Namespace) -> None:
     n_max = max(args.workers)
     ports = free_ports(n_max)
-    standins = subprocess.Popen(
-        [sys.executable, "-m", "benchmarks.bench_router", "--serve-standins", *map(str, ports)],
-        cwd=REPO, stdout=subprocess.PIPE, start_new_session=True,
-    )  # fmt: skip
-    assert standins.stdout is not None
-    standins.stdout.readline()  # "standins ready"
+    standins = ManagedProcess("bench-standins", [sys.executable, __file__, "--serve-standins", *map(str, ports)]).start()
     all_urls = [f"http://127.0.0.1:{p}" for p in ports]
+    # The sites start in port order: once the last one answers, every one does.
+    standins.wait_http_ready(all_urls[-1] + "/health", timeout=60)
     print(f"# stand-in workers: {n_max} (one process); cpus: {os.cpu_count()}; python {sys.version.split()[0]}")
     connector = aiohttp.TCPConnector(limit=256)
     try:
@@ -191,7 +160,7 @@ async def bench(args: argparse.Namespace) -> None:
                             xs = await timed_posts(session, rurl + route, body, args.iters)
                             print(f"{n:>8} {route:<20} {pct(xs, 50):>8.2f} {pct(xs, 99):>8.2f} {statistics.mean(xs):>8.2f}")
                     finally:
-                        stop(router)
+                        router.stop()
 
             print("\n## /generate proxy overhead (sequential, ms)")
             with tempfile.TemporaryDirectory() as state:
@@ -209,9 +178,9 @@ async def bench(args: argparse.Namespace) -> None:
                     t_router = await throughput(session, rurl + "/generate", args.seconds, args.concurrency)
                     print(f"direct {t_direct:.0f}   router {t_router:.0f}   ratio {t_router / t_direct:.2f}")
                 finally:
-                    stop(router)
+                    router.stop()
     finally:
-        stop(standins)
+        standins.stop()
 
 
 def main() -> None:

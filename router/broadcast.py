@@ -178,9 +178,20 @@ class AdminBroadcaster:
         async with self._session.request(call.method, worker.url + path, data=call.data(worker), headers=call.headers, timeout=timeout) as resp:
             return resp.status, await resp.read()
 
-    async def fan_out(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult]:
-        """Send ``call`` to every target at once; one result per target, in target order."""
-        return list(await asyncio.gather(*(self.call(w, call) for w in targets)))
+    async def fan_out(
+        self, targets: Sequence[Worker], call: AdminCall, *, fence: Fence | None = None, stage: str = "broadcast"
+    ) -> list[WorkerResult]:
+        """Send ``call`` to every target at once; one result per target, in target order.
+
+        If the fan-out is interrupted (cancelled, or an error escapes), ``fence``
+        fails closed: any target may already have started applying the call.
+        """
+        try:
+            return list(await asyncio.gather(*(self.call(w, call) for w in targets)))
+        except BaseException:
+            if fence is not None:
+                fence.fail([w.id for w in targets], f"{stage} interrupted")
+            raise
 
     def live_targets(self) -> list[Worker]:
         targets = self.registry.live()
@@ -222,12 +233,7 @@ class AdminBroadcaster:
         try:
             targets = self.live_targets()
             fence = self.fence(targets, op.path) if op.fenced else None
-            try:
-                results = await self.fan_out(targets, call)
-            except BaseException:
-                if fence is not None:
-                    fence.fail([w.id for w in targets], "broadcast interrupted")
-                raise
+            results = await self.fan_out(targets, call, fence=fence)
             outcome = self.settle(op.path, results, fence)
             if outcome.ok and op.changes_weights:
                 await self.refresh_versions(targets)
@@ -238,8 +244,11 @@ class AdminBroadcaster:
                 self.gate.release()
             self.metrics.observe_admin(op.name, outcome_label, time.perf_counter() - start)
 
-    def settle(self, path: str, results: list[WorkerResult], fence: Fence | None) -> Outcome:
-        """Turn per-worker results into the caller's answer and settle the fence."""
+    def settle(
+        self, path: str, results: list[WorkerResult], fence: Fence | None,
+        model: type[BroadcastResponse] = BroadcastResponse, **fields: Any,
+    ) -> Outcome:  # fmt: skip
+        """Turn per-worker results into the caller's answer (a ``model`` with ``fields``) and settle the fence."""
         failed = [r for r in results if not r.success]
         not_implemented = bool(results) and all(r.status_code == 501 for r in results)
         if fence is not None:
@@ -248,13 +257,13 @@ class AdminBroadcaster:
             else:
                 fence.fail([r.worker for r in failed], summarize(failed))
         if not failed:
-            return Outcome(200, envelope(path, results, "ok"))
+            return Outcome(200, envelope(path, results, "ok", model, **fields))
         if not_implemented:
-            return Outcome(501, envelope(path, results, f"{path} is not implemented by the workers"))
+            return Outcome(501, envelope(path, results, f"{path} is not implemented by the workers", model, **fields))
         message = f"{len(failed)} of {len(results)} worker(s) failed {path}: {summarize(failed)}"
         if fence is not None:
             message += f". All {len(fence.targets)} target(s) stay disabled (fail closed); {RESOLVE_HINT}"
-        return Outcome(502, envelope(path, results, message))
+        return Outcome(502, envelope(path, results, message, model, **fields))
 
 
 def summarize(failed: Sequence[WorkerResult]) -> str:
@@ -270,7 +279,10 @@ def summarize(failed: Sequence[WorkerResult]) -> str:
     return "; ".join(parts)
 
 
-def envelope(path: str, results: list[WorkerResult], message: str) -> BroadcastResponse:
-    return BroadcastResponse(
-        success=all(r.success for r in results), message=message, path=path, worker_count=len(results), results=results
+def envelope(
+    path: str, results: list[WorkerResult], message: str, model: type[BroadcastResponse] = BroadcastResponse, **fields: Any
+) -> BroadcastResponse:
+    """The broadcast answer; routes with more to say pass a ``BroadcastResponse`` subclass and its fields."""
+    return model(
+        success=all(r.success for r in results), message=message, path=path, worker_count=len(results), results=results, **fields
     )

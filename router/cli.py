@@ -16,7 +16,7 @@ from typing import Sequence
 from aiohttp import web
 
 from router.app import create_app
-from router.config import RouterConfig
+from router.config import POLICY_NAMES, RouterConfig
 from router.web.auth import resolve_admin_key
 from router.web.errors import ApiError
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL", help="workers to register at start-up, in rank order")
     p.add_argument("--admin-api-key", default=None, help="bearer key for admin routes (else $SGLANG_OMNI_ADMIN_KEY); forwarded to workers")
     p.add_argument("--api-key", default=None, help="bearer key for /generate (the admin key is accepted too)")
-    p.add_argument("--policy", choices=["least_inflight", "round_robin", "random"], default=d.policy)
+    p.add_argument("--policy", choices=POLICY_NAMES, default=d.policy)
     p.add_argument("--admin-lock-timeout-s", type=float, default=d.admin_lock_timeout_s)
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
     p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
+POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -86,5 +87,5 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
-        if self.policy not in ("least_inflight", "round_robin", "random"):
+        if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}")

@@ -17,6 +17,7 @@ from router.broadcast import AdminBroadcaster, AdminCall, Outcome
 from router.errors import Conflict
 from router.operations import Operation
 from router.protocol.fleet import WorkerResult
+from router.registry import tp_size_of
 
 CHECKSUM_KEYS = ("per_engine_checksum", "per_gpu_checksum", "checksum")
 
@@ -44,8 +45,8 @@ class FleetViews:
             version = _version_of(r)
             if worker is not None and version is not None:
                 worker.weight_version = version
-                tp = r.body.get("tp_size") if isinstance(r.body, dict) else None
-                if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
+                tp = tp_size_of(r.body)
+                if tp is not None:
                     worker.tp_size = tp
 
     def _common_version(self, results: list[WorkerResult]) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 
-from router.registry import Worker, WorkerRegistry
+from router.registry import Worker, WorkerRegistry, tp_size_of
 
 log = logging.getLogger(__name__)
 
@@ -53,14 +53,14 @@ class WorkerProber:
                 version = info.get("weight_version")
                 if isinstance(version, str):
                     worker.weight_version = version
-                tp = info.get("tp_size")
-                if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
+                tp = tp_size_of(info)
+                if tp is not None:
                     worker.tp_size = tp
                     return True
             status, info = await self._get(worker, "/server_info")
             if status == 200 and isinstance(info, dict):
-                tp = info.get("tp_size")
-                if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1:
+                tp = tp_size_of(info)
+                if tp is not None:
                     worker.tp_size = tp
                 return True
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):

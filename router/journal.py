@@ -18,7 +18,6 @@ closed, but a router crash forgets them (the CLI warns about this).
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import time
@@ -45,10 +44,6 @@ class UpdateJournal:
     @property
     def path(self) -> Path | None:
         return None if self.state_dir is None else self.state_dir / JOURNAL_FILE
-
-    @property
-    def durable(self) -> bool:
-        return self.state_dir is not None
 
     def load(self) -> JournalState | None:
         """Read the entry left by a previous run.

@@ -14,8 +14,19 @@ from dataclasses import dataclass
 from typing import Any
 
 
+def caller_timeout_s(body: Any) -> float | None:
+    """The positive ``timeout_s`` a caller put in the body, if any (bools are not numbers here)."""
+    if isinstance(body, dict):
+        asked = body.get("timeout_s")
+        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
+            return float(asked)
+    return None
+
+
 @dataclass(frozen=True, slots=True)
 class Operation:
+    """One worker admin route and how the router treats it."""
+
     path: str
     methods: tuple[str, ...]
     timeout_s: float
@@ -30,11 +41,8 @@ class Operation:
 
     def timeout_for(self, body: Any) -> float:
         """The route's timeout, or the caller's ``timeout_s`` plus a margin when that is longer."""
-        if isinstance(body, dict):
-            asked = body.get("timeout_s")
-            if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
-                return max(self.timeout_s, float(asked) + 30.0)
-        return self.timeout_s
+        asked = caller_timeout_s(body)
+        return self.timeout_s if asked is None else max(self.timeout_s, asked + 30.0)
 
 
 _P = ("POST",)
@@ -58,6 +66,9 @@ OPERATIONS: dict[str, Operation] = {
         Operation("/resume_memory_occupation", _GP, 600.0, locked=True, fenced=True, changes_weights=True),
         # Serialized with updates (resuming mid-update would serve partial weights) but not fenced.
         Operation("/continue_generation", _P, 120.0, locked=True),
+        # SGLang 0.5.23's update bracket (miles sends it): serialized with updates, changes nothing.
+        Operation("/begin_weight_update", _P, 120.0, locked=True),
+        Operation("/end_weight_update", _P, 120.0, locked=True),
         # Plain broadcasts.
         Operation("/flush_cache", _GP, 120.0),
         Operation("/abort_request", _P, 30.0),
@@ -70,7 +81,3 @@ OPERATIONS: dict[str, Operation] = {
 
 # The router-only route that tells workers to drop a prepared receive (two-phase abort).
 ABORT_WEIGHTS_UPDATE = Operation("/abort_weights_update", _P, 120.0)
-
-
-def operation(path: str) -> Operation:
-    return OPERATIONS[path]

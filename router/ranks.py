@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 
 from router.broadcast import AdminCall
 from router.errors import BadRequest, Unavailable
-from router.protocol.fleet import RankPlanRequest
+from router.protocol.fleet import GroupInitResponse, RankPlanRequest, WorldSizeResponse
 from router.web.parsing import parse_model
 
 if TYPE_CHECKING:
@@ -28,6 +28,8 @@ DEFAULT_RANK_OFFSET = 1
 
 @dataclass(frozen=True, slots=True)
 class RankSlot:
+    """The ranks one worker holds in the group: ``rank_offset .. rank_offset + tp_size - 1``."""
+
     worker_id: str
     url: str
     rank_offset: int
@@ -88,17 +90,17 @@ class GroupInitializer:
         self._b = broadcaster
         self._op = op
 
-    async def world_size(self) -> dict[str, Any]:
+    async def world_size(self) -> WorldSizeResponse:
         targets = self._b.live_targets()
         await self._b.refresh_versions([w for w in targets if w.tp_size is None])
         slots = plan_ranks(
             [(w.id, w.url, w.tp_size) for w in targets],
             world_size=DEFAULT_RANK_OFFSET + total_worker_ranks([w.tp_size for w in targets]),
         )
-        return {
-            "world_size": sum(s.tp_size for s in slots),
-            "workers": [{"id": s.worker_id, "url": s.url, "tp_size": s.tp_size, "rank_offset": s.rank_offset} for s in slots],
-        }
+        return WorldSizeResponse(
+            world_size=sum(s.tp_size for s in slots),
+            workers=[{"id": s.worker_id, "url": s.url, "tp_size": s.tp_size, "rank_offset": s.rank_offset} for s in slots],
+        )
 
     async def init(self, data: dict[str, Any], headers: dict[str, str]) -> "Outcome":
         plan = parse_model(RankPlanRequest, data)
@@ -117,15 +119,9 @@ class GroupInitializer:
                 body_for=lambda w: bodies[w.id], timeout_s=self._op.timeout_for(data),
             )  # fmt: skip
             fence = self._b.fence(targets, self.PATH)
-            try:
-                results = await self._b.fan_out(targets, call)
-            except BaseException:
-                fence.fail([w.id for w in targets], "group init interrupted")
-                raise
-            outcome = self._b.settle(self.PATH, results, fence)
-            outcome.response.ranks = [  # type: ignore[attr-defined]
-                {"worker": s.worker_id, "url": s.url, "rank_offset": s.rank_offset, "tp_size": s.tp_size} for s in slots
-            ]
+            results = await self._b.fan_out(targets, call, fence=fence, stage="group init")
+            ranks = [{"worker": s.worker_id, "url": s.url, "rank_offset": s.rank_offset, "tp_size": s.tp_size} for s in slots]
+            outcome = self._b.settle(self.PATH, results, fence, GroupInitResponse, ranks=ranks)
             outcome_label = "success" if outcome.ok else "failure"
             return outcome
         finally:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 from urllib.parse import unquote, urlsplit
 
 from router.errors import BadRequest, Conflict, NotFound
@@ -62,6 +62,12 @@ def worker_id_for(url: str) -> str:
     return "w-" + hashlib.sha256(url.encode()).hexdigest()[:12]
 
 
+def tp_size_of(info: Any) -> int | None:
+    """The ``tp_size`` a worker reported in a ``/model_info`` or ``/server_info`` body, if valid."""
+    tp = info.get("tp_size") if isinstance(info, dict) else None
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None
+
+
 @dataclass(slots=True, eq=False)
 class Worker:
     """One upstream worker and everything the router tracks about it."""
@@ -103,6 +109,8 @@ class Worker:
 
 @dataclass(slots=True)
 class HealthThresholds:
+    """Consecutive probe counts: ``failure`` to unhealthy, ``dead`` to dead, ``success`` to come back."""
+
     failure: int = 3
     dead: int = 6
     success: int = 2

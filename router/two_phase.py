@@ -25,8 +25,9 @@ from typing import Any
 
 from router.broadcast import AdminBroadcaster, AdminCall, Fence, Outcome, envelope, summarize
 from router.errors import Conflict
-from router.operations import ABORT_WEIGHTS_UPDATE, Operation
-from router.protocol.fleet import WorkerResult
+from router.operations import ABORT_WEIGHTS_UPDATE, Operation, caller_timeout_s
+from router.protocol.fleet import CompleteResponse, PrepareResponse, WorkerResult
+from router.protocol.weight_sync import DEFAULT_GROUP_NAME
 from router.registry import Worker
 from router.tasks import TaskSet
 
@@ -41,6 +42,8 @@ CHECKSUM_KEYS = ("checksum", "per_engine_checksum", "per_gpu_checksum", "weights
 
 @dataclass
 class UpdateSession:
+    """An update between a ready prepare and its complete: it holds the admin lock and its fence."""
+
     group_name: str
     fence: Fence
     targets: list[Worker]
@@ -57,6 +60,10 @@ def checksum_of(body: Any) -> str | None:
         if isinstance(value, str) and value:
             return value
     return None
+
+
+def group_of(data: dict[str, Any]) -> str:
+    return str(data.get("group_name") or DEFAULT_GROUP_NAME)
 
 
 def expected_buckets(data: dict[str, Any]) -> int | None:
@@ -90,7 +97,7 @@ class TwoPhaseCoordinator:
         self.session: UpdateSession | None = None
 
     async def prepare(self, data: dict[str, Any], raw: bytes, headers: dict[str, str]) -> Outcome:
-        group = str(data.get("group_name") or "weight_update_group")
+        group = group_of(data)
         start = time.perf_counter()
         label = "error"
         await self._b.gate.acquire(self._prepare_op.name)
@@ -99,11 +106,7 @@ class TwoPhaseCoordinator:
             targets = self._b.live_targets()
             fence = self._b.fence(targets, PREPARE)
             call = AdminCall(method="POST", path=PREPARE, headers=headers, body=raw, timeout_s=self._prepare_op.timeout_for(data))
-            try:
-                results = await self._b.fan_out(targets, call)
-            except BaseException:
-                fence.fail([w.id for w in targets], "prepare interrupted")
-                raise
+            results = await self._b.fan_out(targets, call, fence=fence, stage="prepare")
             for r in results:
                 if r.success and not (isinstance(r.body, dict) and r.body.get("status") == "ready"):
                     r.success = False
@@ -114,9 +117,7 @@ class TwoPhaseCoordinator:
                 self.session = session
                 keep_gate = True
                 label = "success"
-                response = envelope(PREPARE, results, f"all {len(results)} worker(s) ready")
-                response.status = "ready"  # type: ignore[attr-defined]
-                return Outcome(200, response)
+                return Outcome(200, envelope(PREPARE, results, f"all {len(results)} worker(s) ready", PrepareResponse, status="ready"))
             label = "failure"
             return await self._release_after_failed_prepare(fence, targets, results, group, headers)
         finally:
@@ -141,13 +142,10 @@ class TwoPhaseCoordinator:
             bad = [a for a in aborts if not a.success]
             fence.fail([r.worker for r in failed] + [a.worker for a in bad], "prepare failed and a receive could not be dropped")
             message += f"; could not release {summarize(bad)}; all targets stay disabled (fail closed)"
-        response = envelope(PREPARE, results, message)
-        response.status = "error"  # type: ignore[attr-defined]
-        response.aborts = aborts  # type: ignore[attr-defined]
-        return Outcome(502, response)
+        return Outcome(502, envelope(PREPARE, results, message, PrepareResponse, status="error", aborts=aborts))
 
     async def complete(self, data: dict[str, Any], raw: bytes, headers: dict[str, str]) -> Outcome:
-        group = str(data.get("group_name") or "weight_update_group")
+        group = group_of(data)
         session = self.session
         if session is None or session.group_name != group:
             have = f"the open session is for group {session.group_name!r}" if session else "no update session is open"
@@ -156,19 +154,14 @@ class TwoPhaseCoordinator:
         self._end_session(session)
         try:
             call = AdminCall(method="POST", path=COMPLETE, headers=headers, body=raw, timeout_s=self._complete_op.timeout_for(data))
-            try:
-                results = await self._b.fan_out(session.targets, call)
-            except BaseException:
-                session.fence.fail([w.id for w in session.targets], "complete interrupted")
-                raise
+            results = await self._b.fan_out(session.targets, call, fence=session.fence, stage="complete")
             counts = self._check_counts(results, session.expected_buckets)
-            outcome = self._b.settle(COMPLETE, results, session.fence)
             checksums = {r.worker: checksum_of(r.body) for r in results}
             values = set(checksums.values())
-            resp = outcome.response
-            resp.num_buckets_received = counts  # type: ignore[attr-defined]
-            resp.checksums = checksums  # type: ignore[attr-defined]
-            resp.checksums_match = None if None in values else len(values) == 1  # type: ignore[attr-defined]
+            outcome = self._b.settle(
+                COMPLETE, results, session.fence, CompleteResponse, num_buckets_received=counts,
+                checksums=checksums, checksums_match=None if None in values else len(values) == 1,
+            )  # fmt: skip
             if outcome.ok:
                 await self._b.refresh_versions(session.targets)
             self._b.metrics.observe_admin(self._complete_op.name, "success" if outcome.ok else "failure", time.perf_counter() - start)
@@ -182,7 +175,7 @@ class TwoPhaseCoordinator:
         Known-good only if every worker confirms and none reports partially
         applied weights; otherwise the targets stay disabled.
         """
-        group = str(data.get("group_name") or "weight_update_group")
+        group = group_of(data)
         session = self.session
         if session is None or session.group_name != group:
             raise Conflict(f"no prepared weight update for group {group!r} to abort")
@@ -203,10 +196,8 @@ class TwoPhaseCoordinator:
         return AdminCall(method="POST", path=ABORT_WEIGHTS_UPDATE.path, headers=headers, body=body, timeout_s=ABORT_WEIGHTS_UPDATE.timeout_s)
 
     def _session_life(self, data: dict[str, Any]) -> float:
-        asked = data.get("timeout_s")
-        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
-            return float(asked) + SESSION_MARGIN_S
-        return self._default_timeout_s
+        asked = caller_timeout_s(data)
+        return self._default_timeout_s if asked is None else asked + SESSION_MARGIN_S
 
     def _end_session(self, session: UpdateSession) -> None:
         """Detach the session (the caller now owns releasing the gate)."""

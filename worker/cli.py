@@ -75,6 +75,7 @@ async def serve(config: WorkerConfig) -> int:
     from aiohttp import web
 
     from worker.http.app import create_app
+    from worker.http.keys import COORDINATOR
 
     app = create_app(config)
     runner = web.AppRunner(app, access_log=log if config.log_level == "debug" else None, shutdown_timeout=5.0)
@@ -87,7 +88,7 @@ async def serve(config: WorkerConfig) -> int:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         host, port = runner.addresses[0][:2]
-        worker = app_worker(app)
+        worker = app[COORDINATOR].worker
         log.info(
             "omni-worker ready on http://%s:%d (model %s, %s %s, weight_version %s)",
             host, port, worker.model_path, worker.device, worker.dtype_name, worker.weight_version,
@@ -96,12 +97,6 @@ async def serve(config: WorkerConfig) -> int:
     finally:
         await runner.cleanup()
     return 0
-
-
-def app_worker(app):  # type: ignore[no-untyped-def]
-    from worker.http.keys import COORDINATOR
-
-    return app[COORDINATOR].worker
 
 
 def main(argv: Sequence[str] | None = None) -> int:

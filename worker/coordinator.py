@@ -26,7 +26,7 @@ from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpda
 from worker.engine.request import GenerationParams, OutputChannel, Request
 from worker.engine.scheduler import Scheduler
 from worker.generation import GenerationHandle
-from worker.stage import AdminBusy, AdminTimeout, RankOp, SchedulerUnavailable, Stage, StageResult
+from worker.stage import AdminTimeout, RankOp, SchedulerUnavailable, Stage, StageResult, held
 
 log = logging.getLogger(__name__)
 
@@ -91,14 +91,8 @@ class Coordinator:
     async def admin_section(self, action: str, timeout_s: Optional[float] = None) -> AsyncIterator[None]:
         """Hold the lock that serializes weight and pause changes (bounded wait)."""
         timeout = default_timeout(action) if timeout_s is None else timeout_s
-        try:
-            await asyncio.wait_for(self._admin_lock.acquire(), timeout)
-        except asyncio.TimeoutError:
-            raise AdminBusy(f"{action}: another admin operation held the worker for {timeout:g}s") from None
-        try:
+        async with held(self._admin_lock, timeout, f"{action}: another admin operation held the worker for {timeout:g}s"):
             yield
-        finally:
-            self._admin_lock.release()
 
     async def admin(self, action: str, op: RankOp, timeout_s: Optional[float] = None) -> StageResult:
         """Run ``op`` on every rank (scheduler threads) and aggregate with ``rank_results``."""

@@ -88,14 +88,14 @@ class GenerationHandle:
             "e2e_latency": (self.finished_at or time.monotonic()) - self.created,
         }
         if self.params.return_logprob:
+
+            def entry(lp: float, tok: int) -> list[Any]:
+                return [lp, tok, decode([tok]) if self.return_text_in_logprobs else None]
+
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [
-                [lp, tok, decode([tok]) if self.return_text_in_logprobs else None] for lp, tok in zip(self.logprobs, self.output_ids)
-            ]
+            meta["output_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(self.logprobs, self.output_ids)]
             if self.params.top_logprobs_num:
-                meta["output_top_logprobs"] = [
-                    [[lp, tok, decode([tok]) if self.return_text_in_logprobs else None] for lp, tok in row] for row in self.top_logprobs
-                ]
+                meta["output_top_logprobs"] = [[entry(lp, tok) for lp, tok in row] for row in self.top_logprobs]
         out: dict[str, Any] = {"text": text, "output_ids": list(self.output_ids), "meta_info": meta}
         if index is not None:
             out["index"] = index

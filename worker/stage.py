@@ -9,9 +9,10 @@ carries ``rank_results``, so callers already see the shape TP will produce.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, AsyncIterator, Callable
 
 from worker.engine.admin_ops import OpResult
 from worker.engine.scheduler import Scheduler
@@ -36,6 +37,20 @@ class AdminBusy(Exception):
 
 class SchedulerUnavailable(AdminBusy):
     """A rank's scheduler thread is not running."""
+
+
+@contextlib.asynccontextmanager
+async def held(lock: asyncio.Lock, wait_s: float, busy_message: str) -> AsyncIterator[None]:
+    """Hold ``lock``, waiting at most ``wait_s`` for it: a caller waiting behind a long
+    operation gets :class:`AdminBusy` (a 503) instead of hanging."""
+    try:
+        await asyncio.wait_for(lock.acquire(), wait_s)
+    except asyncio.TimeoutError:
+        raise AdminBusy(busy_message) from None
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 @dataclass

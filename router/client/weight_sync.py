@@ -7,7 +7,7 @@ The tensors themselves never pass through here: the caller supplies
 (the torch sender lives with the worker package), and, for the first sync,
 ``GroupSpec.join(world_size)``, which creates the trainer's rank-0 side of the
 group. Both run on the calling thread; HTTP calls that must be in flight at
-the same time (group init, single-phase updates) run on a helper thread.
+the same time (group init, single-phase updates) run on a background thread.
 
 Failure handling, by stage:
 - init, pause or prepare fails: no weights changed; generation is resumed
@@ -100,18 +100,33 @@ def _log_progress(stage: str, info: dict[str, Any]) -> None:
     log.info("weight sync: %s %s", stage, info)
 
 
-def _in_thread(fn: Callable[[], Any]) -> tuple[threading.Thread, dict[str, Any]]:
-    box: dict[str, Any] = {}
+class _Background:
+    """A blocking router call on a daemon thread, so that the calling thread can meanwhile
+    do its own part of the rendezvous the call waits on (join the group, send a bucket)."""
 
-    def run() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
-            box["error"] = exc
+    def __init__(self, fn: Callable[[], Any]):
+        self._value: Any = None
+        self._error: BaseException | None = None
 
-    thread = threading.Thread(target=run, daemon=True)
-    thread.start()
-    return thread, box
+        def run() -> None:
+            try:
+                self._value = fn()
+            except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
+                self._error = exc
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def wait(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def result(self, on_timeout: str) -> Any:
+        """The call's answer once :meth:`wait` returned; its error, or ``TimeoutError(on_timeout)``, raised."""
+        if self._error is not None:
+            raise self._error
+        if self._thread.is_alive():
+            raise TimeoutError(on_timeout)
+        return self._value
 
 
 class WeightSync:
@@ -175,7 +190,7 @@ class WeightSync:
             return None
         world = int(self.client.get_world_size()["world_size"]) + 1
         g = self.group
-        thread, box = _in_thread(
+        init = _Background(
             lambda: self.client.init_weights_update_group(
                 g.master_address, g.master_port, world, group_name=g.group_name, backend=g.backend, timeout_s=g.timeout_s
             )
@@ -183,30 +198,23 @@ class WeightSync:
         try:
             g.join(world)
         finally:
-            thread.join((g.timeout_s or 900) + 120)
-        if "error" in box:
-            raise box["error"]
-        if thread.is_alive():
-            raise TimeoutError("router did not answer /init_weights_update_group in time")
-        self._group_init = box.get("value")
+            init.wait((g.timeout_s or 900) + 120)
+        self._group_init = init.result("router did not answer /init_weights_update_group in time")
         joined.add(g.group_name)
         return world
 
     def _single_phase(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> None:
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
-            thread, box = _in_thread(
+            update = _Background(
                 lambda b=bucket, last=last: self.client.update_weights_from_distributed(
                     b["names"], b["dtypes"], b["shapes"], group_name=self.group.group_name, load_format=self.load_format,
                     weight_version=self.weight_version if last else None, flush_cache=last, timeout_s=self.timeout_s,
                 )
             )  # fmt: skip
             broadcast(i)
-            thread.join((self.timeout_s or 1800) + 120)
-            if "error" in box:
-                raise box["error"]
-            if thread.is_alive():
-                raise TimeoutError(f"router did not answer update_weights_from_distributed for bucket {i}")
+            update.wait((self.timeout_s or 1800) + 120)
+            update.result(f"router did not answer update_weights_from_distributed for bucket {i}")
             self.progress("bucket", {"index": i, "of": len(buckets)})
 
     def _two_phase_send(self, n: int, broadcast: Callable[[int], None]) -> None:

@@ -83,6 +83,31 @@ class BroadcastResponse(WireResponse):
     results: list[WorkerResult]
 
 
+class PrepareResponse(BroadcastResponse):
+    """``/prepare_weights_update`` through the router: ``ready`` only when every target is.
+
+    On ``error``, ``aborts`` holds the answers of the ready workers told to drop their receive.
+    """
+
+    status: Literal["ready", "error"]
+    aborts: list[WorkerResult] = Field(default_factory=list)
+
+
+class CompleteResponse(BroadcastResponse):
+    """``/complete_weights_update`` through the router, with what each worker says it applied."""
+
+    num_buckets_received: dict[str, int | None]
+    checksums: dict[str, str | None]
+    checksums_match: bool | None
+    """``None`` when some worker reported no checksum."""
+
+
+class GroupInitResponse(BroadcastResponse):
+    """``/init_weights_update_group`` through the router, with the rank each worker was given."""
+
+    ranks: list[dict[str, Any]]
+
+
 class WorldSizeResponse(WireResponse):
     """``GET /get_world_size``: ranks held by workers, the trainer's rank 0 excluded."""
 

@@ -211,6 +211,16 @@ class CompleteWeightsUpdateRequest(StrictRequest):
     _timeout = field_validator("timeout_s")(_check_timeout)
 
 
+class BeginWeightUpdateRequest(StrictRequest):
+    """``POST /begin_weight_update`` (SGLang 0.5.23; miles sends it): open the update bracket."""
+
+    selector: Literal["all", "target", "draft"] = "all"
+
+
+class EndWeightUpdateRequest(StrictRequest):
+    """``POST /end_weight_update`` (SGLang 0.5.23): close the update bracket. No fields."""
+
+
 class AbortWeightsUpdateRequest(StrictRequest):
     """``POST /abort_weights_update``: drop a prepared receive the trainer will not feed
     (the router sends it to the ready workers when another one's prepare failed)."""

@@ -8,13 +8,13 @@ caller's ``Authorization`` header.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Coroutine
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from router import keys
-from router.broadcast import AdminCall
+from router.broadcast import AdminCall, Outcome
 from router.operations import ABORT_WEIGHTS_UPDATE, OPERATIONS, Operation
 from router.protocol import admin as admin_wire
 from router.protocol import weight_sync as sync_wire
@@ -35,6 +35,8 @@ VALIDATORS: dict[str, type[BaseModel]] = {
     "/update_weights_from_distributed": sync_wire.UpdateWeightsFromDistributedRequest,
     "/prepare_weights_update": sync_wire.PrepareWeightsUpdateRequest,
     "/complete_weights_update": sync_wire.CompleteWeightsUpdateRequest,
+    "/begin_weight_update": sync_wire.BeginWeightUpdateRequest,
+    "/end_weight_update": sync_wire.EndWeightUpdateRequest,
 }
 
 
@@ -68,13 +70,17 @@ def _json(status: int, body: Any) -> web.Response:
     return web.json_response(body, status=status)
 
 
+async def _detached(request: web.Request, work: Coroutine[Any, Any, Outcome], name: str) -> web.Response:
+    """Run a fleet operation to its end even if the caller goes away (it must settle its fence), then answer."""
+    outcome = await request.app[keys.TASKS].run_detached(work, name=name)
+    return _json(outcome.status, outcome.response.model_dump())
+
+
 async def broadcast(request: web.Request) -> web.Response:
     """Any table route without special fleet semantics."""
     op = OPERATIONS[request.path]
     raw, data = await _read(request)
-    app = request.app
-    outcome = await app[keys.TASKS].run_detached(app[keys.BROADCASTER].broadcast(op, _call(request, op, raw, data)), name=op.name)
-    return _json(outcome.status, outcome.response.model_dump())
+    return await _detached(request, request.app[keys.BROADCASTER].broadcast(op, _call(request, op, raw, data)), op.name)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -103,31 +109,23 @@ async def init_weights_update_group(request: web.Request) -> web.Response:
     _, data = await _read(request)
     # The router rewrites rank_offset per worker; check everything else as a worker would.
     parse_model(sync_wire.InitWeightsUpdateGroupRequest, {**data, "rank_offset": data.get("rank_offset") or 1})
-    app = request.app
-    outcome = await app[keys.TASKS].run_detached(app[keys.GROUP_INIT].init(data, _forward_headers(request)), name="init_group")
-    return _json(outcome.status, outcome.response.model_dump())
+    return await _detached(request, request.app[keys.GROUP_INIT].init(data, _forward_headers(request)), "init_group")
 
 
 async def get_world_size(request: web.Request) -> web.Response:
-    return _json(200, await request.app[keys.GROUP_INIT].world_size())
+    return _json(200, (await request.app[keys.GROUP_INIT].world_size()).model_dump())
 
 
 async def prepare_weights_update(request: web.Request) -> web.Response:
     raw, data = await _read(request)
-    app = request.app
-    outcome = await app[keys.TASKS].run_detached(app[keys.TWO_PHASE].prepare(data, raw, _forward_headers(request)), name="prepare")
-    return _json(outcome.status, outcome.response.model_dump())
+    return await _detached(request, request.app[keys.TWO_PHASE].prepare(data, raw, _forward_headers(request)), "prepare")
 
 
 async def complete_weights_update(request: web.Request) -> web.Response:
     raw, data = await _read(request)
-    app = request.app
-    outcome = await app[keys.TASKS].run_detached(app[keys.TWO_PHASE].complete(data, raw, _forward_headers(request)), name="complete")
-    return _json(outcome.status, outcome.response.model_dump())
+    return await _detached(request, request.app[keys.TWO_PHASE].complete(data, raw, _forward_headers(request)), "complete")
 
 
 async def abort_weights_update(request: web.Request) -> web.Response:
     _, data = await _read(request)
-    app = request.app
-    outcome = await app[keys.TASKS].run_detached(app[keys.TWO_PHASE].abort(data, _forward_headers(request)), name=ABORT_WEIGHTS_UPDATE.name)
-    return _json(outcome.status, outcome.response.model_dump())
+    return await _detached(request, request.app[keys.TWO_PHASE].abort(data, _forward_headers(request)), ABORT_WEIGHTS_UPDATE.name)

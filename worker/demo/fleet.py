@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any
 
 from router.launch import ManagedProcess, cli, free_port, http_json
 
@@ -33,12 +32,6 @@ class Fleet:
         self.procs: list[ManagedProcess] = []
         self.worker_urls: list[str] = []
         self.router_url = ""
-
-    def __enter__(self) -> "Fleet":
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.stop()
 
     def _spawn(self, name: str, argv: list[str]) -> ManagedProcess:
         proc = ManagedProcess(name, argv, env={ADMIN_KEY_ENV: self.admin_key})

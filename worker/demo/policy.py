@@ -15,7 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from worker.model import digest_named_tensors, load_model, load_tokenizer
+from worker.model import load_model, load_tokenizer
+from worker.transfer.sender import sent_checksum
 
 
 class TrainablePolicy:
@@ -56,4 +57,4 @@ class TrainablePolicy:
 
     def checksum(self) -> str:
         """The weights checker's per-rank checksum of the current weights."""
-        return digest_named_tensors(self.tensors.items())[1]
+        return sent_checksum(self.tensors.items())

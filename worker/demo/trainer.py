@@ -28,6 +28,8 @@ class DemoError(RuntimeError):
 
 @dataclass(frozen=True)
 class Rollout:
+    """One greedy completion, the weight_version that produced it and the worker that served it."""
+
     text: str
     output_ids: list[int]
     weight_version: str
@@ -36,6 +38,8 @@ class Rollout:
 
 @dataclass(frozen=True)
 class StepResult:
+    """What one training step produced: its rollouts, loss, the trainer's checksum and the sync report."""
+
     step: int
     rollouts: list[Rollout]
     loss: float

@@ -33,10 +33,13 @@ class OpResult:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def _active_message(count: int, what: str) -> str:
+def _active_message(count: int, what: str, *, can_abort_all: bool = True) -> str:
+    """Why ``what`` is refused while requests hold KV; ``can_abort_all`` when the
+    operation takes ``abort_all_requests``."""
+    hint = " (or pass abort_all_requests=true)" if can_abort_all else ""
     return (
         f"cannot {what}: {count} active request(s) hold KV cache computed with the current weights; "
-        "pause with mode=retract or abort them first (or pass abort_all_requests=true)"
+        f"pause with mode=retract or abort them first{hint}"
     )
 
 
@@ -155,7 +158,7 @@ def release_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult:
     """Refused while requests are active. Queued requests stay queued: generation
     does not step while any memory is released (they run after resume)."""
     if s.active_request_count:
-        return OpResult(False, _active_message(s.active_request_count, "release memory").replace(" (or pass abort_all_requests=true)", ""))
+        return OpResult(False, _active_message(s.active_request_count, "release memory", can_abort_all=False))
     released = s.worker.release_memory(_tags(req))
     return OpResult(True, f"released {', '.join(released) or 'nothing (already released)'}", {"released": released})
 

@@ -22,6 +22,7 @@ Digesting runs on the scheduler thread, so inference is blocked until it ends.
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Iterable, Iterator, Optional
 
@@ -39,10 +40,6 @@ class WeightsChecker:
 
     def __init__(self) -> None:
         self._snapshot: Optional[dict[str, str]] = None
-
-    @property
-    def has_snapshot(self) -> bool:
-        return self._snapshot is not None
 
     def run(self, action: str, tensors: Iterable[tuple[str, torch.Tensor]], skip: Iterable[str] = ()) -> dict[str, Any]:
         """Execute ``action`` over ``tensors``; returns the summary fields."""
@@ -73,9 +70,6 @@ class WeightsChecker:
         summary["elapsed_s"] = time.perf_counter() - start
         return summary
 
-    def clear(self) -> None:
-        self._snapshot = None
-
 
 def _named(tensors: Iterable[tuple[str, torch.Tensor]], skipped: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
     for name, tensor in tensors:
@@ -93,3 +87,28 @@ def _diff(before: dict[str, str], after: dict[str, str]) -> dict[str, Any]:
 
 def compare_ok(summary: dict[str, Any]) -> bool:
     return not (summary.get("changed") or summary.get("missing") or summary.get("unexpected"))
+
+
+def engine_report(rank_data: list[dict[str, Any]]) -> dict[str, Any]:
+    """SGLang's engine-level checker fields over every rank's summary, in rank order:
+    ``per_engine_checksum`` (SHA256 over the per-rank checksums) and ``ranks`` (each
+    rank's digests and its place in the parallel layout). Empty unless every rank
+    produced a checksum (a failed action has none to combine)."""
+    rank_sums = [d.get("per_gpu_checksum") for d in rank_data]
+    if not rank_sums or not all(rank_sums):
+        return {}
+    engine = hashlib.sha256()
+    for checksum in rank_sums:
+        engine.update(str(checksum).encode())
+    size = len(rank_data)
+    ranks = [
+        {
+            "checksums": d.get("checksums", {}),
+            "per_gpu_checksum": rank_sums[i],
+            "parallelism_info": [
+                {"role": "tp", "tp_rank": i, "tp_size": size, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": i, "size": size}
+            ],
+        }
+        for i, d in enumerate(rank_data)
+    ]
+    return {"per_engine_checksum": engine.hexdigest(), "ranks": ranks}

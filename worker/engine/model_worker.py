@@ -82,6 +82,8 @@ class ModelWorker:
         path = str(Path(model_path))
         self.model: CausalLM = load_model(path, dtype=self.dtype, device=self.device)
         self.config: ModelConfig = self.model.config
+        # A set, built once: the scheduler tests every sampled token against it.
+        self.eos_token_ids: frozenset[int] = frozenset(self.config.eos_token_ids)
         self.tokenizer = load_tokenizer(path)
         self.model_path = path
         self.tokenizer_path = path
@@ -97,10 +99,6 @@ class ModelWorker:
         self._host_weights: Optional[dict[str, torch.Tensor]] = None
 
     # -- facts ----------------------------------------------------------------------
-    @property
-    def eos_token_ids(self) -> frozenset[int]:
-        return frozenset(self.config.eos_token_ids)
-
     @property
     def context_len(self) -> int:
         return self.config.max_position_embeddings

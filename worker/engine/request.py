@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -19,6 +18,8 @@ from worker.model import KVCache
 
 
 class ReqState(enum.Enum):
+    """Where a request is in the scheduler; only RUNNING requests hold KV."""
+
     WAITING = "waiting"  # no KV: not admitted yet, or retracted
     RUNNING = "running"  # holds KV computed with the current weights
     FINISHED = "finished"
@@ -101,7 +102,6 @@ class Request:
     finish_reason: Optional[dict[str, Any]] = None
     retractions: int = 0
     generator: Optional[torch.Generator] = None
-    created_at: float = field(default_factory=time.monotonic)
     _sent: int = 0  # output tokens already delivered to the channel
 
     @property

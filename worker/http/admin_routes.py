@@ -10,7 +10,6 @@ admin lock 503, a dead scheduler thread 503.
 from __future__ import annotations
 
 import functools
-import hashlib
 from typing import Any, Awaitable, Callable
 
 from aiohttp import web
@@ -28,10 +27,10 @@ from router.protocol.admin import (
 )
 from router.web.errors import ApiError
 from router.web.parsing import parse_body
-from worker.coordinator import AdminBusy
 from worker.engine import admin_ops
+from worker.engine.checker import engine_report
 from worker.http.keys import CONFIG, COORDINATOR
-from worker.stage import AdminTimeout, StageResult
+from worker.stage import AdminBusy, AdminTimeout, StageResult
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 VERSION = "0.1.0"
@@ -62,10 +61,14 @@ async def _exclusive(request: web.Request, action: str, op: Callable[..., Any], 
 
 
 def admin_response(result: StageResult, **extra: Any) -> web.Response:
-    body = result.body(**extra)
-    if not result.success:
-        body["error"] = {"message": result.message}
-    return web.json_response(body, status=200 if result.success else 400)
+    return answer_response(result.body(**extra), result.success, result.message)
+
+
+def answer_response(body: dict[str, Any], ok: bool, message: str) -> web.Response:
+    """An SGLang admin body; a failure also carries ``error.message`` and answers 400."""
+    if not ok:
+        body["error"] = {"message": message}
+    return web.json_response(body, status=200 if ok else 400)
 
 
 # -- status --------------------------------------------------------------------------------
@@ -153,25 +156,7 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def weights_checker(request: web.Request) -> web.Response:
     req = await parse_body(request, WeightsCheckerRequest)
     result = await request.app[COORDINATOR].admin("weights_checker", functools.partial(admin_ops.weights_checker, req=req))
-    extra: dict[str, Any] = {}
-    rank_sums = [d.get("per_gpu_checksum") for d in result.rank_data]
-    if rank_sums and all(rank_sums):
-        engine = hashlib.sha256()
-        for checksum in rank_sums:
-            engine.update(str(checksum).encode())
-        extra["per_engine_checksum"] = engine.hexdigest()
-        size = len(result.rank_data)
-        extra["ranks"] = [
-            {
-                "checksums": d.get("checksums", {}),
-                "per_gpu_checksum": d.get("per_gpu_checksum"),
-                "parallelism_info": [
-                    {"role": "tp", "tp_rank": i, "tp_size": size, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": i, "size": size}
-                ],
-            }
-            for i, d in enumerate(result.rank_data)
-        ]
-    return admin_response(result, **extra)
+    return admin_response(result, **engine_report(result.rank_data))
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:

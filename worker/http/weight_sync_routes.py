@@ -9,6 +9,9 @@ any refusal or failure; 400 for a malformed body; 503 when the admin lock (or,
 for an abort, another weight-sync call) is busy; 504 when the scheduler thread
 did not answer in time.
 
+``/begin_weight_update`` and ``/end_weight_update`` are SGLang 0.5.23's
+bracket (:mod:`worker.transfer.bracket`): accepted, not required.
+
 ``/abort_weights_update`` answers 200 only when the prepared receive was
 dropped with the weights untouched; 400 when nothing was prepared for the
 group, or when buckets had already been applied (``weights_partial: true``).
@@ -23,14 +26,16 @@ from pydantic import BaseModel
 
 from router.protocol.weight_sync import (
     AbortWeightsUpdateRequest,
+    BeginWeightUpdateRequest,
     CompleteWeightsUpdateRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     InitWeightsUpdateGroupRequest,
     PrepareWeightsUpdateRequest,
     UpdateWeightsFromDistributedRequest,
 )
 from router.web.parsing import parse_body
-from worker.http.admin_routes import Handler, admin_handler
+from worker.http.admin_routes import Handler, admin_handler, answer_response
 from worker.http.keys import COORDINATOR, WEIGHT_SYNC
 from worker.transfer.session import WeightSyncController
 
@@ -53,12 +58,17 @@ def _handler(model: type[BaseModel], call: Call, ok: Callable[[Any], bool], *, a
         req = await parse_body(request, model, allow_empty=allow_empty)
         answer = await call(request.app[WEIGHT_SYNC], req)
         body = answer.model_dump(exclude_none=True)
-        if not ok(answer):
-            body["error"] = {"message": body.get("message", "")}
-            return web.json_response(body, status=400)
-        return web.json_response(body)
+        return answer_response(body, ok(answer), body.get("message", ""))
 
     return handle
+
+
+async def _begin(controller: WeightSyncController, req: BeginWeightUpdateRequest) -> BaseModel:
+    return controller.bracket.begin(req)
+
+
+async def _end(controller: WeightSyncController, req: EndWeightUpdateRequest) -> BaseModel:
+    return controller.bracket.end(req)
 
 
 async def controller_ctx(app: web.Application) -> AsyncIterator[None]:
@@ -77,6 +87,8 @@ _TABLE: list[tuple[str, type[BaseModel], Call, Callable[[Any], bool], bool]] = [
     ("/prepare_weights_update", PrepareWeightsUpdateRequest, _W.prepare, _ready, False),
     ("/complete_weights_update", CompleteWeightsUpdateRequest, _W.complete, _succeeded, False),
     ("/abort_weights_update", AbortWeightsUpdateRequest, _W.abort, _succeeded, True),
+    ("/begin_weight_update", BeginWeightUpdateRequest, _begin, _succeeded, True),
+    ("/end_weight_update", EndWeightUpdateRequest, _end, _succeeded, True),
 ]
 
 ROUTES: list[web.RouteDef] = [

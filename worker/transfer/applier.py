@@ -14,15 +14,15 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
+from worker.engine.admin_ops import check_update_allowed
+from worker.engine.model_worker import ModelWorker
+from worker.engine.scheduler import Scheduler
 from worker.model import digest_named_tensors
 from worker.transfer.flat_bucket import NamedTensors
-
-if TYPE_CHECKING:
-    from worker.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,8 @@ class Admission:
 
 @dataclass(frozen=True)
 class FinishResult:
+    """The outcome of :meth:`ModelApplier.finish` (``checksum`` when one was asked for)."""
+
     success: bool
     message: str = ""
     checksum: Optional[str] = None
@@ -44,7 +46,7 @@ class FinishResult:
 class ModelApplier:
     """Lifecycle checks, bucket applies and finalisation for one rank."""
 
-    def __init__(self, scheduler: "Scheduler"):
+    def __init__(self, scheduler: Scheduler):
         self.scheduler = scheduler
         self._rewritten: Optional[set[str]] = None
         #: Buckets of the current update written into the model (streaming), counted
@@ -52,7 +54,7 @@ class ModelApplier:
         self.buckets_applied = 0
 
     @property
-    def worker(self):  # noqa: ANN201 - ModelWorker, imported lazily by the scheduler module
+    def worker(self) -> ModelWorker:
         return self.scheduler.worker
 
     def admit(self, *, abort_all: bool, hold: bool) -> Admission:
@@ -60,11 +62,9 @@ class ModelApplier:
         with ``hold``, stop generation for the update (an ``in_place`` pause with nothing
         active only holds queued requests back)."""
         s, w = self.scheduler, self.worker
-        if w.weights_released:
-            return Admission(error="weights are released; call /resume_memory_occupation before updating them")
-        active = s.active_request_count
-        if active and not abort_all:
-            return Admission(error=_active_message(active))
+        allowed = check_update_allowed(s, abort_all)
+        if not allowed.success:
+            return Admission(error=allowed.message)
         if abort_all:
             s.abort_all("Aborted: weights are being updated")
         paused_by_update = False
@@ -90,7 +90,7 @@ class ModelApplier:
         return count
 
     def finish(self, *, names: list[str], staged: NamedTensors, atomic: bool, abort_all: bool,
-               weight_version: Optional[str], flush_cache: bool, resume: bool, partial_before: Optional[bool],
+               weight_version: Optional[str], flush_cache: bool, resume: bool, partial_before: bool,
                checksum: bool) -> FinishResult:
         """After a successful receive: apply staged buckets (atomic), then clear the
         partial flag, set the version, flush, lift this update's hold, checksum."""
@@ -105,7 +105,7 @@ class ModelApplier:
                 return FinishResult(False, f"applying the received weights failed, previous weights kept: {exc}")
             prior = w.weights_partial
         else:
-            prior = bool(partial_before)
+            prior = partial_before
         w.weights_partial = self._still_partial(prior, names)
         if weight_version is not None:
             w.weight_version = weight_version
@@ -172,9 +172,3 @@ class ModelApplier:
             w.synchronize()
             raise
 
-
-def _active_message(count: int) -> str:
-    return (
-        f"cannot update weights: {count} active request(s) hold KV cache computed with the current weights; "
-        "pause with mode=retract or abort them first (or pass abort_all_requests=true)"
-    )

@@ -45,7 +45,12 @@ def layout_of(named: Sequence[tuple[str, torch.Tensor]], *, require_aligned: boo
 
 def allocate(layout: BucketLayout, device: torch.device | str = "cpu") -> torch.Tensor:
     """One uninitialised ``uint8`` buffer big enough for ``layout``."""
-    return torch.empty(layout.total_bytes, dtype=torch.uint8, device=device)
+    return allocate_bytes(layout.total_bytes, device)
+
+
+def allocate_bytes(nbytes: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """One uninitialised ``uint8`` buffer of ``nbytes`` (reused for buckets up to that size)."""
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
@@ -60,7 +65,7 @@ def slot_view(buffer: torch.Tensor, slot: TensorSlot) -> torch.Tensor:
 
 def unpack(buffer: torch.Tensor, layout: BucketLayout) -> NamedTensors:
     """Views of every tensor of ``layout`` inside ``buffer`` (no copy)."""
-    _check_buffer(buffer, layout)
+    _check_buffer(buffer, layout, "bucket buffer")
     return [(slot.name, slot_view(buffer, slot)) for slot in layout.slots]
 
 
@@ -76,8 +81,8 @@ def pack(
     """
     if out is None:
         out = allocate(layout, device="cpu")
-    elif out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < layout.total_bytes:
-        raise LayoutError(f"output buffer must be 1-D uint8 of at least {layout.total_bytes} bytes")
+    else:
+        _check_buffer(out, layout, "output buffer")
     count = 0
     for (name, tensor), slot in zip(named, layout.slots):
         count += 1
@@ -93,9 +98,9 @@ def pack(
     return out[: layout.total_bytes]
 
 
-def _check_buffer(buffer: torch.Tensor, layout: BucketLayout) -> None:
+def _check_buffer(buffer: torch.Tensor, layout: BucketLayout, what: str) -> None:
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < layout.total_bytes:
         raise LayoutError(
-            f"bucket buffer must be 1-D uint8 of at least {layout.total_bytes} bytes, "
+            f"{what} must be 1-D uint8 of at least {layout.total_bytes} bytes, "
             f"got {buffer.dtype} {list(buffer.shape)}"
         )

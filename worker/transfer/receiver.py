@@ -41,7 +41,7 @@ from typing import Callable, Literal, Sequence
 import torch
 
 from router.protocol.bucket_layout import BucketLayout
-from worker.transfer.flat_bucket import NamedTensors, allocate, slot_view, unpack
+from worker.transfer.flat_bucket import NamedTensors, allocate, allocate_bytes, slot_view, unpack
 from worker.transfer.group import GroupError, WeightUpdateGroup
 
 log = logging.getLogger(__name__)
@@ -52,6 +52,8 @@ ApplyFn = Callable[[int, NamedTensors], "Future[object]"]
 
 
 class ReceiveState(str, enum.Enum):
+    """The receive loop's states (diagram in the module docstring)."""
+
     STARTING = "starting"
     RECEIVING = "receiving"
     DRAINING = "draining"
@@ -346,14 +348,3 @@ class ReceiveBuffers:
         with self._lock:
             # Keep at most one double buffer: a model whose plan grew drops the old ones.
             self._free = sorted([*self._free, *buffers], key=lambda b: -b.numel())[:2]
-
-
-def allocate_bytes(nbytes: int, device: torch.device) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def completed(value: object = None) -> "Future[object]":
-    """A future that is already done: an ApplyFn that applied inline returns this."""
-    future: Future[object] = Future()
-    future.set_result(value)
-    return future

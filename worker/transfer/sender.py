@@ -32,7 +32,7 @@ import torch
 
 from router.protocol.bucket_layout import BucketLayout, aligned_order
 from worker.model.digest import digest_named_tensors
-from worker.transfer.flat_bucket import dtype_name, pack
+from worker.transfer.flat_bucket import allocate_bytes, dtype_name, pack
 from worker.transfer.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,8 @@ class BucketPlan:
 
 @dataclass(frozen=True)
 class SendStats:
+    """What one :meth:`TrainerWeightSender.send` broadcast, and how long it took."""
+
     buckets: int
     tensors: int
     bytes: int
@@ -212,19 +214,6 @@ class TrainerWeightSender:
             self.close()
             raise result["error"]
         return result.get("value")  # type: ignore[return-value]
-
-    async def connect_async(self, post_init: Any) -> Any:
-        """``connect`` for asyncio callers: ``post_init`` is an awaitable; the join runs in a thread."""
-        import asyncio
-
-        join = asyncio.get_running_loop().run_in_executor(None, self.join)
-        results = await asyncio.gather(join, post_init, return_exceptions=True)
-        if isinstance(results[0], BaseException):
-            raise results[0]
-        if isinstance(results[1], BaseException):
-            self.close()
-            raise results[1]
-        return results[1]
 
     def close(self) -> None:
         """Leave the group (idempotent); pair with ``/destroy_weights_update_group`` on the workers."""
@@ -362,7 +351,7 @@ class TrainerWeightSender:
     def _ensure_buffers(self, nbytes: int, count: int) -> None:
         # Kept across steps: the plan is fixed, so the same two buffers serve every sync.
         if len(self._buffers) < count or any(b.numel() < nbytes for b in self._buffers):
-            self._buffers = [torch.empty(nbytes, dtype=torch.uint8, device=self.device) for _ in range(count)]
+            self._buffers = [allocate_bytes(nbytes, self.device) for _ in range(count)]
 
     @staticmethod
     def _report(progress: Progress | None, index: int, plan: BucketPlan, done: int, layout: BucketLayout) -> int:

@@ -38,14 +38,13 @@ The HTTP handlers call one method each; all policy lives here:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from router.protocol.weight_sync import (
     AbortWeightsUpdateRequest,
@@ -60,8 +59,9 @@ from router.protocol.weight_sync import (
     UpdateWeightsFromDistributedRequest,
     WeightSyncResponse,
 )
-from worker.stage import AdminBusy
-from worker.transfer.applier import ModelApplier
+from worker.stage import held
+from worker.transfer.applier import FinishResult, ModelApplier
+from worker.transfer.bracket import UpdateBracket
 from worker.transfer.flat_bucket import NamedTensors
 from worker.transfer.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
 from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
@@ -77,6 +77,10 @@ DEFAULT_RECEIVE_TIMEOUT_S = 600.0
 SCHEDULER_STEP_TIMEOUT_S = 120.0
 #: How long an abort waits for another weight-sync call on this worker before answering 503.
 ABORT_WAIT_S = 10.0
+#: Past the receive deadline, the time the receive loop gets to notice it and report.
+RECEIVE_GRACE_S = 5.0
+#: The admin-lock action of every weight-sync step that touches the model.
+SYNC_ACTION = "update_weights_from_distributed"
 ABORTED = "a prepared receive was aborted"
 PARTIAL_NOTE = " The full weights of the ModelRunner are partially updated. Please discard the whole weights."
 
@@ -98,6 +102,10 @@ class _Update:
     paused_by_update: bool = False
     partial_before: bool = False
 
+    def wait_s(self) -> float:
+        """How long to wait for the receive: to its deadline, plus a grace for the loop to report."""
+        return max(self.deadline - time.monotonic(), 0.0) + RECEIVE_GRACE_S
+
 
 class WeightSyncController:
     """Per-worker weight-sync state behind the six weight-sync routes."""
@@ -108,6 +116,7 @@ class WeightSyncController:
         self.group_timeout_s = group_timeout_s
         self.receive_timeout_s = receive_timeout_s
         self.applier = ModelApplier(coordinator.scheduler)
+        self.bracket = UpdateBracket()
         self._groups: dict[str, WeightUpdateGroup] = {}
         self._joining: set[str] = set()
         self._update: Optional[_Update] = None
@@ -183,7 +192,7 @@ class WeightSyncController:
                 )
             self._update = None
             version = req.weight_version if req.weight_version is not None else update.weight_version
-            wait_s = req.timeout_s if req.timeout_s is not None else max(update.deadline - time.monotonic(), 0.0) + 5.0
+            wait_s = req.timeout_s if req.timeout_s is not None else update.wait_s()
             outcome = await self._in_thread(partial(update.receiver.wait, wait_s))
             if not outcome.ok:
                 update.failed.set()
@@ -193,19 +202,8 @@ class WeightSyncController:
                     success=False, num_buckets_received=outcome.buckets_received, message=f"{outcome.error}.{note}",
                     weights_partial=partial_now, elapsed_s=time.monotonic() - update.started,
                 )
-            staged: NamedTensors = []
-            if update.atomic:
-                staged = [t for _, named in update.receiver.staged() for t in named]
-            try:
-                async with self.coordinator.admin_section("update_weights_from_distributed", SCHEDULER_STEP_TIMEOUT_S):
-                    result = await self._on_scheduler(partial(
-                        self.applier.finish, names=update.names, staged=staged, atomic=update.atomic,
-                        abort_all=update.abort_all_requests, weight_version=version, flush_cache=req.flush_cache,
-                        resume=update.paused_by_update, partial_before=update.partial_before,
-                        checksum=req.return_checksum,
-                    ))
-            finally:
-                update.receiver.release()
+            result = await self._finish(update, weight_version=version, flush_cache=req.flush_cache,
+                                        checksum=req.return_checksum)
             response = CompleteWeightsUpdateResponse(
                 success=result.success, num_buckets_received=outcome.buckets_received,
                 elapsed_s=time.monotonic() - update.started, weight_version=self.coordinator.worker.weight_version,
@@ -218,7 +216,9 @@ class WeightSyncController:
 
     async def abort(self, req: AbortWeightsUpdateRequest) -> AbortWeightsUpdateResponse:
         """Drop the prepared update of ``req.group_name`` (see the module docstring)."""
-        async with self._exclusive("abort_weights_update", ABORT_WAIT_S):
+        busy = ("abort_weights_update: another weight-sync call (a complete or a single-phase update) "
+                "is still running on this worker")
+        async with held(self._lock, ABORT_WAIT_S, busy):
             update = self._update
             if update is None or update.group.name != req.group_name:
                 other = f" (the prepared one is for group {update.group.name!r})" if update is not None else ""
@@ -231,10 +231,9 @@ class WeightSyncController:
             update.receiver.cancel(ABORTED, broken_reason=ABORTED)
             update.receiver.release()
             outcome = update.receiver.outcome()
-            async with self.coordinator.admin_section("update_weights_from_distributed", SCHEDULER_STEP_TIMEOUT_S):
-                applied, partial_now = await self._on_scheduler(
-                    partial(self.applier.after_abort, resume=update.paused_by_update)
-                )
+            applied, partial_now = await self._on_scheduler_exclusive(
+                partial(self.applier.after_abort, resume=update.paused_by_update)
+            )
         group = update.group
         group_note = _group_note(group)
         if applied:
@@ -264,20 +263,12 @@ class WeightSyncController:
                                            weight_version=req.weight_version, timeout_s=req.timeout_s)
             except _Refused as exc:
                 return _fail(f"Failed to update parameter online: {exc}.")
-            outcome = await self._in_thread(partial(update.receiver.wait, max(update.deadline - time.monotonic(), 0) + 5))
+            outcome = await self._in_thread(partial(update.receiver.wait, update.wait_s()))
             if not outcome.ok:
                 await self._on_scheduler(self.applier.mark_partial)
                 return _fail(f"Failed to update parameter online: {outcome.error}.{PARTIAL_NOTE}")
-            staged = [t for _, named in update.receiver.staged() for t in named]
-            try:
-                async with self.coordinator.admin_section("update_weights_from_distributed", SCHEDULER_STEP_TIMEOUT_S):
-                    result = await self._on_scheduler(partial(
-                        self.applier.finish, names=update.names, staged=staged, atomic=True,
-                        abort_all=req.abort_all_requests, weight_version=req.weight_version,
-                        flush_cache=req.flush_cache, resume=False, partial_before=None, checksum=False,
-                    ))
-            finally:
-                update.receiver.release()
+            result = await self._finish(update, weight_version=req.weight_version, flush_cache=req.flush_cache,
+                                        checksum=False)
             if not result.success:
                 return _fail(f"Failed to update parameter online: {result.message}")
             message = "Succeeded to update parameter online."
@@ -308,8 +299,7 @@ class WeightSyncController:
         except MetadataError as exc:
             raise _Refused(str(exc)) from None
         timeout = timeout_s or self.receive_timeout_s
-        async with self.coordinator.admin_section("update_weights_from_distributed", SCHEDULER_STEP_TIMEOUT_S):
-            admitted = await self._on_scheduler(partial(self.applier.admit, abort_all=abort_all, hold=not atomic))
+        admitted = await self._on_scheduler_exclusive(partial(self.applier.admit, abort_all=abort_all, hold=not atomic))
         if admitted.error is not None:
             raise _Refused(admitted.error)
         update = _Update(group=group, receiver=None, atomic=atomic, weight_version=weight_version,  # type: ignore[arg-type]
@@ -333,22 +323,28 @@ class WeightSyncController:
         """Receive thread → scheduler thread: apply one streamed bucket between steps."""
         return self.coordinator.scheduler.submit_admin(lambda: self.applier.apply_bucket(named, update.failed))
 
+    async def _finish(self, update: _Update, *, weight_version: Optional[str], flush_cache: bool,
+                      checksum: bool) -> FinishResult:
+        """After a successful receive: finish ``update`` on the scheduler thread (atomic:
+        apply its staged buckets), then drop its buffers."""
+        staged: NamedTensors = [t for _, named in update.receiver.staged() for t in named] if update.atomic else []
+        try:
+            return await self._on_scheduler_exclusive(partial(
+                self.applier.finish, names=update.names, staged=staged, atomic=update.atomic,
+                abort_all=update.abort_all_requests, weight_version=weight_version, flush_cache=flush_cache,
+                resume=update.paused_by_update, partial_before=update.partial_before, checksum=checksum,
+            ))
+        finally:
+            update.receiver.release()
+
     async def _on_scheduler(self, fn: Any) -> Any:
         return await self.coordinator.run_on_scheduler(fn, SCHEDULER_STEP_TIMEOUT_S, action="weight_sync")
 
-    @contextlib.asynccontextmanager
-    async def _exclusive(self, action: str, wait_s: float) -> AsyncIterator[None]:
-        """This controller's lock, waited for at most ``wait_s`` (then :class:`AdminBusy`, a 503)."""
-        try:
-            await asyncio.wait_for(self._lock.acquire(), wait_s)
-        except asyncio.TimeoutError:
-            raise AdminBusy(
-                f"{action}: another weight-sync call (a complete or a single-phase update) is still running on this worker"
-            ) from None
-        try:
-            yield
-        finally:
-            self._lock.release()
+    async def _on_scheduler_exclusive(self, fn: Any) -> Any:
+        """``fn`` on the scheduler thread inside the coordinator's admin section, so it
+        cannot interleave with a disk update, a pause or a memory release."""
+        async with self.coordinator.admin_section(SYNC_ACTION, SCHEDULER_STEP_TIMEOUT_S):
+            return await self._on_scheduler(fn)
 
     async def _in_thread(self, fn: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
