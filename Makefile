@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 install: $(VENV)/.installed
 
 demo: install
-	$(PY) -m worker.demo
+	$(PY) -m demo
 
 test: install
 	$(PY) -m pytest -q

@@ -33,7 +33,7 @@ import time
 import aiohttp
 from aiohttp import web
 
-from router.launch import ManagedProcess, cli
+from demo.launch import ManagedProcess, cli
 
 # ----------------------------------------------------------------------------- stand-in workers
 

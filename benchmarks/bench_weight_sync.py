@@ -46,10 +46,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from router.protocol.bucket_layout import BucketLayout
-from worker.transfer.group import init_weight_update_group
+from router.contract.bucket_layout import BucketLayout
+from router.dataplane.group import init_weight_update_group
 from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
-from worker.transfer.sender import BucketPlan, TrainerWeightSender
+from router.trainer.sender import BucketPlan, TrainerWeightSender
 
 GROUP = "bench_weight_sync"
 TIMEOUT_S = 300.0

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from worker.model import read_checkpoint, write_tiny_checkpoint
-from worker.transfer.sender import BucketPlan, TrainerWeightSender
+from router.trainer.sender import BucketPlan, TrainerWeightSender
 
 SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8, "head_dim": 128}
 BUCKET_BYTES = 16 << 20

@@ -27,9 +27,9 @@ import traceback
 
 import torch
 
-from router.client import AsyncRouterClient, GroupSpec, RouterCallError, RouterClient, SyncError, SyncReport
+from router.trainer import AsyncRouterClient, GroupSpec, RouterCallError, RouterClient, SyncError, SyncReport
 from worker.model.checkpoint import read_checkpoint
-from worker.transfer.sender import BucketPlan, TrainerWeightSender, sent_checksum
+from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
 
 #: Short enough that a router still holding its admin lock answers 503 before this expires.
 PROBE_TIMEOUT_S = 20

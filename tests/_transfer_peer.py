@@ -23,9 +23,9 @@ from typing import Any
 
 import torch
 
-from worker.transfer.group import GroupError, init_weight_update_group
+from router.dataplane.group import GroupError, init_weight_update_group
 from worker.transfer.receiver import BucketReceiver
-from worker.transfer.sender import BucketPlan, TrainerWeightSender
+from router.trainer.sender import BucketPlan, TrainerWeightSender
 
 # One bucket's tensors: mixed dtypes and odd sizes, so a naive order would be unaligned.
 BUCKET_TEMPLATE = [

@@ -19,11 +19,11 @@ from typing import Any, Callable
 
 import torch
 
-from router.protocol.bucket_layout import BucketLayout
+from router.contract.bucket_layout import BucketLayout
 from tests.procs import http_json
 from worker.model import read_checkpoint
-from worker.transfer.group import GroupError
-from worker.transfer.sender import BucketPlan, TrainerWeightSender, WeightSyncError, sent_checksum
+from router.dataplane.group import GroupError
+from router.trainer.sender import BucketPlan, TrainerWeightSender, WeightSyncError, sent_checksum
 
 HTTP_TIMEOUT_S = 120.0
 

@@ -1,3 +1,3 @@
-"""Process helpers for tests (see :mod:`router.launch`)."""
+"""Process helpers for tests (see :mod:`demo.launch`)."""
 
-from router.launch import ManagedProcess, cli, free_port, http_json, start_worker  # noqa: F401
+from demo.launch import ManagedProcess, cli, free_port, http_json, start_worker  # noqa: F401

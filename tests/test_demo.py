@@ -1,4 +1,4 @@
-"""The main job, run as a user runs it: ``python -m worker.demo``.
+"""The main job, run as a user runs it: ``python -m demo``.
 
 It starts a real router and two real workers and trains in its own process;
 these tests read what it prints and check the processes it started are gone
@@ -27,7 +27,7 @@ URL_LINE = re.compile(r"^(router|worker\d+)\s+(http://\S+)")
 
 def start_demo(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "worker.demo", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "demo", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from router.operations import OPERATIONS
+from router.gateway.admin.operations import OPERATIONS
 from tests._router_fixtures import (
     ADMIN_KEY, auth, by_url, generate_via, make_tiny_checkpoint, start_router, start_workers, wait_for, workers,
 )  # fmt: skip

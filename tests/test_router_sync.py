@@ -78,7 +78,7 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
     import torch
 
     from worker.model.checkpoint import read_checkpoint
-    from worker.transfer.sender import BucketPlan, TrainerWeightSender
+    from router.trainer.sender import BucketPlan, TrainerWeightSender
 
     urls, qwen = mixed_fleet
     status, body = http_json("POST", urls[1] + "/abort_weights_update", {"group_name": "weight_update_group"}, headers=auth())

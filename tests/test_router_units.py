@@ -11,21 +11,21 @@ import sys
 
 import pytest
 
-from router.errors import BadRequest, Conflict, NotFound, Unavailable
-from router.journal import UpdateJournal
-from router.operations import OPERATIONS
-from router.policy import LeastInflight, Random, RoundRobin, make_policy
-from router.protocol.fleet import BroadcastResponse, WorkerResult
-from router.proxy import prepare_payload
-from router.ranks import plan_ranks
-from router.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
-from router.update_gate import UpdateGate
+from router.contract.errors import BadRequest, Conflict, NotFound, Unavailable
+from router.gateway.admin.journal import UpdateJournal
+from router.gateway.admin.operations import OPERATIONS
+from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
+from router.contract.fleet import BroadcastResponse, WorkerResult
+from router.gateway.routing.proxy import prepare_payload
+from router.gateway.admin.ranks import plan_ranks
+from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
+from router.gateway.admin.update_gate import UpdateGate
 from tests.procs import free_port
 
 
 def test_router_import_leaves_torch_out():
     code = (
-        "import sys, router, router.app, router.cli, router.client, router.protocol.fleet;"
+        "import sys, router, router.gateway.app, router.gateway.cli, router.trainer, router.contract.fleet;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
@@ -266,7 +266,7 @@ class TestAdminHttp:
         return await aiohttp_server(app)
 
     async def test_framings_keepalive_and_timeout(self, aiohttp_server):
-        from router.admin_http import AdminHttpClient
+        from router.gateway.admin.admin_http import AdminHttpClient
 
         server = await self._server(aiohttp_server)
         base = f"http://127.0.0.1:{server.port}"

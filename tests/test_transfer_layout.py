@@ -9,16 +9,16 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from router.protocol.bucket_layout import BucketLayout, LayoutError, aligned_order
-from router.protocol.weight_sync import (
+from router.contract.bucket_layout import BucketLayout, LayoutError, aligned_order
+from router.contract.weight_sync import (
     CompleteWeightsUpdateRequest,
     InitWeightsUpdateGroupRequest,
     PrepareWeightsUpdateRequest,
     PrepareWeightsUpdateResponse,
     UpdateWeightsFromDistributedRequest,
 )
-from worker.transfer.flat_bucket import layout_of, pack, unpack
-from worker.transfer.sender import BucketPlan
+from router.dataplane.buckets import layout_of, pack, unpack
+from router.trainer.sender import BucketPlan
 
 
 class TestBucketLayout:
@@ -55,7 +55,7 @@ class TestBucketLayout:
             BucketLayout.from_meta(names, dtypes, shapes)
 
     def test_protocol_does_not_import_torch(self) -> None:
-        code = "import sys, router.protocol.weight_sync, router.protocol.bucket_layout; assert 'torch' not in sys.modules"
+        code = "import sys, router.contract.weight_sync, router.contract.bucket_layout; assert 'torch' not in sys.modules"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 

@@ -19,7 +19,7 @@ from tests._weight_sync_fixtures import WORKER_ARGS, ckpts  # noqa: F401
 from tests._worker_helpers import Worker
 from tests.procs import free_port, http_json, start_worker
 from worker.model import read_checkpoint
-from worker.transfer.sender import BucketPlan, TrainerWeightSender, sent_checksum
+from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
 
 GROUP = "weight_update_group"
 BROKEN = f"group {GROUP!r} is broken (a prepared receive was aborted); destroy and re-initialize it"

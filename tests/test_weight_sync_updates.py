@@ -1,7 +1,7 @@
 """Weight updates through real processes: a trainer (rank 0) and two omni-workers over gloo.
 
 The trainer is ``python -m tests._weight_sync_trainer``; it drives the real HTTP
-routes and broadcasts with ``worker.transfer.sender``. Checkpoint ``a`` is
+routes and broadcasts with ``router.trainer.sender``. Checkpoint ``a`` is
 served at start; the updates push the tensors of checkpoints ``c`` and ``b``.
 """
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from router.protocol.admin import ModelInfo, WeightsCheckerResult
+from router.contract.admin import ModelInfo, WeightsCheckerResult
 from tests._worker_helpers import result
 from worker.model import digest_named_tensors, load_model
 

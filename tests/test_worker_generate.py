@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 
-from router.protocol.admin import ModelInfo
-from router.protocol.generate import GenerateResponse
+from router.contract.admin import ModelInfo
+from router.contract.generate import GenerateResponse
 from tests._worker_helpers import open_raw_request, result, sse_events
 from tests.procs import cli
 from worker.model import load_tokenizer

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from router.protocol.admin import UpdateWeightsFromDiskResult
+from router.contract.admin import UpdateWeightsFromDiskResult
 from tests._worker_helpers import result
 from worker.model import digest_named_tensors, load_model
 

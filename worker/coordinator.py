@@ -19,7 +19,7 @@ import uuid
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Optional
 
-from router.protocol.admin import PauseRequest, UpdateWeightsFromDiskRequest
+from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
 from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpdateError

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.protocol.admin import (
+from router.contract.admin import (
     AbortRequest,
     ContinueRequest,
     MemoryOccupationRequest,

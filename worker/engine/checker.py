@@ -1,6 +1,6 @@
 """The weights checker: strict per-tensor digests of the live weights.
 
-Digests use :mod:`worker.model.digest` over the model's checkpoint-named views
+Digests use :mod:`router.dataplane.digest` over the model's checkpoint-named views
 (SHA256 of name, dtype, shape and raw bytes; the per-rank checksum is SHA256
 over the sorted ``(name, digest)`` pairs), so a trainer computes the same
 numbers from the tensors it sent.

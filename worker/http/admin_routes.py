@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
-from router.protocol.admin import (
+from router.contract.admin import (
     AbortRequest,
     ContinueRequest,
     EmptyRequest,
@@ -25,8 +25,8 @@ from router.protocol.admin import (
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
-from router.web.errors import ApiError
-from router.web.parsing import parse_body
+from router.contract.errors import ApiError
+from router.contract.web.parsing import parse_body
 from worker.engine import admin_ops
 from worker.engine.checker import engine_report
 from worker.http.keys import CONFIG, COORDINATOR

@@ -14,9 +14,9 @@ from typing import AsyncIterator
 
 from aiohttp import web
 
-from router.web.auth import auth_middleware, resolve_admin_key
-from router.web.errors import error_middleware
-from router.web.parsing import MAX_BODY_BYTES
+from router.contract.web.auth import auth_middleware, resolve_admin_key
+from router.contract.web.middleware import error_middleware
+from router.contract.web.parsing import MAX_BODY_BYTES
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker

@@ -14,10 +14,10 @@ from typing import AsyncIterator, Optional
 
 from aiohttp import web
 
-from router.protocol.errors import error_body
-from router.protocol.generate import GenerateRequest, SamplingParams
-from router.web.errors import ApiError
-from router.web.parsing import parse_body
+from router.contract.errors import error_body
+from router.contract.generate import GenerateRequest, SamplingParams
+from router.contract.errors import ApiError
+from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker
 from worker.engine.request import GenerationParams

@@ -24,7 +24,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable
 from aiohttp import web
 from pydantic import BaseModel
 
-from router.protocol.weight_sync import (
+from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     BeginWeightUpdateRequest,
     CompleteWeightsUpdateRequest,
@@ -34,7 +34,7 @@ from router.protocol.weight_sync import (
     PrepareWeightsUpdateRequest,
     UpdateWeightsFromDistributedRequest,
 )
-from router.web.parsing import parse_body
+from router.contract.web.parsing import parse_body
 from worker.http.admin_routes import Handler, admin_handler, answer_response
 from worker.http.keys import COORDINATOR, WEIGHT_SYNC
 from worker.transfer.session import WeightSyncController

@@ -1,1 +1,2 @@
-"""Weight transfer: process groups, flattened buckets, the receiver and the trainer-side sender."""
+"""The worker's side of weight sync: metadata validation, the receive loop, the applier
+and the controller behind the weight-sync routes."""

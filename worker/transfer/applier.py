@@ -22,7 +22,7 @@ from worker.engine.admin_ops import check_update_allowed
 from worker.engine.model_worker import ModelWorker
 from worker.engine.scheduler import Scheduler
 from worker.model import digest_named_tensors
-from worker.transfer.flat_bucket import NamedTensors
+from router.dataplane.buckets import NamedTensors
 
 
 @dataclass(frozen=True)

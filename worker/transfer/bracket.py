@@ -10,7 +10,7 @@ is nothing to finalise (weights are applied as they arrive, or at complete).
 
 from __future__ import annotations
 
-from router.protocol.weight_sync import BeginWeightUpdateRequest, EndWeightUpdateRequest, WeightSyncResponse
+from router.contract.weight_sync import BeginWeightUpdateRequest, EndWeightUpdateRequest, WeightSyncResponse
 
 
 class UpdateBracket:

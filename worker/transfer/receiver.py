@@ -40,9 +40,9 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
-from router.protocol.bucket_layout import BucketLayout
-from worker.transfer.flat_bucket import NamedTensors, allocate, allocate_bytes, slot_view, unpack
-from worker.transfer.group import GroupError, WeightUpdateGroup
+from router.contract.bucket_layout import BucketLayout
+from router.dataplane.buckets import NamedTensors, allocate, allocate_bytes, slot_view, unpack
+from router.dataplane.group import GroupError, WeightUpdateGroup
 
 log = logging.getLogger(__name__)
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, Optional
 
-from router.protocol.weight_sync import (
+from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     AbortWeightsUpdateResponse,
     CompleteWeightsUpdateRequest,
@@ -62,8 +62,8 @@ from router.protocol.weight_sync import (
 from worker.stage import held
 from worker.transfer.applier import FinishResult, ModelApplier
 from worker.transfer.bracket import UpdateBracket
-from worker.transfer.flat_bucket import NamedTensors
-from worker.transfer.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
+from router.dataplane.buckets import NamedTensors
+from router.dataplane.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
 from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
 from worker.transfer.validation import MetadataError, validate_buckets
 

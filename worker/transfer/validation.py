@@ -13,9 +13,9 @@ from typing import Callable, Mapping, Sequence
 
 import torch
 
-from router.protocol.bucket_layout import BucketLayout, LayoutError
-from router.protocol.weight_sync import TensorListMeta
-from worker.transfer.flat_bucket import dtype_name
+from router.contract.bucket_layout import BucketLayout, LayoutError
+from router.contract.weight_sync import TensorListMeta
+from router.dataplane.buckets import dtype_name
 
 Spec = Mapping[str, tuple[torch.dtype, tuple[int, ...]]]
 MAX_PROBLEMS_SHOWN = 5

@@ -1,0 +1,201 @@
+"""``/generate`` wire messages (SGLang ``GenerateReqInput`` / ``SamplingParams``).
+
+Field names, defaults and shapes follow SGLang so that RL trainers written
+against SGLang work unchanged. Types are strict: ``"true"`` where a bool belongs,
+``1.5`` where an int belongs, or a bool where a number belongs is a 400.
+Unknown fields are ignored (newer SGLang clients send more than we read), but
+known SGLang sampling knobs that this worker does not implement are rejected
+when set to anything but their neutral value, so a trainer never silently gets
+a different distribution than it asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from pydantic import ConfigDict, Field, model_validator
+
+from router.contract.base import WireRequest, WireResponse
+
+#: Sampling knobs SGLang knows that this worker does not implement, with the
+#: value that means "off". Anything else is refused instead of being ignored.
+UNSUPPORTED_NEUTRAL: dict[str, Any] = {
+    "n": 1,
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "json_schema": None,
+    "regex": None,
+    "ebnf": None,
+    "structural_tag": None,
+}
+
+
+class StrictRequest(WireRequest):
+    """A request body whose fields are type-checked without coercion."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class SamplingParams(StrictRequest):
+    """Per-request sampling parameters (SGLang ``SamplingParams`` subset).
+
+    ``temperature == 0`` means greedy decoding (deterministic). ``top_k == -1``
+    disables top-k. ``seed`` (alias ``sampling_seed``, SGLang's newer name) makes
+    a sampled request reproducible: it seeds a per-request ``torch.Generator``.
+    """
+
+    max_new_tokens: int = Field(128, ge=0)
+    min_new_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = -1
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    seed: Optional[int] = None
+    sampling_seed: Optional[int] = None
+    # Accepted for compatibility; only their neutral values are allowed.
+    n: int = 1
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "SamplingParams":
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError("top_k must be -1 (disabled) or >= 1")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError("min_new_tokens must not exceed max_new_tokens")
+        stops = self.stop_strings()
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must be non-empty")
+        if any(t < 0 for t in self.stop_token_ids or ()):
+            raise ValueError("stop_token_ids must be non-negative")
+        if self.seed is not None and self.sampling_seed is not None and self.seed != self.sampling_seed:
+            raise ValueError("seed and sampling_seed disagree")
+        for name, neutral in UNSUPPORTED_NEUTRAL.items():
+            if getattr(self, name) != neutral:
+                raise ValueError(f"sampling parameter {name}={getattr(self, name)!r} is not supported by this worker")
+        return self
+
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def effective_seed(self) -> Optional[int]:
+        return self.seed if self.seed is not None else self.sampling_seed
+
+
+class GenerateRequest(StrictRequest):
+    """``POST /generate`` body: one prompt or a batch (SGLang ``GenerateReqInput``).
+
+    Exactly one of ``text`` / ``input_ids`` is given. A batch is a list of
+    prompts; ``sampling_params``, ``rid`` and ``return_logprob`` may then be one
+    value for all prompts or a list with one entry per prompt (``rid`` must be a
+    list for a batch, as in SGLang).
+    """
+
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[SamplingParams, list[SamplingParams]]] = None
+    return_logprob: Optional[Union[bool, list[bool]]] = None
+    logprob_start_len: Optional[int] = None
+    top_logprobs_num: Optional[int] = Field(None, ge=0, le=64)
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    rid: Optional[Union[str, list[str]]] = None
+
+    @model_validator(mode="after")
+    def _check(self) -> "GenerateRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of 'text' or 'input_ids'")
+        n = self.batch_size
+        if n == 0:
+            raise ValueError("a batch must contain at least one prompt")
+        for name in ("sampling_params", "return_logprob"):
+            value = getattr(self, name)
+            if isinstance(value, list) and (not self.is_batch or len(value) != n):
+                raise ValueError(f"{name} is a list of {len(value)} but the request has {n} prompt(s)" if self.is_batch else f"{name} must not be a list for a single prompt")
+        if self.rid is not None:
+            if self.is_batch and not isinstance(self.rid, list):
+                raise ValueError("rid must be a list for a batch request")
+            if isinstance(self.rid, list) and (not self.is_batch or len(self.rid) != n):
+                raise ValueError("rid must be a string for a single prompt, or a list with one rid per prompt")
+            rids = self.rid if isinstance(self.rid, list) else [self.rid]
+            if any(r == "" for r in rids):
+                raise ValueError("rid must be non-empty")
+            if len(set(rids)) != len(rids):
+                raise ValueError("rids in one batch must be distinct")
+        return self
+
+    @property
+    def is_batch(self) -> bool:
+        if self.text is not None:
+            return isinstance(self.text, list)
+        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+
+    @property
+    def batch_size(self) -> int:
+        if not self.is_batch:
+            return 1
+        return len(self.text if self.text is not None else self.input_ids)  # type: ignore[arg-type]
+
+    def item_sampling_params(self, i: int) -> SamplingParams:
+        sp = self.sampling_params
+        if isinstance(sp, list):
+            return sp[i]
+        return sp if sp is not None else SamplingParams()
+
+    def item_return_logprob(self, i: int) -> bool:
+        rl = self.return_logprob
+        if isinstance(rl, list):
+            return rl[i]
+        return bool(rl)
+
+    def item_rid(self, i: int) -> Optional[str]:
+        if self.rid is None:
+            return None
+        return self.rid[i] if isinstance(self.rid, list) else self.rid
+
+
+class FinishReason(WireResponse):
+    """``{"type": "stop", "matched": ...}`` | ``{"type": "length", "length": N}`` | ``{"type": "abort", "message": ...}``."""
+
+    type: str
+    matched: Optional[Union[int, str]] = None
+    length: Optional[int] = None
+    message: Optional[str] = None
+
+
+class GenerateMetaInfo(WireResponse):
+    """``meta_info`` of one prompt's response (SGLang field names)."""
+
+    id: str
+    finish_reason: Optional[dict[str, Any]] = None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str
+    total_retractions: int = 0
+    e2e_latency: Optional[float] = None
+    output_token_logprobs: Optional[list[list[Any]]] = None
+    input_token_logprobs: Optional[list[list[Any]]] = None
+
+
+class GenerateResponse(WireResponse):
+    """One prompt's result: ``{"text", "output_ids", "meta_info"}`` (a list of these for a batch)."""
+
+    text: str
+    output_ids: list[int]
+    meta_info: GenerateMetaInfo

@@ -1,0 +1,256 @@
+"""Wire messages of the weight-sync data plane.
+
+Two flows move weights over a distributed group (trainer = rank 0):
+
+* SGLang's single-phase call, ``/update_weights_from_distributed``: metadata
+  and broadcast race each other and the collective pairs them (slime, miles).
+* The two-phase protocol: ``/prepare_weights_update`` validates every bucket's
+  metadata and answers ``ready`` only once the receive loop is running; the
+  trainer then broadcasts and calls ``/complete_weights_update`` — or, when it
+  will not broadcast after all, ``/abort_weights_update``.
+
+Field names and defaults follow SGLang's ``io_struct.py`` and the two-phase
+specification exactly; every addition is optional with a default that keeps
+the original behaviour. Validation here is purely structural (list lengths,
+dtype names, alignment); checking metadata against the model happens in the
+worker. Requests are strict (a string where a bool belongs is a 400) and
+ignore unknown fields (``selector``, ``torch_empty_cache``, ... from newer SGLang).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional
+
+from pydantic import Field, field_validator, model_validator
+
+from router.contract.base import WireResponse
+from router.contract.bucket_layout import BucketLayout, LayoutError, normalize_dtype_name
+from router.contract.generate import StrictRequest
+
+DEFAULT_GROUP_NAME = "weight_update_group"
+#: Upper bound for any caller-supplied timeout: a day is "forever" for a sync.
+MAX_TIMEOUT_S = 86_400.0
+
+LoadFormat = Optional[Literal["flattened_bucket"]]
+Backend = Optional[Literal["nccl", "gloo"]]
+TimeoutS = Optional[float]
+
+
+def _check_timeout(value: float | None) -> float | None:
+    if value is not None and not 0 < value <= MAX_TIMEOUT_S:
+        raise ValueError(f"timeout_s must be in (0, {MAX_TIMEOUT_S:.0f}], got {value}")
+    return value
+
+
+def _version_to_str(value: Any) -> Any:
+    # Trainers send str(step); accept a bare number too rather than failing a sync over it.
+    return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
+
+
+class TensorListMeta(StrictRequest):
+    """Parallel ``names``/``dtypes``/``shapes`` lists with equal lengths (SGLang
+    silently truncates with ``zip``; here a mismatch is a 400)."""
+
+    names: list[str]
+    dtypes: list[str]
+    shapes: list[list[int]]
+
+    @model_validator(mode="after")
+    def _lists_agree(self) -> "TensorListMeta":
+        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
+            raise ValueError(
+                f"names, dtypes and shapes must have equal lengths, got {len(self.names)}, "
+                f"{len(self.dtypes)} and {len(self.shapes)}"
+            )
+        if not self.names:
+            raise ValueError("at least one tensor is required")
+        try:
+            self.dtypes = [normalize_dtype_name(d) for d in self.dtypes]
+        except LayoutError as exc:
+            raise ValueError(str(exc)) from None
+        return self
+
+    def layout(self, *, require_aligned: bool) -> BucketLayout:
+        """The flattened layout of these tensors (raises ``LayoutError``)."""
+        return BucketLayout.from_meta(self.names, self.dtypes, self.shapes, require_aligned=require_aligned)
+
+
+# -- group lifecycle -------------------------------------------------------------------------
+
+
+class InitWeightsUpdateGroupRequest(StrictRequest):
+    """``POST /init_weights_update_group``: join the trainer's group at
+    ``rank = rank_offset + tp_rank`` (the trainer is rank 0)."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1)
+    world_size: int = Field(ge=2)
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+    #: ``None`` = ``nccl`` on a CUDA worker, else ``gloo`` (SGLang always defaults to nccl).
+    backend: Backend = None
+    #: Bound on the join (and on each later collective); the worker's default when absent.
+    timeout_s: TimeoutS = None
+
+    _timeout = field_validator("timeout_s")(_check_timeout)
+
+    @model_validator(mode="after")
+    def _rank_in_world(self) -> "InitWeightsUpdateGroupRequest":
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
+        return self
+
+
+class DestroyWeightsUpdateGroupRequest(StrictRequest):
+    """``POST /destroy_weights_update_group``."""
+
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+
+
+class WeightSyncResponse(WireResponse):
+    """SGLang's admin answer: ``{"success", "message"}``."""
+
+    success: bool
+    message: str = ""
+
+
+# -- single phase ----------------------------------------------------------------------------
+
+
+class UpdateWeightsFromDistributedRequest(TensorListMeta):
+    """``POST /update_weights_from_distributed`` (SGLang §1.13): one bucket, received
+    while the HTTP call is open."""
+
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    #: ``None``: one broadcast per tensor in list order; ``"flattened_bucket"``: one uint8 broadcast.
+    load_format: LoadFormat = None
+    #: Bound on the receive; the worker's default when absent.
+    timeout_s: TimeoutS = None
+
+    _version = field_validator("weight_version", mode="before")(_version_to_str)
+    _timeout = field_validator("timeout_s")(_check_timeout)
+
+    @model_validator(mode="after")
+    def _aligned_if_flat(self) -> "UpdateWeightsFromDistributedRequest":
+        if self.load_format == "flattened_bucket":
+            try:
+                self.layout(require_aligned=True)
+            except LayoutError as exc:
+                raise ValueError(str(exc)) from None
+        return self
+
+
+# -- two phase -------------------------------------------------------------------------------
+
+
+class BucketMetadata(TensorListMeta):
+    """One bucket of a two-phase update."""
+
+
+class PrepareWeightsUpdateRequest(StrictRequest):
+    """``POST /prepare_weights_update``: metadata for every bucket, before any broadcast."""
+
+    num_buckets: int = Field(ge=1)
+    buckets: list[BucketMetadata]
+    group_name: str = Field(min_length=1)
+    #: Per bucket: ``None`` = one broadcast per tensor (the specification's pseudocode),
+    #: ``"flattened_bucket"`` = one uint8 broadcast per bucket.
+    load_format: LoadFormat = None
+    #: Visible ``weight_version`` after a successful complete (complete may also set it).
+    weight_version: Optional[str] = None
+    #: ``False`` (streaming): apply each bucket as it arrives. ``True``: stage all, apply at
+    #: complete; on failure the old weights stay, bit for bit.
+    atomic: bool = False
+    #: Abort in-flight requests instead of refusing while generation is not paused.
+    abort_all_requests: bool = False
+    #: Bound on the whole receive, from ``ready`` on; the worker's default when absent.
+    timeout_s: TimeoutS = None
+
+    _version = field_validator("weight_version", mode="before")(_version_to_str)
+    _timeout = field_validator("timeout_s")(_check_timeout)
+
+    @model_validator(mode="after")
+    def _count_and_alignment(self) -> "PrepareWeightsUpdateRequest":
+        if self.num_buckets != len(self.buckets):
+            raise ValueError(f"num_buckets is {self.num_buckets} but {len(self.buckets)} buckets were described")
+        seen: dict[str, int] = {}
+        for index, bucket in enumerate(self.buckets):
+            for name in bucket.names:
+                if name in seen:
+                    raise ValueError(f"tensor {name!r} appears in bucket {seen[name] + 1} and bucket {index + 1}")
+                seen[name] = index
+            if self.load_format == "flattened_bucket":
+                try:
+                    bucket.layout(require_aligned=True)
+                except LayoutError as exc:
+                    raise ValueError(f"bucket {index + 1}: {exc}") from None
+        return self
+
+
+class PrepareWeightsUpdateResponse(WireResponse):
+    status: Literal["ready", "error"]
+    message: str = ""
+
+
+class CompleteWeightsUpdateRequest(StrictRequest):
+    """``POST /complete_weights_update``: wait for the receive, apply (atomic), answer."""
+
+    group_name: str = Field(min_length=1)
+    flush_cache: bool = False
+    #: Overrides the version given at prepare.
+    weight_version: Optional[str] = None
+    #: Also return the checksum of the weights as applied (weights-checker scheme).
+    return_checksum: bool = False
+    #: How long complete waits for the receive before failing it.
+    timeout_s: TimeoutS = None
+
+    _version = field_validator("weight_version", mode="before")(_version_to_str)
+    _timeout = field_validator("timeout_s")(_check_timeout)
+
+
+class BeginWeightUpdateRequest(StrictRequest):
+    """``POST /begin_weight_update`` (SGLang 0.5.23; miles sends it): open the update bracket."""
+
+    selector: Literal["all", "target", "draft"] = "all"
+
+
+class EndWeightUpdateRequest(StrictRequest):
+    """``POST /end_weight_update`` (SGLang 0.5.23): close the update bracket. No fields."""
+
+
+class AbortWeightsUpdateRequest(StrictRequest):
+    """``POST /abort_weights_update``: drop a prepared receive the trainer will not feed
+    (the router sends it to the ready workers when another one's prepare failed)."""
+
+    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+
+
+class AbortWeightsUpdateResponse(WireResponse):
+    """``success``: the prepared receive was dropped and the weights are untouched.
+    ``weights_partial``: the worker's weights are a mix of versions (some buckets were
+    applied before the abort, or an earlier update failed); it stays paused."""
+
+    success: bool
+    message: str = ""
+    weights_partial: bool = False
+
+
+class RankChecksum(WireResponse):
+    rank: int
+    checksum: str
+
+
+class CompleteWeightsUpdateResponse(WireResponse):
+    success: bool
+    num_buckets_received: int = 0
+    message: str = ""
+    #: Checksum of rank 0's weights as applied (only when requested and successful).
+    checksum: Optional[str] = None
+    rank_checksums: Optional[list[RankChecksum]] = None
+    weight_version: Optional[str] = None
+    elapsed_s: Optional[float] = None
+    #: True when a streaming update failed midway: the worker stays paused.
+    weights_partial: Optional[bool] = None

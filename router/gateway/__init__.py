@@ -1,0 +1,14 @@
+"""The omni-router gateway: one URL in front of a fleet of inference workers.
+
+Layers, each importing only the ones below it:
+
+- wiring: :mod:`~router.gateway.app` (``create_app``), :mod:`~router.gateway.cli`,
+  :mod:`~router.gateway.keys` and the thin handlers in :mod:`router.gateway.routes`;
+- :mod:`router.gateway.admin`: admin operations broadcast to the fleet under the
+  update lock (fencing, the journal, rank planning, the two-phase barrier);
+- :mod:`router.gateway.routing`: generation traffic (pick a worker, proxy, retry);
+- :mod:`router.gateway.fleet`: the worker registry and health checking.
+
+:mod:`~router.gateway.config`, :mod:`~router.gateway.metrics` and
+:mod:`~router.gateway.tasks` are leaves every layer may use. Nothing here imports torch.
+"""

@@ -1,0 +1,200 @@
+"""The router application: ``create_app(config)`` with one route table.
+
+Shared state lives under the typed keys in :mod:`router.gateway.keys`. The upstream
+``ClientSession``, the objects that use it and the health-check task are
+created in a cleanup context, so they exist only while the app runs and are
+closed in reverse order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import AsyncIterator
+
+import aiohttp
+from aiohttp import web
+
+from router.gateway import keys
+from router.gateway.admin.broadcast import AdminBroadcaster
+from router.gateway.config import RouterConfig
+from router.gateway.admin.fleet_views import FleetViews
+from router.gateway.fleet.health import HealthChecker, WorkerProber
+from router.gateway.admin.journal import UpdateJournal
+from router.gateway.metrics import RouterMetrics
+from router.gateway.admin.operations import OPERATIONS
+from router.gateway.routing.policy import make_policy
+from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.admin.ranks import GroupInitializer
+from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
+from router.gateway.routes import admin, fleet
+from router.gateway.tasks import TaskSet
+from router.gateway.admin.two_phase import TwoPhaseCoordinator
+from router.gateway.admin.update_gate import UpdateGate
+from router.contract.web.auth import auth_middleware
+from router.contract.web.middleware import Handler, error_middleware
+
+log = logging.getLogger(__name__)
+
+OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
+GENERATION_PATHS = ("/generate",)
+# Admin routes whose fleet semantics need more than the generic broadcast.
+_SPECIAL = {
+    "/model_info": admin.model_info,
+    "/get_weight_version": admin.get_weight_version,
+    "/weights_checker": admin.weights_checker,
+    "/init_weights_update_group": admin.init_weights_update_group,
+    "/prepare_weights_update": admin.prepare_weights_update,
+    "/complete_weights_update": admin.complete_weights_update,
+}
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.PROXY].handle(request)
+
+
+def routes() -> list[web.RouteDef]:
+    """Every route the router serves."""
+    table = [
+        web.post("/generate", generate),
+        web.put("/generate", generate),
+        web.get("/health", fleet.health),
+        web.get("/liveness", fleet.liveness),
+        web.get("/readiness", fleet.readiness),
+        web.get("/metrics", fleet.metrics),
+        web.get("/workers", fleet.list_workers),
+        web.post("/workers", fleet.add_worker),
+        web.get("/workers/{worker_id}", fleet.get_worker),
+        web.put("/workers/{worker_id}", fleet.update_worker),
+        web.delete("/workers/{worker_id}", fleet.delete_worker),
+        web.post("/add_worker", fleet.legacy_add_worker),
+        web.post("/remove_worker", fleet.legacy_remove_worker),
+        web.get("/list_workers", fleet.legacy_list_workers),
+        web.get("/weight_update_journal", fleet.get_journal),
+        web.post("/weight_update_journal/resolve", fleet.resolve_journal),
+        web.get("/get_world_size", admin.get_world_size),
+        web.post("/abort_weights_update", admin.abort_weights_update),
+    ]
+    for path, op in OPERATIONS.items():
+        handler = _SPECIAL.get(path, admin.broadcast)
+        table.extend(web.route(method, path, handler) for method in op.methods)
+    return table
+
+
+@web.middleware
+async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    start = time.perf_counter()
+    status = 500
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        status = 499  # the caller went away
+        raise
+    finally:
+        info = request.match_info.route.resource
+        route = info.canonical if info is not None else "unmatched"
+        m = request.app[keys.METRICS]
+        m.requests.labels(route, request.method, str(status)).inc()
+        m.latency.labels(route).observe(time.perf_counter() - start)
+
+
+def _service_headers(config: RouterConfig) -> dict[str, str]:
+    headers = {"Content-Type": "application/json"}
+    if config.admin_api_key:
+        headers["Authorization"] = f"Bearer {config.admin_api_key}"
+    return headers
+
+
+async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The shared ClientSession, everything that uses it, and the health loop."""
+    cfg = app[keys.CONFIG]
+    connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0, ttl_dns_cache=300)
+    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+    app[keys.SESSION] = session
+    prober = WorkerProber(session, timeout_s=cfg.health_check_timeout_s, headers=app[keys.SERVICE_HEADERS])
+    broadcaster = AdminBroadcaster(
+        registry=app[keys.REGISTRY], gate=app[keys.GATE], journal=app[keys.JOURNAL], metrics=app[keys.METRICS],
+        session=session, prober=prober, connect_timeout_s=cfg.connect_timeout_s,
+    )  # fmt: skip
+    app[keys.BROADCASTER] = broadcaster
+    app[keys.PROXY] = GenerateProxy(
+        config=cfg, registry=app[keys.REGISTRY], policy=make_policy(cfg.policy), session=session,
+        metrics=app[keys.METRICS], tasks=app[keys.TASKS], service_headers=app[keys.SERVICE_HEADERS],
+    )  # fmt: skip
+    app[keys.GROUP_INIT] = GroupInitializer(broadcaster, OPERATIONS["/init_weights_update_group"])
+    app[keys.TWO_PHASE] = TwoPhaseCoordinator(
+        broadcaster, app[keys.TASKS],
+        prepare_op=OPERATIONS["/prepare_weights_update"], complete_op=OPERATIONS["/complete_weights_update"],
+        default_timeout_s=cfg.update_session_timeout_s, service_headers=app[keys.SERVICE_HEADERS],
+    )  # fmt: skip
+    app[keys.VIEWS] = FleetViews(broadcaster)
+    checker = HealthChecker(app[keys.REGISTRY], prober, interval_s=cfg.health_check_interval_s)
+    app[keys.HEALTH] = checker
+    app[keys.HEALTH_TASK] = asyncio.get_running_loop().create_task(checker.run(), name="health-checker")
+    try:
+        yield
+    finally:
+        app[keys.HEALTH_TASK].cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await app[keys.HEALTH_TASK]
+        await app[keys.TASKS].close()
+        broadcaster.close()
+        await session.close()
+
+
+def _restore_journal(registry: WorkerRegistry, journal: UpdateJournal) -> None:
+    """A previous run left an unresolved update: keep its targets out of routing."""
+    pending = journal.load_or_unreadable([(w.id, w.url) for w in registry])
+    if pending is None:
+        return
+    for target in pending.targets:
+        worker = registry.find(target.id)
+        if worker is not None:
+            worker.disabled = True
+    log.warning(
+        "unresolved update journal (%s: %s); keeping %d worker(s) disabled until an operator resolves it",
+        pending.path, pending.reason, len(pending.targets),
+    )  # fmt: skip
+
+
+def create_app(config: RouterConfig) -> web.Application:
+    """Build the router app; workers in ``config.worker_urls`` are registered in order."""
+    config.validate()
+    thresholds = HealthThresholds(
+        failure=config.health_failure_threshold, dead=config.dead_threshold, success=config.health_success_threshold
+    )
+    registry = WorkerRegistry(thresholds=thresholds)
+    for url in config.worker_urls:
+        registry.add(url)
+    journal = UpdateJournal(config.state_dir)
+    _restore_journal(registry, journal)
+    metrics = RouterMetrics(registry)
+
+    app = web.Application(
+        middlewares=[
+            metrics_middleware,
+            error_middleware,
+            auth_middleware(
+                admin_key=config.admin_api_key, api_key=config.api_key,
+                open_paths=OPEN_PATHS, generation_paths=GENERATION_PATHS,
+            ),  # fmt: skip
+        ],
+        client_max_size=64 * 1024 * 1024,
+    )
+    app[keys.CONFIG] = config
+    app[keys.REGISTRY] = registry
+    app[keys.JOURNAL] = journal
+    app[keys.METRICS] = metrics
+    app[keys.GATE] = UpdateGate(config.admin_lock_timeout_s, on_wait=metrics.observe_lock_wait)
+    app[keys.TASKS] = TaskSet()
+    app[keys.SERVICE_HEADERS] = _service_headers(config)
+    app.router.add_routes(routes())
+    app.cleanup_ctx.append(upstream_ctx)
+    return app

@@ -1,0 +1,145 @@
+"""``omni-router``: parse flags, build the app, serve until stopped."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Sequence
+
+from aiohttp import web
+
+from router.gateway.app import create_app
+from router.gateway.config import POLICY_NAMES, RouterConfig
+from router.contract.web.auth import resolve_admin_key
+from router.contract.errors import ApiError
+
+log = logging.getLogger("router")
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        entry = {
+            "ts": round(record.created, 3),
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            entry["exc"] = self.formatException(record.exc_info)
+        return json.dumps(entry)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(
+        prog="omni-router",
+        description="One URL in front of N omni workers: routing, admin broadcast, weight sync.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL", help="workers to register at start-up, in rank order")
+    p.add_argument("--admin-api-key", default=None, help="bearer key for admin routes (else $SGLANG_OMNI_ADMIN_KEY); forwarded to workers")
+    p.add_argument("--api-key", default=None, help="bearer key for /generate (the admin key is accepted too)")
+    p.add_argument("--policy", choices=POLICY_NAMES, default=d.policy)
+    p.add_argument("--admin-lock-timeout-s", type=float, default=d.admin_lock_timeout_s)
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
+    p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
+    p.add_argument("--max-retries", type=int, default=d.max_retries, help="extra /generate attempts on other workers (before the first byte only)")
+    p.add_argument("--health-check-interval-s", type=float, default=d.health_check_interval_s)
+    p.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
+    p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
+    p.add_argument("--health-dead-threshold", type=int, default=None, help="failed probes until dead (default: 2x failure threshold)")
+    p.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold)
+    p.add_argument("--update-session-timeout-s", type=float, default=d.update_session_timeout_s)
+    p.add_argument("--state-dir", type=Path, default=None, help="durable update journal directory (crash safety)")
+    p.add_argument("--max-connections", type=int, default=d.max_connections)
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--log-format", default="text", choices=["text", "json"])
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        worker_urls=list(args.worker_urls),
+        admin_api_key=resolve_admin_key(args.admin_api_key),
+        api_key=args.api_key or None,
+        policy=args.policy,
+        admin_lock_timeout_s=args.admin_lock_timeout_s,
+        request_timeout_s=args.request_timeout_s,
+        connect_timeout_s=args.connect_timeout_s,
+        max_retries=args.max_retries,
+        health_check_interval_s=args.health_check_interval_s,
+        health_check_timeout_s=args.health_check_timeout_s,
+        health_failure_threshold=args.health_failure_threshold,
+        health_dead_threshold=args.health_dead_threshold,
+        health_success_threshold=args.health_success_threshold,
+        update_session_timeout_s=args.update_session_timeout_s,
+        state_dir=args.state_dir,
+        max_connections=args.max_connections,
+    )
+
+
+async def serve(app: web.Application, host: str, port: int, config: RouterConfig) -> None:
+    # handler_cancellation: a caller that disconnects cancels its handler, which
+    # is how the proxy learns to abort the request on the worker.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, host, port)
+        await site.start()
+        bound = [s.getsockname()[1] for s in (site._server.sockets if site._server else [])]  # type: ignore[union-attr]
+        log.info(
+            "omni-router ready on http://%s:%s workers=%d policy=%s admin_auth=%s state_dir=%s",
+            host, bound[0] if bound else port, len(config.worker_urls), config.policy,
+            "on" if config.admin_api_key else "off", config.state_dir,
+        )  # fmt: skip
+        # Start-up objects never die: keep them out of every later GC pass (shorter pauses).
+        gc.freeze()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging(args.log_level, args.log_format)
+    config = config_from_args(args)
+    try:
+        app = create_app(config)
+    except (ValueError, ApiError) as exc:  # bad flags or worker URLs: say which, exit non-zero
+        log.error("cannot start: %s", getattr(exc, "message", exc))
+        return 2
+    if config.state_dir is None:
+        log.warning("no --state-dir: a router crash mid-update cannot keep its targets disabled across restarts")
+    started = time.monotonic()
+    asyncio.run(serve(app, args.host, args.port, config))
+    log.info("omni-router stopped after %.0fs", time.monotonic() - started)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

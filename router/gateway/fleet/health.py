@@ -1,0 +1,98 @@
+"""Health probes and worker metadata (``weight_version``, ``tp_size``).
+
+A probe is ``GET /health``; after a good probe the checker also reads
+``/model_info`` (falling back to ``/server_info`` for ``tp_size`` on SGLang
+servers whose ``/model_info`` lacks it). Workers that an update is targeting
+are probed but their failures are not counted (see ``Worker.update_holds``),
+and their metadata is left alone until the update settles.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any
+
+import aiohttp
+
+from router.gateway.fleet.registry import Worker, WorkerRegistry, tp_size_of
+
+log = logging.getLogger(__name__)
+
+
+class WorkerProber:
+    """Talks to one worker's health and metadata routes."""
+
+    def __init__(self, session: aiohttp.ClientSession, *, timeout_s: float, headers: dict[str, str] | None = None):
+        self._session = session
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._headers = headers or {}
+
+    async def _get(self, worker: Worker, path: str) -> tuple[int, Any]:
+        async with self._session.get(worker.url + path, timeout=self._timeout, headers=self._headers) as resp:
+            status = resp.status
+            try:
+                body = await resp.json(content_type=None)
+            except ValueError:
+                body = None
+            return status, body
+
+    async def is_healthy(self, worker: Worker) -> bool:
+        try:
+            status, _ = await self._get(worker, "/health")
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return False
+        return status == 200
+
+    async def refresh_metadata(self, worker: Worker) -> bool:
+        """Update ``weight_version`` and ``tp_size`` from the worker; False if it did not answer."""
+        try:
+            status, info = await self._get(worker, "/model_info")
+            if status == 200 and isinstance(info, dict):
+                version = info.get("weight_version")
+                if isinstance(version, str):
+                    worker.weight_version = version
+                tp = tp_size_of(info)
+                if tp is not None:
+                    worker.tp_size = tp
+                    return True
+            status, info = await self._get(worker, "/server_info")
+            if status == 200 and isinstance(info, dict):
+                tp = tp_size_of(info)
+                if tp is not None:
+                    worker.tp_size = tp
+                return True
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return False
+        return False
+
+
+class HealthChecker:
+    """Probe every worker each interval (with jitter) and apply the thresholds."""
+
+    def __init__(self, registry: WorkerRegistry, prober: WorkerProber, *, interval_s: float):
+        self._registry = registry
+        self._prober = prober
+        self._interval = interval_s
+
+    async def check(self, worker: Worker) -> None:
+        ok = await self._prober.is_healthy(worker)
+        if self._registry.observe_probe(worker, ok):
+            log.info("worker %s (%s) is now %s", worker.id, worker.url, worker.health)
+        if ok and worker.update_holds == 0:
+            await self._prober.refresh_metadata(worker)
+
+    async def check_all(self) -> None:
+        workers = list(self._registry)
+        if workers:
+            await asyncio.gather(*(self.check(w) for w in workers))
+
+    async def run(self) -> None:
+        """The background loop; the first round runs at once so start-up is quick."""
+        while True:
+            try:
+                await self.check_all()
+            except Exception:  # noqa: BLE001 - one bad round must not end health checking
+                log.exception("health check round failed")
+            await asyncio.sleep(self._interval * random.uniform(0.8, 1.2))

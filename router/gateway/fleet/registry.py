@@ -1,0 +1,200 @@
+"""The worker registry: who the workers are, whether they may take traffic.
+
+Two independent facts decide routing: ``health`` (what probes observed) and
+``disabled`` (what an operator or an in-flight update decided). A worker is
+*routable* only when it is healthy and not disabled; it is a *broadcast target*
+whenever it is not dead, disabled or not, because a disabled worker must still
+receive the update that will make it consistent again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+from urllib.parse import unquote, urlsplit
+
+from router.contract.errors import BadRequest, Conflict, NotFound
+from router.contract.fleet import HealthState, WorkerRecord
+
+# Hosts a worker URL may never point at: cloud metadata endpoints.
+_FORBIDDEN_HOSTS = frozenset({"169.254.169.254", "metadata.google.internal", "fd00:ec2::254"})
+
+
+def normalize_url(raw: str) -> str:
+    """Validate a worker base URL and return its canonical form (``http://host:port``).
+
+    Rejected: other schemes, user-info, paths, queries, fragments, link-local and
+    cloud-metadata hosts. A trailing slash is dropped.
+    """
+    text = raw.strip()
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise BadRequest(f"invalid worker url {raw!r}: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise BadRequest(f"invalid worker url {raw!r}: scheme must be http or https")
+    if not parts.hostname:
+        raise BadRequest(f"invalid worker url {raw!r}: no host")
+    if parts.username is not None or parts.password is not None:
+        raise BadRequest(f"invalid worker url {raw!r}: user-info is not allowed")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise BadRequest(f"invalid worker url {raw!r}: give only scheme://host:port")
+    host = parts.hostname.lower()
+    if host in _FORBIDDEN_HOSTS:
+        raise BadRequest(f"invalid worker url {raw!r}: metadata hosts are not allowed")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_link_local:
+        raise BadRequest(f"invalid worker url {raw!r}: link-local addresses are not allowed")
+    netloc = f"[{host}]" if ip is not None and ip.version == 6 else host
+    if port is not None:
+        netloc = f"{netloc}:{port}"
+    return f"{parts.scheme}://{netloc}"
+
+
+def worker_id_for(url: str) -> str:
+    """A stable id derived from the canonical URL, so it survives router restarts."""
+    return "w-" + hashlib.sha256(url.encode()).hexdigest()[:12]
+
+
+def tp_size_of(info: Any) -> int | None:
+    """The ``tp_size`` a worker reported in a ``/model_info`` or ``/server_info`` body, if valid."""
+    tp = info.get("tp_size") if isinstance(info, dict) else None
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None
+
+
+@dataclass(slots=True, eq=False)
+class Worker:
+    """One upstream worker and everything the router tracks about it."""
+
+    id: str
+    url: str
+    health: HealthState = "unhealthy"
+    disabled: bool = False
+    inflight: int = 0
+    weight_version: str | None = None
+    tp_size: int | None = None
+    consecutive_failures: int = 0
+    consecutive_successes: int = 0
+    ever_healthy: bool = False
+    update_holds: int = 0
+    """How many in-flight broadcasts target this worker; while > 0 failed probes are
+    not counted, so a worker busy loading weights is not declared dead for being slow."""
+    removed: bool = False
+
+    @property
+    def is_dead(self) -> bool:
+        return self.health == "dead"
+
+    @property
+    def routable(self) -> bool:
+        return self.health == "healthy" and not self.disabled and not self.removed
+
+    def record(self) -> WorkerRecord:
+        return WorkerRecord(
+            id=self.id,
+            url=self.url,
+            health=self.health,
+            disabled=self.disabled,
+            inflight=self.inflight,
+            weight_version=self.weight_version,
+            tp_size=self.tp_size,
+        )
+
+
+@dataclass(slots=True)
+class HealthThresholds:
+    """Consecutive probe counts: ``failure`` to unhealthy, ``dead`` to dead, ``success`` to come back."""
+
+    failure: int = 3
+    dead: int = 6
+    success: int = 2
+
+
+@dataclass
+class WorkerRegistry:
+    """Workers in registration order (the order rank assignment follows)."""
+
+    thresholds: HealthThresholds = field(default_factory=HealthThresholds)
+    _workers: dict[str, Worker] = field(default_factory=dict)
+
+    def __iter__(self) -> Iterator[Worker]:
+        return iter(list(self._workers.values()))
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    def add(self, raw_url: str, *, disabled: bool = False) -> Worker:
+        url = normalize_url(raw_url)
+        wid = worker_id_for(url)
+        if wid in self._workers:
+            raise Conflict(f"worker {url} is already registered as {wid}")
+        worker = Worker(id=wid, url=url, disabled=disabled)
+        self._workers[wid] = worker
+        return worker
+
+    def find(self, key: str) -> Worker | None:
+        """Look a worker up by id, or by (URL-escaped) URL."""
+        if key in self._workers:
+            return self._workers[key]
+        text = unquote(key)
+        if text in self._workers:
+            return self._workers[text]
+        try:
+            return self._workers.get(worker_id_for(normalize_url(text)))
+        except BadRequest:
+            return None
+
+    def get(self, key: str) -> Worker:
+        worker = self.find(key)
+        if worker is None:
+            raise NotFound(f"no worker with id or url {unquote(key)!r}")
+        return worker
+
+    def remove(self, key: str) -> Worker:
+        worker = self.get(key)
+        del self._workers[worker.id]
+        worker.removed = True
+        return worker
+
+    def routable(self) -> list[Worker]:
+        return [w for w in self._workers.values() if w.routable]
+
+    def live(self) -> list[Worker]:
+        """Broadcast targets: every worker that is not dead, disabled ones included."""
+        return [w for w in self._workers.values() if not w.is_dead]
+
+    def observe_probe(self, worker: Worker, ok: bool) -> bool:
+        """Apply one health-probe outcome; returns True when ``health`` changed.
+
+        A worker's first good probe makes it healthy at once (start-up); after that
+        it takes ``success`` consecutive good probes. ``failure`` consecutive bad
+        probes make it unhealthy and ``dead`` make it dead. Probes that fail while
+        an update targets the worker are ignored.
+        """
+        if worker.removed:
+            return False
+        before = worker.health
+        if ok:
+            worker.consecutive_failures = 0
+            worker.consecutive_successes += 1
+            if worker.health != "healthy" and (
+                not worker.ever_healthy or worker.consecutive_successes >= self.thresholds.success
+            ):
+                worker.health = "healthy"
+                worker.ever_healthy = True
+        else:
+            if worker.update_holds > 0:
+                return False
+            worker.consecutive_successes = 0
+            worker.consecutive_failures += 1
+            if worker.consecutive_failures >= self.thresholds.dead:
+                worker.health = "dead"
+            elif worker.consecutive_failures >= self.thresholds.failure or not worker.ever_healthy:
+                worker.health = "unhealthy"
+        return worker.health != before

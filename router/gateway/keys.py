@@ -1,0 +1,40 @@
+"""Every object the router app shares, as typed ``web.AppKey``s (no string keys, no globals)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+from aiohttp import web
+
+from router.gateway.admin.broadcast import AdminBroadcaster
+from router.gateway.config import RouterConfig
+from router.gateway.admin.fleet_views import FleetViews
+from router.gateway.fleet.health import HealthChecker
+from router.gateway.admin.journal import UpdateJournal
+from router.gateway.metrics import RouterMetrics
+from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.admin.ranks import GroupInitializer
+from router.gateway.fleet.registry import WorkerRegistry
+from router.gateway.tasks import TaskSet
+from router.gateway.admin.two_phase import TwoPhaseCoordinator
+from router.gateway.admin.update_gate import UpdateGate
+
+CONFIG = web.AppKey("config", RouterConfig)
+REGISTRY = web.AppKey("registry", WorkerRegistry)
+GATE = web.AppKey("update_gate", UpdateGate)
+JOURNAL = web.AppKey("journal", UpdateJournal)
+METRICS = web.AppKey("metrics", RouterMetrics)
+TASKS = web.AppKey("tasks", TaskSet)
+SERVICE_HEADERS = web.AppKey("service_headers", dict[str, str])
+"""Headers for calls the router makes on its own behalf (health metadata, aborts): its admin key."""
+
+# Created in the cleanup context, once the event loop runs.
+SESSION = web.AppKey("client_session", aiohttp.ClientSession)
+BROADCASTER = web.AppKey("broadcaster", AdminBroadcaster)
+PROXY = web.AppKey("proxy", GenerateProxy)
+GROUP_INIT = web.AppKey("group_init", GroupInitializer)
+TWO_PHASE = web.AppKey("two_phase", TwoPhaseCoordinator)
+VIEWS = web.AppKey("fleet_views", FleetViews)
+HEALTH = web.AppKey("health_checker", HealthChecker)
+HEALTH_TASK = web.AppKey("health_task", asyncio.Task[None])

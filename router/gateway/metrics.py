@@ -1,0 +1,75 @@
+"""Prometheus metrics for the router (``GET /metrics``).
+
+Per-worker gauges (in-flight, health, disabled, weight version) are sampled
+from the live registry at scrape time, so a removed worker stops being
+reported at once instead of leaving a stale series behind. Each app gets its
+own ``CollectorRegistry``, so several routers can live in one process (tests).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.gateway.fleet.registry import WorkerRegistry
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
+_HEALTH_STATES = ("healthy", "unhealthy", "dead")
+
+
+class _FleetCollector(Collector):
+    def __init__(self, registry: WorkerRegistry):
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        inflight = GaugeMetricFamily("omni_router_worker_inflight_requests", "Requests in flight per worker", labels=["worker", "url"])
+        health = GaugeMetricFamily("omni_router_worker_health", "1 for the worker's current health state", labels=["worker", "state"])
+        disabled = GaugeMetricFamily("omni_router_worker_disabled", "1 while the worker is out of routing", labels=["worker"])
+        version = GaugeMetricFamily("omni_router_worker_weight_version_info", "Last known weight_version per worker", labels=["worker", "weight_version"])
+        routable = GaugeMetricFamily("omni_router_routable_workers", "Workers that may take /generate traffic")
+        count = 0
+        for w in self._registry:
+            inflight.add_metric([w.id, w.url], w.inflight)
+            for state in _HEALTH_STATES:
+                health.add_metric([w.id, state], 1.0 if w.health == state else 0.0)
+            disabled.add_metric([w.id], 1.0 if w.disabled else 0.0)
+            version.add_metric([w.id, w.weight_version or ""], 1.0)
+            count += int(w.routable)
+        routable.add_metric([], count)
+        yield from (inflight, health, disabled, version, routable)
+
+
+class RouterMetrics:
+    """Every series the router exports, in one registry of its own."""
+
+    def __init__(self, workers: WorkerRegistry):
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("omni_router_requests_total", "HTTP requests by route and status", ["route", "method", "status"], registry=r)
+        self.latency = Histogram(
+            "omni_router_request_duration_seconds", "HTTP request latency by route", ["route"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.admin_ops = Counter("omni_router_admin_operations_total", "Admin broadcasts by operation and outcome", ["operation", "outcome"], registry=r)
+        self.admin_duration = Histogram(
+            "omni_router_admin_operation_duration_seconds", "Admin broadcast duration", ["operation", "outcome"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.lock_wait = Histogram(
+            "omni_router_update_lock_wait_seconds", "Time spent waiting for the admin update lock", ["operation", "acquired"], buckets=_LATENCY_BUCKETS, registry=r
+        )
+        self.retries = Counter("omni_router_generate_retries_total", "Proxy attempts retried on another worker", ["reason"], registry=r)
+        self.upstream_errors = Counter("omni_router_upstream_errors_total", "Proxy attempts that failed before a response", ["worker"], registry=r)
+        self.client_aborts = Counter("omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r)
+        r.register(_FleetCollector(workers))
+
+    def observe_lock_wait(self, operation: str, waited_s: float, acquired: bool) -> None:
+        self.lock_wait.labels(operation, "true" if acquired else "false").observe(waited_s)
+
+    def observe_admin(self, operation: str, outcome: str, duration_s: float) -> None:
+        self.admin_ops.labels(operation, outcome).inc()
+        self.admin_duration.labels(operation, outcome).observe(duration_s)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

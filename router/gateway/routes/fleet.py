@@ -1,0 +1,128 @@
+"""Registry, health and journal routes."""
+
+from __future__ import annotations
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from router.gateway import keys
+from router.contract.errors import Conflict
+from router.gateway.routing.proxy import describe_fleet
+from router.contract.fleet import AddWorkerRequest, JournalResolveRequest, JournalView, UpdateWorkerRequest, WorkerList, WorkerUrlQuery
+from router.gateway.fleet.registry import Worker
+from router.contract.web.parsing import parse_body, parse_model
+
+
+def _guard_registry_change(request: web.Request) -> None:
+    gate = request.app[keys.GATE]
+    if gate.is_busy:
+        holder = gate.holder
+        what = f" ({holder.operation})" if holder else ""
+        raise Conflict(f"a weight update is in progress{what}; the worker registry cannot change until it ends")
+
+
+async def _add(request: web.Request, url: str, disabled: bool) -> Worker:
+    _guard_registry_change(request)
+    app = request.app
+    worker = app[keys.REGISTRY].add(url, disabled=disabled)
+    if app[keys.JOURNAL].names(worker.id):
+        worker.disabled = True  # an unresolved failed update named this worker
+    # First probe outside the update lock: a blackholed worker must not stall updates.
+    await app[keys.HEALTH].check(worker)
+    return worker
+
+
+async def list_workers(request: web.Request) -> web.Response:
+    body = WorkerList(workers=[w.record() for w in request.app[keys.REGISTRY]])
+    return web.json_response(body.model_dump())
+
+
+async def add_worker(request: web.Request) -> web.Response:
+    req = await parse_body(request, AddWorkerRequest)
+    worker = await _add(request, req.url, req.disabled)
+    return web.json_response(worker.record().model_dump(), status=201)
+
+
+async def get_worker(request: web.Request) -> web.Response:
+    worker = request.app[keys.REGISTRY].get(request.match_info["worker_id"])
+    return web.json_response(worker.record().model_dump())
+
+
+async def update_worker(request: web.Request) -> web.Response:
+    req = await parse_body(request, UpdateWorkerRequest, allow_empty=False)
+    _guard_registry_change(request)
+    worker = request.app[keys.REGISTRY].get(request.match_info["worker_id"])
+    worker.disabled = req.disabled
+    if not req.disabled:
+        request.app[keys.JOURNAL].discard_target(worker.id)
+    return web.json_response(worker.record().model_dump())
+
+
+async def delete_worker(request: web.Request) -> web.Response:
+    _guard_registry_change(request)
+    worker = request.app[keys.REGISTRY].remove(request.match_info["worker_id"])
+    return web.json_response({"removed": worker.record().model_dump()})
+
+
+async def legacy_add_worker(request: web.Request) -> web.Response:
+    query = parse_model(WorkerUrlQuery, dict(request.query))
+    worker = await _add(request, query.url, False)
+    return web.json_response({"success": True, "message": f"added {worker.url}", "worker": worker.record().model_dump()})
+
+
+async def legacy_remove_worker(request: web.Request) -> web.Response:
+    query = parse_model(WorkerUrlQuery, dict(request.query))
+    _guard_registry_change(request)
+    worker = request.app[keys.REGISTRY].remove(query.url)
+    return web.json_response({"success": True, "message": f"removed {worker.url}"})
+
+
+async def legacy_list_workers(request: web.Request) -> web.Response:
+    workers = list(request.app[keys.REGISTRY])
+    return web.json_response({"urls": [w.url for w in workers], "workers": [w.record().model_dump() for w in workers]})
+
+
+async def health(request: web.Request) -> web.Response:
+    routable = len(request.app[keys.REGISTRY].routable())
+    return web.json_response({"status": "ok", "routable_workers": routable})
+
+
+async def liveness(request: web.Request) -> web.Response:
+    return web.json_response({"status": "alive"})
+
+
+async def readiness(request: web.Request) -> web.Response:
+    registry = request.app[keys.REGISTRY]
+    routable = len(registry.routable())
+    if routable == 0:
+        return web.json_response({"status": "not_ready", "reason": describe_fleet(registry)}, status=503)
+    return web.json_response({"status": "ready", "routable_workers": routable})
+
+
+async def get_journal(request: web.Request) -> web.Response:
+    return web.json_response(JournalView(pending=request.app[keys.JOURNAL].pending).model_dump())
+
+
+async def resolve_journal(request: web.Request) -> web.Response:
+    """The operator vouches for the fleet: restore each journaled worker's previous flag, drop the entry."""
+    req = await parse_body(request, JournalResolveRequest, allow_empty=False)
+    if not req.acknowledge:
+        raise Conflict("nothing resolved: send {\"acknowledge\": true} to confirm the fleet is consistent")
+    _guard_registry_change(request)
+    journal = request.app[keys.JOURNAL]
+    pending = journal.pending
+    restored = []
+    if pending is not None:
+        registry = request.app[keys.REGISTRY]
+        for target in pending.targets:
+            worker = registry.find(target.id)
+            if worker is not None:
+                worker.disabled = target.previous_disabled
+                restored.append(worker.record().model_dump())
+        journal.clear()
+    return web.json_response({"success": True, "resolved": pending is not None, "workers": restored})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = request.app[keys.METRICS].render()
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

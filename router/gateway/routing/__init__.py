@@ -1,0 +1,1 @@
+"""Generation traffic: load-balancing policies and the ``/generate`` proxy."""

@@ -1,0 +1,229 @@
+"""``/generate`` through the router: pick a worker, forward, stream back.
+
+- Only routable workers (healthy, not disabled) are candidates; with none the
+  caller gets 503 with the reason at once.
+- A failure *before the first response byte* (connection refused or reset,
+  or a 502/503/504 from the worker) is retried on another worker with
+  exponential backoff and jitter. Once bytes have reached the caller nothing
+  is retried.
+- If the caller goes away, the request is aborted on its worker
+  (``POST /abort_request {"rid"}``); a rid is assigned when the caller gave none.
+- The worker's body (``meta_info.weight_version`` included) is passed through
+  byte for byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
+
+from router.gateway.config import RouterConfig
+from router.contract.errors import Unavailable
+from router.gateway.metrics import RouterMetrics
+from router.gateway.routing.policy import Policy
+from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.tasks import TaskSet
+from router.contract.errors import ApiError
+
+log = logging.getLogger(__name__)
+
+RETRY_STATUSES = frozenset({502, 503, 504})
+STREAM_CHUNK = 64 * 1024
+WORKER_HEADER = "X-Omni-Worker"
+_FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept")
+_ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
+
+
+class _Retryable(Exception):
+    """An attempt failed before any byte reached the caller."""
+
+    def __init__(
+        self, worker: Worker, reason: str, kind: str, status: int = 502, body: bytes = b"", content_type: str | None = None
+    ):
+        super().__init__(reason)
+        self.kind = kind
+        self.worker = worker
+        self.reason = reason
+        self.status = status
+        self.body = body
+        self.content_type = content_type
+
+
+def describe_fleet(registry: WorkerRegistry) -> str:
+    workers = list(registry)
+    if not workers:
+        return "no workers are registered"
+    disabled = sum(w.disabled for w in workers)
+    counts = {s: sum(w.health == s for w in workers) for s in ("healthy", "unhealthy", "dead")}
+    return (
+        f"no routable worker: {len(workers)} registered, {counts['healthy']} healthy, "
+        f"{counts['unhealthy']} unhealthy, {counts['dead']} dead, {disabled} disabled"
+    )
+
+
+def prepare_payload(raw: bytes) -> tuple[bytes, Any, bool]:
+    """Return (body to send, rid to abort with, stream?). Injects a rid when none was given."""
+    try:
+        payload = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return raw, None, False  # the worker answers 400 with its own message
+    if not isinstance(payload, dict):
+        return raw, None, False
+    stream = payload.get("stream") is True
+    rid = payload.get("rid")
+    if rid is not None:
+        return raw, rid, stream
+    base = f"omni-{uuid.uuid4().hex}"
+    text = payload.get("text")
+    if text is not None:
+        batch = len(text) if isinstance(text, list) else None
+    else:
+        ids = payload.get("input_ids")
+        batch = len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
+    payload["rid"] = base if batch is None else [f"{base}-{i}" for i in range(batch)]
+    # Abort by prefix: every assigned rid starts with ``base``.
+    return json.dumps(payload).encode(), base, stream
+
+
+class GenerateProxy:
+    """Forward generation requests to routable workers."""
+
+    def __init__(
+        self,
+        *,
+        config: RouterConfig,
+        registry: WorkerRegistry,
+        policy: Policy,
+        session: aiohttp.ClientSession,
+        metrics: RouterMetrics,
+        tasks: TaskSet,
+        service_headers: dict[str, str],
+    ):
+        self._cfg = config
+        self._registry = registry
+        self._policy = policy
+        self._session = session
+        self._metrics = metrics
+        self._tasks = tasks
+        self._service_headers = service_headers
+        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
+
+    def pick(self, tried: set[str]) -> Worker:
+        candidates = [w for w in self._registry.routable() if w.id not in tried]
+        if not candidates:
+            raise Unavailable(describe_fleet(self._registry))
+        return self._policy.choose(candidates)
+
+    async def handle(self, request: web.Request, path: str = "/generate") -> web.StreamResponse:
+        raw = await request.read()
+        body, rid, _ = prepare_payload(raw)
+        headers = {k: request.headers[k] for k in _FORWARD_HEADERS if k in request.headers}
+        headers.setdefault("Content-Type", "application/json")
+        tried: set[str] = set()
+        last: _Retryable | None = None
+        retrying = AsyncRetrying(
+            stop=stop_after_attempt(1 + self._cfg.max_retries),
+            wait=wait_exponential_jitter(initial=self._cfg.retry_initial_backoff_s, max=self._cfg.retry_max_backoff_s),
+            retry=retry_if_exception_type(_Retryable),
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    if attempt.retry_state.attempt_number > 1:
+                        self._metrics.retries.labels(last.kind if last else "unknown").inc()
+                    try:
+                        worker = self.pick(tried)
+                    except Unavailable:
+                        if last is None:
+                            raise
+                        break  # every routable worker was tried
+                    tried.add(worker.id)
+                    try:
+                        return await self._attempt(request, worker, path, body, headers, rid)
+                    except _Retryable as exc:
+                        last = exc
+                        raise
+        except _Retryable as exc:
+            last = exc
+        assert last is not None
+        return self._give_up(last)
+
+    def _give_up(self, last: _Retryable) -> web.Response:
+        if last.body:
+            resp = web.Response(status=last.status, body=last.body, content_type=last.content_type or "application/json")
+            resp.headers[WORKER_HEADER] = last.worker.id
+            return resp
+        raise ApiError(502, f"worker {last.worker.id} ({last.worker.url}) failed: {last.reason}")
+
+    async def _attempt(
+        self, request: web.Request, worker: Worker, path: str, body: bytes, headers: dict[str, str], rid: Any
+    ) -> web.StreamResponse:
+        worker.inflight += 1
+        upstream: aiohttp.ClientResponse | None = None
+        try:
+            try:
+                upstream = await self._session.post(worker.url + path, data=body, headers=headers, timeout=self._timeout)
+            except (aiohttp.ClientConnectionError, OSError) as exc:
+                self._metrics.upstream_errors.labels(worker.id).inc()
+                if self._registry.observe_probe(worker, False):
+                    log.warning("worker %s is now %s after a failed request", worker.id, worker.health)
+                raise _Retryable(worker, f"{type(exc).__name__}: {exc}", "connect") from None
+            if upstream.status in RETRY_STATUSES:
+                data = await upstream.read()
+                raise _Retryable(worker, f"worker answered {upstream.status}", f"status_{upstream.status}", upstream.status, data, upstream.content_type)
+            return await self._relay(request, worker, upstream, rid)
+        except asyncio.CancelledError:
+            # The caller disconnected (handler cancelled): stop the work on the worker too.
+            self._abort_on_worker(worker, rid)
+            raise
+        finally:
+            worker.inflight -= 1
+            if upstream is not None:
+                upstream.release()
+
+    async def _relay(self, request: web.Request, worker: Worker, upstream: aiohttp.ClientResponse, rid: Any) -> web.StreamResponse:
+        ctype = upstream.headers.get("Content-Type", "application/json")
+        if not ctype.startswith("text/event-stream"):
+            data = await upstream.read()
+            resp = web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype, WORKER_HEADER: worker.id})
+            return resp
+        resp = web.StreamResponse(status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker.id})
+        await resp.prepare(request)
+        try:
+            async for chunk in upstream.content.iter_chunked(STREAM_CHUNK):
+                await resp.write(chunk)
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            self._abort_on_worker(worker, rid)
+            return resp
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # Bytes already went out: no retry; end the stream and say why.
+            log.warning("stream from %s broke: %r", worker.id, exc)
+            error = json.dumps({"error": {"message": f"worker {worker.id} stream broke: {type(exc).__name__}"}})
+            await resp.write(f"data: {error}\n\n".encode())
+            return resp
+        await resp.write_eof()
+        return resp
+
+    def _abort_on_worker(self, worker: Worker, rid: Any) -> None:
+        if rid is None:
+            return
+        self._metrics.client_aborts.inc()
+        self._tasks.spawn(self._send_abort(worker, rid), name=f"abort-{worker.id}")
+
+    async def _send_abort(self, worker: Worker, rid: Any) -> None:
+        try:
+            async with self._session.post(
+                worker.url + "/abort_request", json={"rid": rid}, headers=self._service_headers, timeout=_ABORT_TIMEOUT
+            ) as resp:
+                await resp.read()
+                log.info("caller left; aborted rid %s on %s (%d)", rid, worker.id, resp.status)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+            log.warning("could not abort rid %s on %s: %r", rid, worker.id, exc)

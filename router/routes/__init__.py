@@ -1,1 +1,0 @@
-"""Thin aiohttp handlers: parse, call one policy object, serialize. The table is in ``router.app``."""

@@ -1,0 +1,381 @@
+"""Trainer side: plan buckets once, join the group as rank 0, broadcast each step.
+
+A trainer imports this module (it needs torch, not the worker process)::
+
+    plan = BucketPlan.from_named_tensors(model.named_parameters())   # once per model
+    sender = TrainerWeightSender(master_port=port, world_size=1 + n_worker_ranks)
+    sender.connect(post_init=lambda: post_init_to_every_worker())    # local join ∥ HTTP init
+    for step in ...:
+        sender.update_two_phase(plan, dict(model.named_parameters()),
+                                prepare=post_prepare, complete=post_complete)
+
+The HTTP calls are injected as callables so this module stays transport-free;
+``router.trainer`` provides ready-made ones.
+
+Cross-rank contract: every receiver issues the same broadcasts in the same
+order as :meth:`TrainerWeightSender.send` — buckets in plan order; per tensor
+in bucket order (``load_format=None``) or one ``uint8`` buffer per bucket laid
+out by ``BucketLayout`` (``"flattened_bucket"``). The plan orders each bucket
+by descending element size, so every flattened offset is aligned and a
+receiver never rejects it (SGLang v0.5.23's "Unaligned received tensor").
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+
+import torch
+
+from router.contract.bucket_layout import BucketLayout, aligned_order
+from router.dataplane.digest import digest_named_tensors
+from router.dataplane.buckets import allocate_bytes, dtype_name, pack
+from router.dataplane.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
+
+log = logging.getLogger(__name__)
+
+DEFAULT_BUCKET_BYTES = 1 << 30
+T = TypeVar("T")
+Progress = Callable[[int, int, int], None]  # (buckets done, buckets total, bytes done)
+
+
+class WeightSyncError(RuntimeError):
+    """A weight update was refused or failed on some worker."""
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """A fixed split of a model's tensors into buckets, reused every step."""
+
+    buckets: tuple[BucketLayout, ...]
+    budget_bytes: int
+
+    @classmethod
+    def from_named_tensors(
+        cls, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], budget_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> "BucketPlan":
+        items = named.items() if isinstance(named, Mapping) else named
+        return cls.from_spec(((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items), budget_bytes)
+
+    @classmethod
+    def from_spec(cls, spec: Iterable[tuple[str, str, Sequence[int]]], budget_bytes: int = DEFAULT_BUCKET_BYTES) -> "BucketPlan":
+        """Group ``(name, dtype, shape)`` entries in order until a bucket would exceed
+        ``budget_bytes`` (a tensor larger than the budget gets a bucket of its own)."""
+        if budget_bytes <= 0:
+            raise ValueError(f"budget_bytes must be positive, got {budget_bytes}")
+        groups: list[list[tuple[str, str, list[int]]]] = []
+        current: list[tuple[str, str, list[int]]] = []
+        current_bytes = 0
+        for name, dtype, shape in spec:
+            nbytes = BucketLayout.from_meta([name], [dtype], [list(shape)]).total_bytes
+            if current and current_bytes + nbytes > budget_bytes:
+                groups.append(current)
+                current, current_bytes = [], 0
+            current.append((name, dtype, list(shape)))
+            current_bytes += nbytes
+        if current:
+            groups.append(current)
+        buckets = []
+        for entries in groups:
+            order = aligned_order([d for _, d, _ in entries])
+            entries = [entries[i] for i in order]
+            buckets.append(BucketLayout.from_meta([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]))
+        return cls(buckets=tuple(buckets), budget_bytes=budget_bytes)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.total_bytes for b in self.buckets)
+
+    @property
+    def num_tensors(self) -> int:
+        return sum(len(b) for b in self.buckets)
+
+    @property
+    def max_bucket_bytes(self) -> int:
+        return max((b.total_bytes for b in self.buckets), default=0)
+
+    def bucket(self, index: int) -> "BucketPlan":
+        """A plan holding only bucket ``index`` (for callers that send bucket by bucket)."""
+        return BucketPlan(buckets=(self.buckets[index],), budget_bytes=self.budget_bytes)
+
+    def metadata(self) -> list[dict[str, Any]]:
+        """The ``buckets`` field of a prepare request."""
+        return [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes} for b in self.buckets]
+
+    def prepare_body(self, group_name: str, *, load_format: str | None = None, **extra: Any) -> dict[str, Any]:
+        """A ``/prepare_weights_update`` body (``extra``: weight_version, atomic, timeout_s, ...)."""
+        body: dict[str, Any] = {"num_buckets": len(self.buckets), "buckets": self.metadata(), "group_name": group_name}
+        if load_format is not None:
+            body["load_format"] = load_format
+        body.update({k: v for k, v in extra.items() if v is not None})
+        return body
+
+
+@dataclass(frozen=True)
+class SendStats:
+    """What one :meth:`TrainerWeightSender.send` broadcast, and how long it took."""
+
+    buckets: int
+    tensors: int
+    bytes: int
+    elapsed_s: float
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes / self.elapsed_s / 1e9 if self.elapsed_s > 0 else float("inf")
+
+
+class TrainerWeightSender:
+    """Rank 0 of one weight-update group: joins it, broadcasts planned buckets."""
+
+    def __init__(
+        self,
+        *,
+        master_port: int,
+        world_size: int,
+        master_address: str = "127.0.0.1",
+        group_name: str = "weight_update_group",
+        backend: str | None = None,
+        timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+        device: torch.device | str = "cpu",
+    ):
+        self.master_address = master_address
+        self.master_port = master_port
+        self.world_size = world_size
+        self.group_name = group_name
+        self.backend = backend
+        self.timeout_s = timeout_s
+        self.device = torch.device(device)
+        self.group: WeightUpdateGroup | None = None
+        self._buffers: list[torch.Tensor] = []
+
+    def init_body(self, rank_offset: int, **extra: Any) -> dict[str, Any]:
+        """An ``/init_weights_update_group`` body for the worker whose first rank is ``rank_offset``."""
+        body = {
+            "master_address": self.master_address,
+            "master_port": self.master_port,
+            "rank_offset": rank_offset,
+            "world_size": self.world_size,
+            "group_name": self.group_name,
+            "timeout_s": self.timeout_s,
+        }
+        if self.backend is not None:
+            body["backend"] = self.backend
+        body.update(extra)
+        return body
+
+    # -- group lifecycle -----------------------------------------------------------------------
+
+    def join(self) -> WeightUpdateGroup:
+        """Host the rendezvous and join as rank 0 (blocks until every rank arrives)."""
+        if self.group is not None and self.group.pg is not None:
+            raise GroupError(f"already joined group {self.group_name!r}; call close() first")
+        self.group = init_weight_update_group(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            rank=0,
+            world_size=self.world_size,
+            group_name=self.group_name,
+            backend=self.backend,
+            timeout_s=self.timeout_s,
+        )
+        return self.group
+
+    def connect(self, post_init: Callable[[], T]) -> T:
+        """Run the local join and ``post_init`` (the HTTP init call to every worker) at once.
+
+        Both block until all ranks meet, so neither may wait for the other. Returns
+        ``post_init``'s result; raises :class:`GroupError` if the join failed.
+        """
+        result: dict[str, Any] = {}
+
+        def call() -> None:
+            try:
+                result["value"] = post_init()
+            except BaseException as exc:  # surfaced below, after the join settles
+                result["error"] = exc
+
+        thread = threading.Thread(target=call, name="weight-sync-init-http", daemon=True)
+        thread.start()
+        join_error: Exception | None = None
+        try:
+            self.join()
+        except GroupError as exc:
+            join_error = exc
+        thread.join(timeout=self.timeout_s + 30.0)
+        if join_error is not None:
+            raise join_error
+        if thread.is_alive():
+            raise GroupError("the init HTTP call did not return in time")
+        if "error" in result:
+            self.close()
+            raise result["error"]
+        return result.get("value")  # type: ignore[return-value]
+
+    def close(self) -> None:
+        """Leave the group (idempotent); pair with ``/destroy_weights_update_group`` on the workers."""
+        if self.group is not None:
+            self.group.destroy()
+        self._buffers = []
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def send(
+        self,
+        plan: BucketPlan,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        load_format: str | None = None,
+        progress: Progress | None = None,
+    ) -> SendStats:
+        """Broadcast every bucket of ``plan`` (blocking until all have left)."""
+        group = self._require_group()
+        started = time.perf_counter()
+        deadline = time.monotonic() + self.timeout_s
+        done_bytes = 0
+        if load_format == "flattened_bucket":
+            self._ensure_buffers(plan.max_bucket_bytes, min(2, len(plan.buckets)))
+            works: dict[int, Any] = {}
+            for index, layout in enumerate(plan.buckets):
+                if index - 2 in works:  # double buffer: wait before overwriting bucket i-2's buffer
+                    group.wait(works.pop(index - 2), deadline - time.monotonic())
+                buffer = self._buffers[index % 2]
+                packed = pack(((n, tensors[n]) for n in layout.names), layout, out=buffer)
+                works[index] = group.broadcast_async(packed)
+                done_bytes = self._report(progress, index, plan, done_bytes, layout)
+            for index in sorted(works):
+                group.wait(works[index], deadline - time.monotonic())
+        elif load_format is None:
+            previous: list[Any] = []
+            for index, layout in enumerate(plan.buckets):
+                current = [group.broadcast_async(_contiguous(tensors, s.name, s.dtype, s.shape)) for s in layout.slots]
+                for work in previous:
+                    group.wait(work, deadline - time.monotonic())
+                previous = current
+                done_bytes = self._report(progress, index, plan, done_bytes, layout)
+            for work in previous:
+                group.wait(work, deadline - time.monotonic())
+        else:
+            raise ValueError(f"unknown load_format {load_format!r}; expected None or 'flattened_bucket'")
+        return SendStats(len(plan.buckets), plan.num_tensors, plan.total_bytes, time.perf_counter() - started)
+
+    def send_bucket(
+        self, plan: BucketPlan, index: int, tensors: Mapping[str, torch.Tensor], *, load_format: str | None = None
+    ) -> SendStats:
+        """Broadcast bucket ``index`` of ``plan`` alone: the ``broadcast(i)`` callback that
+        :meth:`router.trainer.RouterClient.sync_weights` expects."""
+        return self.send(plan.bucket(index), tensors, load_format=load_format)
+
+    def update_two_phase(
+        self,
+        plan: BucketPlan,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        prepare: Callable[[dict[str, Any]], dict[str, Any]],
+        complete: Callable[[dict[str, Any]], dict[str, Any]],
+        load_format: str | None = None,
+        progress: Progress | None = None,
+        **options: Any,
+    ) -> dict[str, Any]:
+        """prepare → broadcast → complete. ``options`` go into both bodies where they
+        belong (weight_version, atomic, timeout_s, flush_cache, return_checksum...).
+
+        Raises :class:`WeightSyncError` if prepare is refused (nothing was broadcast)
+        or complete reports a failure.
+        """
+        self._require_group()
+        prepare_opts = {k: options.get(k) for k in ("weight_version", "atomic", "timeout_s", "abort_all_requests")}
+        answer = prepare(plan.prepare_body(self.group_name, load_format=load_format, **prepare_opts))
+        if answer.get("status") != "ready":
+            raise WeightSyncError(f"prepare_weights_update refused: {answer.get('message') or answer}")
+        send_error: Exception | None = None
+        try:
+            self.send(plan, tensors, load_format=load_format, progress=progress)
+        except Exception as exc:  # still call complete: it reports the receivers' view
+            send_error = exc
+        complete_body = {"group_name": self.group_name, "flush_cache": bool(options.get("flush_cache", False))}
+        for key in ("weight_version", "return_checksum", "timeout_s"):
+            if options.get(key) is not None:
+                complete_body[key] = options[key]
+        result = complete(complete_body)
+        if send_error is not None:
+            raise WeightSyncError(f"broadcast failed: {send_error}; complete answered {result}") from send_error
+        if not result.get("success"):
+            raise WeightSyncError(f"complete_weights_update failed: {result.get('message') or result}")
+        return result
+
+    def update_single_phase(
+        self,
+        plan: BucketPlan,
+        tensors: Mapping[str, torch.Tensor],
+        *,
+        post_update: Callable[[dict[str, Any]], dict[str, Any]],
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        flush_cache: bool = False,
+    ) -> list[dict[str, Any]]:
+        """The SGLang sequence slime uses: per bucket, fire the HTTP call, broadcast at
+        once, then collect the HTTP answer (no handshake; the collective pairs them)."""
+        group = self._require_group()
+        answers = []
+        for layout in plan.buckets:
+            body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes, "group_name": self.group_name,
+                    "flush_cache": flush_cache, "weight_version": weight_version, "load_format": load_format}
+            box: dict[str, Any] = {}
+            thread = threading.Thread(target=lambda b=body: box.update(r=_capture(post_update, b)), daemon=True)
+            thread.start()
+            self.send(BucketPlan((layout,), plan.budget_bytes), tensors, load_format=load_format)
+            thread.join(timeout=self.timeout_s)
+            result = box.get("r")
+            if result is None:
+                group.mark_broken("an update_weights_from_distributed call did not return")
+                raise WeightSyncError("update_weights_from_distributed did not return in time")
+            if isinstance(result, BaseException):
+                raise WeightSyncError(f"update_weights_from_distributed failed: {result}") from result
+            if not result.get("success"):
+                raise WeightSyncError(f"update_weights_from_distributed failed: {result.get('message') or result}")
+            answers.append(result)
+        return answers
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def _require_group(self) -> WeightUpdateGroup:
+        if self.group is None:
+            raise GroupError("not connected; call connect() first")
+        self.group.require_usable()
+        return self.group
+
+    def _ensure_buffers(self, nbytes: int, count: int) -> None:
+        # Kept across steps: the plan is fixed, so the same two buffers serve every sync.
+        if len(self._buffers) < count or any(b.numel() < nbytes for b in self._buffers):
+            self._buffers = [allocate_bytes(nbytes, self.device) for _ in range(count)]
+
+    @staticmethod
+    def _report(progress: Progress | None, index: int, plan: BucketPlan, done: int, layout: BucketLayout) -> int:
+        done += layout.total_bytes
+        if progress is not None:
+            progress(index + 1, len(plan.buckets), done)
+        return done
+
+
+def sent_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The per-rank checksum of ``named`` in the weights-checker scheme: what every
+    worker reports once it holds exactly these tensors."""
+    return digest_named_tensors(named)[1]
+
+
+def _contiguous(tensors: Mapping[str, torch.Tensor], name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    tensor = tensors[name]
+    if dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
+        raise WeightSyncError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the plan says {dtype} {list(shape)}")
+    return tensor.contiguous()
+
+
+def _capture(fn: Callable[[dict[str, Any]], T], body: dict[str, Any]) -> T | BaseException:
+    try:
+        return fn(body)
+    except BaseException as exc:
+        return exc

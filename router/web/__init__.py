@@ -1,1 +1,0 @@
-"""aiohttp pieces shared by the router and the worker: errors, auth, body parsing."""
