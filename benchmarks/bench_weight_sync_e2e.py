@@ -25,8 +25,10 @@ from typing import Any, Callable
 
 import torch
 
-from worker.model import read_checkpoint, write_tiny_checkpoint
+from router.contract.base import WireRequest
+from router.trainer.rendezvous import alongside
 from router.trainer.sender import BucketPlan, TrainerWeightSender
+from worker.model import read_checkpoint, write_tiny_checkpoint
 
 SHAPE = {"hidden_size": 512, "intermediate_size": 1024, "num_hidden_layers": 8, "head_dim": 128}
 BUCKET_BYTES = 16 << 20
@@ -40,7 +42,7 @@ def _port() -> int:
 
 
 def post(url: str, body: Any = None, method: str = "POST") -> dict[str, Any]:
-    data = None if body is None else json.dumps(body).encode()
+    data = body.to_json() if isinstance(body, WireRequest) else None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=300) as resp:
@@ -87,12 +89,13 @@ def e2e_section() -> None:
     proc, url = start_worker(served)
     sender = TrainerWeightSender(master_port=_port(), world_size=2, timeout_s=120)
     try:
-        answer = sender.connect(lambda: post(url + "/init_weights_update_group", sender.init_body(1)))
+        init = sender.init_request(1)
+        answer = alongside(lambda: post(url + "/init_weights_update_group", init), sender.join, timeout_s=300, what="init")
         assert answer.get("success"), answer
 
         def two_phase() -> float:
             post(url + "/pause_generation", {"mode": "retract"})
-            ready = post(url + "/prepare_weights_update", plan.prepare_body(sender.group_name, load_format="flattened_bucket"))
+            ready = post(url + "/prepare_weights_update", plan.prepare_request(sender.group_name, load_format="flattened_bucket"))
             assert ready.get("status") == "ready", ready
             transfer = sender.send(plan, tensors, load_format="flattened_bucket").elapsed_s
             done = post(url + "/complete_weights_update", {"group_name": sender.group_name})

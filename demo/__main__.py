@@ -54,18 +54,18 @@ def _interrupt(signum: int, frame: Any) -> None:
 def run(args: argparse.Namespace, fleet: Fleet, trainer: Trainer) -> None:
     """Print the set-up, check the starting weights, train and sync, print the outcome."""
     client, policy = trainer.client, trainer.policy
-    listing = client.list_workers()["workers"]
-    names = {w["id"]: f"worker{i}" for i, w in enumerate(listing)}
+    listing = client.list_workers().workers
+    names = {w.id: f"worker{i}" for i, w in enumerate(listing)}
     print(f"router   {fleet.router_url}  (admin key required, round-robin routing)")
     for w in listing:
-        print(f"{names[w['id']]:<8} {w['url']}  ({w['id']})")
+        print(f"{names[w.id]:<8} {w.url}  ({w.id})")
     print(f"trainer  pid {os.getpid()}: {args.steps} steps of {args.updates_per_step} Adam updates (lr {args.lr:g}); "
           f"{len(trainer.plan.buckets)} buckets, {trainer.plan.total_bytes / 1024:.0f} KiB per sync")  # fmt: skip
     print(f"goal     {shown(args.prompt)} -> {shown(args.target)}\n")
 
     checked = client.weights_checker("checksum")
-    start_sums = [c for w in names for c in checked["rank_checksums"].get(w, [])]
-    if not checked.get("identical") or set(start_sums) != {policy.checksum()}:
+    start_sums = [c for w in names for c in checked.rank_checksums.get(w, [])]
+    if not checked.identical or set(start_sums) != {policy.checksum()}:
         raise DemoError(f"the fleet does not start from the trainer's weights: {checked}")
     print(f"start: every worker holds the trainer's weights (checksum {policy.checksum()[:HASH_CHARS]})\n")
 
@@ -81,10 +81,10 @@ def run(args: argparse.Namespace, fleet: Fleet, trainer: Trainer) -> None:
     table.footnotes()
 
     assert first is not None
-    assigned = (first.sync.group_init or {}).get("ranks", [])
-    ranks = ", ".join(f"{names.get(r['worker'], r['worker'])}={r['rank_offset']}" for r in assigned)
+    assigned = first.sync.group_init.ranks if first.sync.group_init is not None else []
+    ranks = ", ".join(f"{names.get(r.worker, r.worker)}={r.rank_offset}" for r in assigned)
     print(f"\nweight-update group: world size {first.sync.world_size}, trainer rank 0, ranks given by the router: {ranks}")
-    version = client.get_weight_version()["weight_version"]
+    version = client.get_weight_version().weight_version
     if version != f"step-{args.steps}":
         raise DemoError(f"the fleet reports weight_version {version!r}, expected 'step-{args.steps}'")
     learned = final[0].output_ids == trainer.target_ids
@@ -116,8 +116,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SyncError as exc:
             print(f"\nFAILED: {exc}")
             for r in exc.results:
-                detail = str(r.get("error") or r.get("body"))
-                print(f"  {r.get('worker')}: success={r.get('success')} status={r.get('status_code')} {detail[:200]}")
+                print(f"  {r.worker}: success={r.success} status={r.status_code} {r.reason()[:200]}")
         except (DemoError, RuntimeError, TimeoutError, OSError) as exc:
             print(f"\nFAILED: {type(exc).__name__}: {exc}")
         except KeyboardInterrupt:

@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
+from router.contract.base import WireRequest
+
 BIN_DIR = Path(sys.executable).parent
 
 
@@ -38,8 +40,16 @@ def http_json(
     timeout: float = 60.0,
     raw: bytes | None = None,
 ) -> tuple[int, Any]:
-    """A blocking HTTP call returning (status, parsed JSON or text). Never raises on HTTP errors."""
-    data = raw if raw is not None else (None if body is None else json.dumps(body).encode())
+    """A blocking HTTP call returning (status, parsed JSON or text). Never raises on HTTP errors.
+
+    ``body`` is JSON-encoded, or sent as :meth:`~router.contract.base.WireRequest.to_json` when it is a request model.
+    """
+    if raw is not None:
+        data: bytes | None = raw
+    elif isinstance(body, WireRequest):
+        data = body.to_json()
+    else:
+        data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method)
     req.add_header("Content-Type", "application/json")
     for key, value in (headers or {}).items():

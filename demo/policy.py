@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from router.trainer import sent_checksum
 from worker.model import load_model, load_tokenizer
-from router.trainer.sender import sent_checksum
 
 
 class TrainablePolicy:

@@ -14,9 +14,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
-from router.trainer import GroupSpec, RouterCallError, RouterClient, SyncReport
 from demo.policy import TrainablePolicy
-from router.trainer.sender import BucketPlan, TrainerWeightSender
+from router.trainer import BucketPlan, GroupSpec, RouterCallError, RouterClient, SyncReport, TrainerWeightSender
 
 LOAD_FORMAT = "flattened_bucket"
 WORKER_HEADER = "X-Omni-Worker"
@@ -80,7 +79,7 @@ class Trainer:
         timeout_s: float = 30.0,
     ):
         self.router_url = router_url
-        self.client = RouterClient(router_url, admin_key=admin_key, timeout_s=timeout_s)
+        self.client = RouterClient(router_url, admin_key=admin_key)
         self.policy = policy
         self.prompt = prompt
         self.prompt_ids = policy.tokenizer.encode(prompt)

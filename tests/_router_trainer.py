@@ -20,19 +20,21 @@ runs every sync through one :class:`AsyncRouterClient` instead.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
 import sys
 import traceback
 
 import torch
 
-from router.trainer import AsyncRouterClient, GroupSpec, RouterCallError, RouterClient, SyncError, SyncReport
+from router.trainer import (
+    AsyncRouterClient, BucketPlan, GroupSpec, RouterCallError, RouterClient, SyncError, SyncReport, TrainerWeightSender,
+    sent_checksum,
+)  # fmt: skip
 from worker.model.checkpoint import read_checkpoint
-from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
 
-#: Short enough that a router still holding its admin lock answers 503 before this expires.
-PROBE_TIMEOUT_S = 20
+#: The router's admin-lock wait as the tests configure it: a router still holding its
+#: lock answers the probe's pause 503 within it.
+PROBE_LOCK_WAIT_S = 5
 
 
 class InjectedFailure(RuntimeError):
@@ -41,18 +43,19 @@ class InjectedFailure(RuntimeError):
 
 def after_failure(client: RouterClient | AsyncRouterClient) -> dict:
     """The router's state right after a failed sync: is its admin lock free, is anything fenced?"""
-    probe = RouterClient(client.url, admin_key=client.admin_key, timeout_s=PROBE_TIMEOUT_S)
+    probe = RouterClient(client.url, admin_key=client.admin_key, lock_wait_s=PROBE_LOCK_WAIT_S)
     try:
         probe.pause_generation()
         pause: dict = {"status": 200}
     except RouterCallError as exc:
         pause = {"status": exc.status, "message": exc.message}
+    pending = probe.update_journal().pending
     return {
         "joined_groups": sorted(client.joined_groups),
         "pause": pause,
-        "journal_pending": probe.update_journal().get("pending"),
-        "disabled": [w["url"] for w in probe.list_workers()["workers"] if w["disabled"]],
-        "checksums": probe.weights_checker("checksum").get("rank_checksums"),
+        "journal_pending": None if pending is None else pending.model_dump(mode="json"),
+        "disabled": [w.url for w in probe.list_workers().workers if w.disabled],
+        "checksums": probe.weights_checker("checksum").rank_checksums,
     }
 
 
@@ -63,10 +66,10 @@ def sync(client: RouterClient | AsyncRouterClient, **options: object) -> SyncRep
 
 
 def main(cfg: dict) -> dict:
-    client = RouterClient(cfg["router"], admin_key=cfg["admin_key"], timeout_s=60)
+    client = RouterClient(cfg["router"], admin_key=cfg["admin_key"])
     tensors = {n: t.clone() for n, t in read_checkpoint(cfg["model"], torch.float32)}
     plan = BucketPlan.from_named_tensors(tensors, budget_bytes=cfg["bucket_bytes"])
-    world = client.get_world_size()["world_size"] + 1
+    world = client.get_world_size().world_size + 1
     sender = TrainerWeightSender(master_port=cfg["port"], world_size=world, timeout_s=60)
     group = GroupSpec(
         master_address="127.0.0.1", master_port=cfg["port"], join=lambda _world: sender.join(), leave=sender.close, timeout_s=60
@@ -74,7 +77,7 @@ def main(cfg: dict) -> dict:
     report: dict = {"world_size": world, "num_buckets": len(plan.buckets), "steps": []}
     syncing: RouterClient | AsyncRouterClient = client
     if cfg.get("client") == "async":
-        syncing = AsyncRouterClient(cfg["router"], admin_key=cfg["admin_key"], timeout_s=60)
+        syncing = AsyncRouterClient(cfg["router"], admin_key=cfg["admin_key"])
     try:
         for step, (protocol, fmt, *more) in enumerate(cfg["steps"]):
             options = more[0] if more else {}
@@ -105,12 +108,13 @@ def main(cfg: dict) -> dict:
                     "stages": stages, "after_failure": after_failure(syncing),
                 })  # fmt: skip
                 continue
-            entry = dataclasses.asdict(result)
+            entry = result.model_dump(mode="json")
             entry.update(expected=expected, stages=stages)
             report["steps"].append(entry)
         client.destroy_weights_update_group()
     except SyncError as exc:
-        report["error"] = {"stage": exc.stage, "message": str(exc), "results": exc.results, "recovery": exc.recovery}
+        results = [r.model_dump(mode="json") for r in exc.results]
+        report["error"] = {"stage": exc.stage, "message": str(exc), "results": results, "recovery": exc.recovery}
     except Exception:  # noqa: BLE001 - reported to the test
         report["error"] = {"stage": "?", "message": traceback.format_exc()}
     finally:

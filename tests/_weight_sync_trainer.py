@@ -2,6 +2,11 @@
 
     python -m tests._weight_sync_trainer CONFIG_JSON
 
+It stands for a hand-written SGLang-style trainer (slime, miles): it talks to
+every worker directly, giving each its own ``rank_offset``, and sequences the
+HTTP calls itself; the project's own sync driver (``router.trainer``) talks to
+the router instead and is tested in ``test_router_sync``.
+
 ``config["scenario"]`` picks the sequence; every step's HTTP answers are
 written to ``config["out"]`` (also after each step, so a run that kills itself
 mid-broadcast still leaves its report).
@@ -20,12 +25,17 @@ from typing import Any, Callable
 import torch
 
 from router.contract.bucket_layout import BucketLayout
+from router.dataplane.group import GroupError
+from router.trainer.rendezvous import alongside
+from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
 from tests.procs import http_json
 from worker.model import read_checkpoint
-from router.dataplane.group import GroupError
-from router.trainer.sender import BucketPlan, TrainerWeightSender, WeightSyncError, sent_checksum
 
 HTTP_TIMEOUT_S = 120.0
+
+
+class WeightSyncError(RuntimeError):
+    """A worker refused or failed an update."""
 
 
 class Trainer:
@@ -58,9 +68,12 @@ class Trainer:
 
     def connect(self, world_sizes: list[int] | None = None) -> bool:
         sizes = world_sizes or [self.sender.world_size] * len(self.workers)
-        bodies = [self.sender.init_body(i + 1, world_size=w) for i, w in enumerate(sizes)]
+        bodies = [self.sender.init_request(i + 1, world_size=w) for i, w in enumerate(sizes)]
         try:
-            answers = self.sender.connect(lambda: self.fanout("POST", "/init_weights_update_group", bodies))
+            answers = alongside(
+                lambda: self.fanout("POST", "/init_weights_update_group", bodies), self.sender.join,
+                timeout_s=HTTP_TIMEOUT_S, what="init",
+            )  # fmt: skip
         except GroupError as exc:
             self.log("connect", ok=False, error=str(exc))
             return False
@@ -74,25 +87,29 @@ class Trainer:
 
     def two_phase(self, plan: BucketPlan, tensors: dict[str, torch.Tensor], *, load_format: str | None,
                   atomic: list[bool], version: str, progress: Callable | None = None) -> None:
-        def prepare(body: dict) -> dict:
-            bodies = [{**body, "atomic": a} for a in atomic]
-            answers = self.fanout("POST", "/prepare_weights_update", bodies)
-            self.log("prepare", answers=answers)
-            ok = all(status == 200 and ans.get("status") == "ready" for status, ans in answers)
-            return {"status": "ready" if ok else "error", "message": str(answers)}
-
-        def complete(body: dict) -> dict:
-            answers = self.fanout("POST", "/complete_weights_update", body)
-            self.log("complete", answers=answers)
-            return {"success": all(a.get("success") for _, a in answers), "message": str(answers)}
-
+        """prepare on every worker -> broadcast every bucket -> complete on every worker."""
+        body = plan.prepare_request(self.cfg["group"], load_format=load_format, weight_version=version,
+                                    timeout_s=self.cfg["timeout_s"])
+        answers = self.fanout("POST", "/prepare_weights_update", [body.model_copy(update={"atomic": a}) for a in atomic])
+        self.log("prepare", answers=answers)
+        if not all(status == 200 and ans.get("status") == "ready" for status, ans in answers):
+            self.log("update", ok=False, error=f"prepare_weights_update refused: {answers}")
+            return
+        send_error: Exception | None = None
         try:
-            self.sender.update_two_phase(plan, tensors, prepare=prepare, complete=complete, load_format=load_format,
-                                         weight_version=version, return_checksum=True, progress=progress,
-                                         timeout_s=self.cfg["timeout_s"])
+            self.sender.send(plan, tensors, load_format=load_format, progress=progress)
+        except Exception as exc:  # still call complete: it reports the receivers' view
+            send_error = exc
+        complete = {"group_name": self.cfg["group"], "weight_version": version, "return_checksum": True,
+                    "timeout_s": self.cfg["timeout_s"]}
+        answers = self.fanout("POST", "/complete_weights_update", complete)
+        self.log("complete", answers=answers)
+        if send_error is not None:
+            self.log("update", ok=False, error=f"broadcast failed: {send_error}; complete answered {answers}")
+        elif not all(a.get("success") for _, a in answers):
+            self.log("update", ok=False, error=f"complete_weights_update failed: {answers}")
+        else:
             self.log("update", ok=True, sent_checksum=sent_checksum(tensors.items()))
-        except WeightSyncError as exc:
-            self.log("update", ok=False, error=str(exc))
 
     def single_phase(self, plan: BucketPlan, tensors: dict[str, torch.Tensor], *, load_format: str | None,
                      version: str) -> None:
@@ -100,16 +117,19 @@ class Trainer:
         fire the HTTP call and broadcast at once; continue at the end."""
         self.log("pause", answers=self.fanout("POST", "/pause_generation", {}))
         self.log("flush", answers=self.fanout("GET", "/flush_cache", None))
-
-        def post_update(body: dict) -> dict:
-            answers = self.fanout("POST", "/update_weights_from_distributed", body)
-            return {"success": all(a.get("success") for _, a in answers), "message": str(answers)}
-
         try:
-            answers = self.sender.update_single_phase(plan, tensors, post_update=post_update, load_format=load_format,
-                                                      weight_version=version, flush_cache=False)
-            self.log("update", ok=True, buckets=len(answers), sent_checksum=sent_checksum(tensors.items()))
-        except WeightSyncError as exc:
+            for layout in plan.buckets:
+                body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes, "group_name": self.cfg["group"],
+                        "flush_cache": False, "weight_version": version, "load_format": load_format}
+                answers = alongside(
+                    lambda b=body: self.fanout("POST", "/update_weights_from_distributed", b),
+                    lambda layout=layout: self.sender.send(BucketPlan((layout,), plan.budget_bytes), tensors, load_format=load_format),
+                    timeout_s=HTTP_TIMEOUT_S, what="update_weights_from_distributed", settle_on_failure=False,
+                )  # fmt: skip
+                if not all(a.get("success") for _, a in answers):
+                    raise WeightSyncError(f"update_weights_from_distributed failed: {answers}")
+            self.log("update", ok=True, buckets=len(plan.buckets), sent_checksum=sent_checksum(tensors.items()))
+        except (WeightSyncError, GroupError, TimeoutError) as exc:
             self.log("update", ok=False, error=str(exc))
         self.log("continue", answers=self.fanout("POST", "/continue_generation", {}))
 

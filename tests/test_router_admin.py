@@ -39,10 +39,10 @@ def post(url: str, path: str, body=None, key: str | None = ADMIN_KEY, timeout: f
 
 
 ADMIN_PATHS = sorted(
-    {(m, p) for p, op in OPERATIONS.items() for m in op.methods}
+    {(m, p) for p, op in OPERATIONS.items() for m in op.endpoint.methods}
     | {("GET", "/workers"), ("POST", "/workers"), ("GET", "/workers/x"), ("PUT", "/workers/x"), ("DELETE", "/workers/x"),
        ("POST", "/add_worker"), ("POST", "/remove_worker"), ("GET", "/list_workers"), ("GET", "/get_world_size"),
-       ("GET", "/weight_update_journal"), ("POST", "/weight_update_journal/resolve"), ("POST", "/abort_weights_update")}
+       ("GET", "/weight_update_journal"), ("POST", "/weight_update_journal/resolve")}
 )  # fmt: skip
 
 

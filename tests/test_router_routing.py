@@ -131,7 +131,7 @@ def test_weights_checker_reports_identical_fleet(router):
     url, _ = router
     status, body = http_json("POST", url + "/weights_checker", {"action": "checksum"})
     assert status == 200, body
-    assert body["identical"] is True and len(set(body["checksums"].values())) == 1
+    assert body["identical"] is True and len(set(body["worker_checksums"].values())) == 1
     assert all(r["success"] and r["elapsed_ms"] >= 0 for r in body["results"])
 
 

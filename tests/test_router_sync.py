@@ -78,7 +78,8 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
     import torch
 
     from worker.model.checkpoint import read_checkpoint
-    from router.trainer.sender import BucketPlan, TrainerWeightSender
+    from router.trainer import BucketPlan, TrainerWeightSender
+    from router.trainer.rendezvous import alongside
 
     urls, qwen = mixed_fleet
     status, body = http_json("POST", urls[1] + "/abort_weights_update", {"group_name": "weight_update_group"}, headers=auth())
@@ -87,11 +88,15 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
     proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     sender = TrainerWeightSender(master_port=free_port(), world_size=3, timeout_s=30)
     try:
-        answer = sender.connect(lambda: http_json("POST", url + "/init_weights_update_group", sender.init_body(1), headers=auth(), timeout=90))
+        init = sender.init_request(1)
+        answer = alongside(
+            lambda: http_json("POST", url + "/init_weights_update_group", init, headers=auth(), timeout=90), sender.join,
+            timeout_s=120, what="init",
+        )  # fmt: skip
         assert answer[0] == 200, answer
         tensors = dict(read_checkpoint(qwen, torch.float32))
         plan = BucketPlan.from_named_tensors(tensors, budget_bytes=64 * 1024)
-        status, body = http_json("POST", url + "/prepare_weights_update", plan.prepare_body("weight_update_group", timeout_s=20), headers=auth())
+        status, body = http_json("POST", url + "/prepare_weights_update", plan.prepare_request(timeout_s=20), headers=auth())
         assert status == 502 and body["status"] == "error"
         ok = {r["url"]: r["success"] for r in body["results"]}
         assert ok == {urls[0]: False, urls[1]: True}
@@ -109,7 +114,7 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
         assert http_json("POST", url + "/continue_generation", {}, headers=auth())[0] == 200
         # The dropped receive had been posted: that worker's side of the group is out of
         # lockstep, so the next prepare is refused there until the group is re-initialized.
-        status, body = http_json("POST", url + "/prepare_weights_update", plan.prepare_body("weight_update_group"), headers=auth())
+        status, body = http_json("POST", url + "/prepare_weights_update", plan.prepare_request(), headers=auth())
         assert status == 502
         refused = {r["url"]: r["body"]["message"] for r in body["results"]}
         assert "a prepared receive was aborted" in refused[urls[1]] and "re-initialize" in refused[urls[1]]

@@ -11,15 +11,27 @@ import sys
 
 import pytest
 
+from router.contract import endpoints as ep
+from router.contract.admin import ModelInfo, PauseRequest, PauseResult, UpdateWeightsFromDiskRequest
+from router.contract.budget import HOP_MARGIN_S
 from router.contract.errors import BadRequest, Conflict, NotFound, Unavailable
+from router.contract.fleet import CompleteFleetAnswer, WorkerResult
+from router.contract.weight_sync import (
+    CompleteWeightsUpdateResponse,
+    InitWeightsUpdateGroupRequest,
+    PrepareWeightsUpdateRequest,
+    PrepareWeightsUpdateResponse,
+    WeightSyncResponse,
+)
+from router.gateway.admin.answers import fleet_answer
+from router.gateway.admin.fanout import decode_answer
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import OPERATIONS
-from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
-from router.contract.fleet import BroadcastResponse, WorkerResult
-from router.gateway.routing.proxy import prepare_payload
 from router.gateway.admin.ranks import plan_ranks
-from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
+from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
+from router.gateway.routing.proxy import prepare_payload
 from tests.procs import free_port
 
 
@@ -211,20 +223,73 @@ class TestRanks:
 
 
 class TestWire:
-    def test_operations_table(self):
+    def test_operations_table_and_budgets(self):
         locked = {p for p, op in OPERATIONS.items() if op.locked}
         assert {"/pause_generation", "/init_weights_update_group", "/destroy_weights_update_group",
-                "/update_weights_from_disk", "/update_weights_from_distributed", "/prepare_weights_update",
-                "/complete_weights_update"} <= locked  # fmt: skip
-        assert OPERATIONS["/update_weights_from_disk"].timeout_s >= 600
-        assert OPERATIONS["/init_weights_update_group"].timeout_for({"timeout_s": 2000}) == 2030
+                "/update_weights_from_disk", "/update_weights_from_distributed", "/prepare_weights_update"} <= locked  # fmt: skip
+        # complete and abort run inside the update a ready prepare holds the lock for.
+        assert not OPERATIONS["/complete_weights_update"].locked and not OPERATIONS["/abort_weights_update"].locked
+        disk = OPERATIONS["/update_weights_from_disk"]
+        assert disk.router_wait(UpdateWeightsFromDiskRequest(model_path="/m")) == ep.UPDATE_WEIGHTS_FROM_DISK.budget.work_s + HOP_MARGIN_S
+        # A caller's timeout_s bounds a join: each layer adds one margin on top of the worker's bound.
+        init = InitWeightsUpdateGroupRequest(master_address="127.0.0.1", master_port=1, world_size=3, timeout_s=2000)
+        bound = ep.INIT_WEIGHTS_UPDATE_GROUP.worker_bound(init)
+        assert bound == 2000 + ep.INIT_WEIGHTS_UPDATE_GROUP.budget.overhead_s
+        assert OPERATIONS["/init_weights_update_group"].router_wait(init) == bound + HOP_MARGIN_S
+        assert ep.INIT_WEIGHTS_UPDATE_GROUP.budget.client_wait(2000, lock_wait_s=7) == bound + 7 + 2 * HOP_MARGIN_S
+        # A timeout_s that a route does not declare changes nothing (prepare's bounds its receive, not the call).
+        assert ep.PAUSE_GENERATION.worker_bound(PauseRequest.model_validate({"timeout_s": 1})) == ep.PAUSE_GENERATION.budget.work_s
+        assert ep.PREPARE_WEIGHTS_UPDATE.timeout_of(PrepareWeightsUpdateRequest.model_validate(
+            {"num_buckets": 1, "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}], "group_name": "g", "timeout_s": 5}
+        )) is None  # fmt: skip
 
-    def test_broadcast_response_keeps_extra_fields(self):
-        r = BroadcastResponse(success=True, message="ok", path="/x", worker_count=0, results=[])
-        r.ranks = [{"worker": "a"}]  # type: ignore[attr-defined]
-        assert r.model_dump()["ranks"] == [{"worker": "a"}]
-        res = WorkerResult(worker="a", url="u", success=False, error="boom", elapsed_ms=1.0)
-        assert res.model_dump()["error"] == "boom"
+    def test_requests_forward_what_the_caller_set_and_unknown_fields(self):
+        req = PauseRequest.model_validate({"mode": "in_place", "from_a_newer_sglang": {"x": [1]}})
+        assert json.loads(req.to_json()) == {"mode": "in_place", "from_a_newer_sglang": {"x": [1]}}
+        assert json.loads(PauseRequest().to_json()) == {}  # defaults stay the receiver's
+        init = InitWeightsUpdateGroupRequest(master_address="h", master_port=5, world_size=3)
+        assert json.loads(init.model_copy(update={"rank_offset": 2}).to_json())["rank_offset"] == 2
+        for bad in ({"mode": 1}, {"mode": "sideways"}):
+            with pytest.raises(ValueError):
+                PauseRequest.model_validate(bad)
+        with pytest.raises(ValueError):
+            InitWeightsUpdateGroupRequest.model_validate({"master_address": "h", "master_port": 5, "world_size": True})
+
+    def test_fleet_answer_keeps_worker_field_names_and_types(self):
+        complete = OPERATIONS["/complete_weights_update"]
+
+        def result(worker: str, n: int) -> WorkerResult:
+            body = CompleteWeightsUpdateResponse(success=True, num_buckets_received=n, weight_version="v1")
+            return WorkerResult[CompleteWeightsUpdateResponse](worker=worker, url=f"http://{worker}", success=True, body=body, elapsed_ms=1.0)
+
+        agreed = fleet_answer(complete, [result("a", 3), result("b", 3)], "ok", checksums={"a": None, "b": None})
+        parsed = CompleteFleetAnswer.model_validate_json(agreed.model_dump_json())
+        assert parsed.num_buckets_received == 3 and parsed.weight_version == "v1" and parsed.success
+        assert isinstance(parsed.results[0].body, CompleteWeightsUpdateResponse) and parsed.results[1].body.num_buckets_received == 3
+        split = fleet_answer(complete, [result("a", 3), result("b", 2)], "no")
+        assert split.num_buckets_received == 0 and [r.body.num_buckets_received for r in split.results] == [3, 2]
+        # A plain broadcast lifts the fields every worker agrees on beside the envelope.
+        pause = fleet_answer(OPERATIONS["/pause_generation"], [
+            WorkerResult[PauseResult](worker=w, url="u", success=True, body=PauseResult(pause_mode="retract", num_frozen=0), elapsed_ms=1)
+            for w in ("a", "b")
+        ], "ok")  # fmt: skip
+        dumped = json.loads(pause.model_dump_json())
+        assert dumped["pause_mode"] == "retract" and dumped["results"][0]["body"]["pause_mode"] == "retract"
+
+    def test_worker_answers_decode_into_their_models_or_a_clear_failure(self):
+        ok, error = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": 2}')
+        assert error is None and isinstance(ok, CompleteWeightsUpdateResponse) and ok.num_buckets_received == 2
+        body, error = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": {"a": 1}}')
+        assert body is None and "not a valid CompleteWeightsUpdateResponse" in error and "num_buckets_received" in error
+        body, error = decode_answer(CompleteWeightsUpdateResponse, 200, b"")
+        assert body is None and "empty body" in error
+        refused = b'{"success": false, "message": "group missing", "error": {"message": "group missing"}}'
+        body, error = decode_answer(WeightSyncResponse, 400, refused)
+        assert body is not None and not body.ok and error == "group missing"
+        body, error = decode_answer(ModelInfo, 401, b'{"error": {"message": "needs a key"}}')
+        assert body is None and error == "needs a key"
+        assert decode_answer(ModelInfo, 502, b"<html>bad gateway</html>")[1] == "answered 502: <html>bad gateway</html>"
+        assert decode_answer(PrepareWeightsUpdateResponse, 200, b'{"status": "error"}')[0].ok is False
 
     def test_rid_injection(self):
         body, rid, stream = prepare_payload(b'{"text": "hi", "stream": true}')

@@ -133,5 +133,6 @@ class TestFlatBucketAndPlan:
         flat = [n for b in plan.buckets for n in sorted(b.names, key=lambda n: int(n[1:]))]
         assert flat == [n for n, _ in named]
         assert all(slot.aligned for b in plan.buckets for slot in b.slots)
-        body = plan.prepare_body("g", load_format="flattened_bucket", atomic=True)
-        PrepareWeightsUpdateRequest.model_validate(body)
+        req = plan.prepare_request("g", load_format="flattened_bucket", atomic=True)
+        again = PrepareWeightsUpdateRequest.model_validate_json(req.to_json())
+        assert [b.layout for b in again.buckets] == list(plan.buckets)

@@ -19,6 +19,7 @@ from tests._weight_sync_fixtures import WORKER_ARGS, ckpts  # noqa: F401
 from tests._worker_helpers import Worker
 from tests.procs import free_port, http_json, start_worker
 from worker.model import read_checkpoint
+from router.trainer.rendezvous import alongside
 from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
 
 GROUP = "weight_update_group"
@@ -40,7 +41,10 @@ def worker(ckpts: dict[str, str]) -> Iterator[Worker]:  # noqa: F811
 
 def join(worker: Worker) -> TrainerWeightSender:
     sender = TrainerWeightSender(master_port=free_port(), world_size=2, timeout_s=GROUP_TIMEOUT_S)
-    status, body = sender.connect(lambda: worker.post("/init_weights_update_group", sender.init_body(1), timeout=90))
+    init = sender.init_request(1)
+    status, body = alongside(
+        lambda: worker.post("/init_weights_update_group", init, timeout=90), sender.join, timeout_s=120, what="init"
+    )
     assert status == 200 and body["success"], body
     return sender
 
@@ -62,16 +66,14 @@ def weights(path: str) -> tuple[dict[str, torch.Tensor], BucketPlan]:
 
 
 def two_phase(worker: Worker, sender: TrainerWeightSender, path: str, version: str, **prepare: object) -> str:
-    """A whole update of ``path``'s tensors; returns the checksum the trainer sent."""
+    """A whole update of ``path``'s tensors (prepare, broadcast, complete); returns the checksum the trainer sent."""
     tensors, plan = weights(path)
-
-    def post_prepare(body: dict) -> dict:
-        return worker.post("/prepare_weights_update", {**body, **prepare})[1]
-
-    result = sender.update_two_phase(plan, tensors, prepare=post_prepare,
-                                     complete=lambda body: worker.post("/complete_weights_update", body)[1],
-                                     weight_version=version, return_checksum=True, timeout_s=30)
-    assert result["checksum"] == sent_checksum(tensors.items()), result
+    status, ready = worker.post("/prepare_weights_update", plan.prepare_request(GROUP, weight_version=version, timeout_s=30, **prepare))
+    assert status == 200 and ready["status"] == "ready", ready
+    sender.send(plan, tensors)
+    complete = {"group_name": GROUP, "weight_version": version, "return_checksum": True, "timeout_s": 30}
+    status, result = worker.post("/complete_weights_update", complete)
+    assert status == 200 and result["checksum"] == sent_checksum(tensors.items()), result
     return result["checksum"]
 
 
@@ -93,7 +95,7 @@ class TestAbort:
     ) -> None:
         before, version = worker.checksum(), worker.info()["weight_version"]
         _, plan = weights(ckpts["c"])
-        status, body = worker.post("/prepare_weights_update", plan.prepare_body(GROUP, weight_version="never", timeout_s=30))
+        status, body = worker.post("/prepare_weights_update", plan.prepare_request(GROUP, weight_version="never", timeout_s=30))
         assert status == 200 and body["status"] == "ready", body
         assert worker.info()["is_paused"]  # a streaming update holds generation
 
@@ -107,9 +109,9 @@ class TestAbort:
         assert worker.generate([1, 2, 3], max_new_tokens=2)["meta_info"]["finish_reason"]["type"] == "length"
 
         # The group is out of lockstep: every later use fails fast and says why.
-        status, body = worker.post("/prepare_weights_update", plan.prepare_body(GROUP))
+        status, body = worker.post("/prepare_weights_update", plan.prepare_request(GROUP))
         assert status == 400 and body["status"] == "error" and body["message"] == BROKEN
-        single = {**plan.metadata()[0], "group_name": GROUP}
+        single = {**plan.metadata()[0].model_dump(), "group_name": GROUP}
         status, body = worker.post("/update_weights_from_distributed", single)
         assert status == 400 and body["message"] == f"Failed to update parameter online: {BROKEN}."
         assert abort(worker)[0] == 400  # dropped already
@@ -119,7 +121,7 @@ class TestAbort:
     ) -> None:
         before = worker.checksum()
         tensors, plan = weights(ckpts["c"])
-        body = plan.prepare_body(GROUP, load_format="flattened_bucket", timeout_s=30)
+        body = plan.prepare_request(GROUP, load_format="flattened_bucket", timeout_s=30)
         assert worker.post("/prepare_weights_update", body)[1]["status"] == "ready"
         assert abort(worker)[1]["success"] is True
         # A trainer that broadcasts anyway: the posted receive takes the bytes and throws them away.
@@ -134,7 +136,7 @@ class TestAbort:
         old = join(worker)
         try:
             _, plan = weights(ckpts["c"])
-            assert worker.post("/prepare_weights_update", plan.prepare_body(GROUP, timeout_s=45))[1]["status"] == "ready"
+            assert worker.post("/prepare_weights_update", plan.prepare_request(GROUP, timeout_s=45))[1]["status"] == "ready"
             assert abort(worker)[0] == 200
             # The trainer still holds its side, so the worker's receive stays posted; leaving
             # the group must not wait for it (the call's timeout is well below the group's).
@@ -157,7 +159,7 @@ class TestAbort:
     ) -> None:
         before, version = worker.checksum(), worker.info()["weight_version"]
         tensors, plan = weights(ckpts["c"])
-        assert worker.post("/prepare_weights_update", plan.prepare_body(GROUP, timeout_s=30))[1]["status"] == "ready"
+        assert worker.post("/prepare_weights_update", plan.prepare_request(GROUP, timeout_s=30))[1]["status"] == "ready"
         sender.send(BucketPlan(plan.buckets[:3], plan.budget_bytes), tensors)  # the trainer had started
         wait_for(lambda: worker.info()["weights_partial"], 30, worker.proc, "a streamed bucket applied")
 
@@ -168,7 +170,7 @@ class TestAbort:
         info = worker.info()
         assert info["is_paused"] and info["weights_partial"] and info["weight_version"] == version
         assert worker.checksum() != before
-        status, body = worker.post("/prepare_weights_update", plan.prepare_body(GROUP))
+        status, body = worker.post("/prepare_weights_update", plan.prepare_request(GROUP))
         assert status == 400 and body["message"] == BROKEN
 
         # Repair: a new group and a full update, then continue.
@@ -203,7 +205,7 @@ class TestActiveRequests:
     ) -> None:
         before, version = worker.checksum(), worker.info()["weight_version"]
         _, plan = weights(ckpts["c"])
-        status, body = worker.post("/prepare_weights_update", plan.prepare_body(GROUP))
+        status, body = worker.post("/prepare_weights_update", plan.prepare_request(GROUP))
         assert status == 400 and body["status"] == "error", body
         assert "cannot update weights: 1 active request(s) hold KV cache" in body["message"]
         assert "abort_all_requests=true" in body["message"]
@@ -219,16 +221,19 @@ class TestActiveRequests:
     ) -> None:
         before = worker.checksum()
         tensors, plan = weights(ckpts["b"])
-        single = {**plan.metadata()[0], "group_name": GROUP}
+        single = {**plan.metadata()[0].model_dump(), "group_name": GROUP}
         status, body = worker.post("/update_weights_from_distributed", single)
         assert status == 400 and body["success"] is False
         assert body["message"].startswith("Failed to update parameter online: cannot update weights: 1 active request(s)")
         assert worker.checksum() == before and worker.state()["num_running_reqs"] == 1
 
-        def post_update(body: dict) -> dict:
-            return worker.post("/update_weights_from_distributed", {**body, "abort_all_requests": True})[1]
-
-        sender.update_single_phase(plan, tensors, post_update=post_update, weight_version="forced-single")
+        for i, meta in enumerate(plan.metadata()):  # slime's sequence: per bucket, the call and its broadcast at once
+            forced = {**meta.model_dump(), "group_name": GROUP, "abort_all_requests": True, "weight_version": "forced-single"}
+            status, body = alongside(
+                lambda forced=forced: worker.post("/update_weights_from_distributed", forced),
+                lambda i=i: sender.send_bucket(plan, i, tensors), timeout_s=120, what="update_weights_from_distributed",
+            )  # fmt: skip
+            assert status == 200 and body["success"], body
         assert in_flight.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
         assert worker.checksum() == sent_checksum(tensors.items()) != before
         assert worker.info()["weight_version"] == "forced-single"

@@ -19,6 +19,7 @@ import uuid
 from functools import partial
 from typing import Any, AsyncIterator, Callable, Optional
 
+from router.contract import endpoints as ep
 from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
@@ -30,22 +31,8 @@ from worker.stage import AdminTimeout, RankOp, SchedulerUnavailable, Stage, Stag
 
 log = logging.getLogger(__name__)
 
-#: Per-action default timeouts, as sglang-omni's coordinator uses them.
-DEFAULT_TIMEOUTS: dict[str, float] = {
-    "model_info": 30.0,
-    "pause_generation": 60.0,
-    "continue_generation": 60.0,
-    "update_weights_from_disk": 120.0,
-    "weights_checker": 120.0,
-    "init_weights_update_group": 300.0,
-    "destroy_weights_update_group": 300.0,
-    "update_weights_from_distributed": 300.0,
-}
-FALLBACK_TIMEOUT_S = 60.0
-
-
-def default_timeout(action: str) -> float:
-    return DEFAULT_TIMEOUTS.get(action, FALLBACK_TIMEOUT_S)
+#: Aborting requests on the scheduler thread: the budget of ``/abort_request``.
+ABORT_WAIT_S = ep.ABORT_REQUEST.budget.work_s
 
 
 class Coordinator:
@@ -88,15 +75,15 @@ class Coordinator:
 
     # -- admin plumbing ----------------------------------------------------------------
     @contextlib.asynccontextmanager
-    async def admin_section(self, action: str, timeout_s: Optional[float] = None) -> AsyncIterator[None]:
-        """Hold the lock that serializes weight and pause changes (bounded wait)."""
-        timeout = default_timeout(action) if timeout_s is None else timeout_s
-        async with held(self._admin_lock, timeout, f"{action}: another admin operation held the worker for {timeout:g}s"):
+    async def admin_section(self, action: str, timeout_s: float) -> AsyncIterator[None]:
+        """Hold the lock that serializes weight and pause changes (waiting at most ``timeout_s``)."""
+        busy = f"{action}: another admin operation held the worker for {timeout_s:g}s"
+        async with held(self._admin_lock, timeout_s, busy):
             yield
 
-    async def admin(self, action: str, op: RankOp, timeout_s: Optional[float] = None) -> StageResult:
+    async def admin(self, action: str, op: RankOp, timeout_s: float) -> StageResult:
         """Run ``op`` on every rank (scheduler threads) and aggregate with ``rank_results``."""
-        return await self.stage.run(action, op, default_timeout(action) if timeout_s is None else timeout_s)
+        return await self.stage.run(action, op, timeout_s)
 
     async def run_on_scheduler(self, fn: Callable[[], Any], timeout_s: float, action: str = "admin") -> Any:
         """Run ``fn()`` on the leader's scheduler thread between steps; its raw result."""
@@ -144,7 +131,7 @@ class Coordinator:
 
     async def abort(self, rid: Optional[str], *, abort_all: bool = False, message: str = "Aborted") -> list[str]:
         fut = self.scheduler.submit_abort(rid, abort_all=abort_all, message=message)
-        return await asyncio.wait_for(asyncio.wrap_future(fut), FALLBACK_TIMEOUT_S)
+        return await asyncio.wait_for(asyncio.wrap_future(fut), ABORT_WAIT_S)
 
     async def wait_returned(self, rids: list[str], timeout_s: float) -> None:
         """Wait until the handlers of ``rids`` have produced their responses (bounded)."""
@@ -157,20 +144,19 @@ class Coordinator:
             log.warning("aborted requests did not all return within %.1fs", timeout_s)
 
     # -- composite admin operations -------------------------------------------------------
-    async def pause(self, req: PauseRequest) -> StageResult:
+    async def pause(self, req: PauseRequest, timeout_s: float) -> StageResult:
         """Pause; in ``abort`` mode return only after every aborted request has been answered."""
-        timeout = default_timeout("pause_generation")
-        deadline = time.monotonic() + timeout
-        async with self.admin_section("pause_generation", timeout):
+        deadline = time.monotonic() + timeout_s
+        async with self.admin_section("pause_generation", timeout_s):
             result = await self.admin("pause_generation", partial(admin_ops.pause, req=req), _left(deadline))
             if req.mode == "abort":
                 await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
         return result
 
-    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest) -> StageResult:
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult:
         """Check, stage the checkpoint off the scheduler thread, then swap it in between steps."""
         action = "update_weights_from_disk"
-        deadline = time.monotonic() + default_timeout(action)
+        deadline = time.monotonic() + timeout_s
         async with self.admin_section(action, _left(deadline)):
             check = await self.admin(action, partial(admin_ops.check_update_allowed, abort_all_requests=req.abort_all_requests), _left(deadline))
             if not check.success:
@@ -187,7 +173,7 @@ class Coordinator:
                     failed = OpResult(False, f"Failed to update weights: {exc}", {"num_paused_requests": self.scheduler.num_waiting})
                     return self.stage.describe(action, lambda _s: failed)
                 except asyncio.TimeoutError:
-                    raise AdminTimeout(action, default_timeout(action)) from None
+                    raise AdminTimeout(action, timeout_s) from None
             pre_aborted: list[str] = []
             if req.abort_all_requests:
                 # As SGLang's writer lock does: aborted requests are answered
@@ -199,11 +185,11 @@ class Coordinator:
             result.data["num_aborted"] = result.data.get("num_aborted", 0) + len(pre_aborted)
             return result
 
-    async def flush_cache(self, wait_s: float = 0.0) -> StageResult:
+    async def flush_cache(self, wait_s: float, timeout_s: float) -> StageResult:
         """Flush; with ``wait_s`` > 0, retry until the worker is idle or the time is up."""
         deadline = time.monotonic() + wait_s
         while True:
-            result = await self.admin("flush_cache", admin_ops.flush_cache)
+            result = await self.admin("flush_cache", admin_ops.flush_cache, timeout_s)
             if result.success or time.monotonic() >= deadline:
                 return result
             await asyncio.sleep(min(0.05, max(0.0, deadline - time.monotonic())))

@@ -2,8 +2,9 @@
 version, update from disk, memory occupation and the weights checker.
 
 Field names and defaults follow SGLang (``io_struct.py``) and sglang-omni's RL
-admin control. Request types are strict (no string-to-bool coercion); unknown
-fields are ignored so newer trainers keep working.
+admin control. Every answer of a route that can fail is an :class:`AdminResult`
+(``success``, ``message``, ``rank_results`` with one entry per TP rank) plus its
+action's own fields; a failure also carries ``error.message`` and answers 400.
 """
 
 from __future__ import annotations
@@ -12,8 +13,7 @@ from typing import Any, Literal, Optional, Union
 
 from pydantic import Field, field_validator
 
-from router.contract.base import WireResponse
-from router.contract.generate import StrictRequest
+from router.contract.base import WireRequest, WireResponse
 
 PauseMode = Literal["abort", "retract", "in_place"]
 CheckerAction = Literal["snapshot", "reset_tensors", "compare", "checksum"]
@@ -24,24 +24,24 @@ MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
 # ----------------------------------------------------------------------------- requests
 
 
-class EmptyRequest(StrictRequest):
+class EmptyRequest(WireRequest):
     """A route that takes no fields (any JSON object is accepted and ignored)."""
 
 
-class PauseRequest(StrictRequest):
+class PauseRequest(WireRequest):
     """``POST /pause_generation``: ``abort`` (default) | ``retract`` | ``in_place``."""
 
     mode: PauseMode = "abort"
 
 
-class ContinueRequest(StrictRequest):
+class ContinueRequest(WireRequest):
     """``POST /continue_generation``. ``torch_empty_cache`` (v0.5.15+) is accepted;
     on CUDA it empties the caching allocator before un-pausing."""
 
     torch_empty_cache: bool = True
 
 
-class AbortRequest(StrictRequest):
+class AbortRequest(WireRequest):
     """``POST /abort_request``: abort requests whose rid starts with ``rid``, or all."""
 
     rid: Optional[Union[str, list[str]]] = None
@@ -50,21 +50,21 @@ class AbortRequest(StrictRequest):
     abort_message: Optional[str] = None
 
 
-class FlushCacheRequest(StrictRequest):
+class FlushCacheRequest(WireRequest):
     """``GET|POST /flush_cache``; ``timeout`` (v0.5.23 query parameter) waits up
     to that many seconds for the worker to become idle before giving up."""
 
     timeout: float = Field(0.0, ge=0.0, le=300.0, strict=False)
 
 
-class UpdateWeightVersionRequest(StrictRequest):
+class UpdateWeightVersionRequest(WireRequest):
     """``POST /update_weight_version``; like SGLang, ``abort_all_requests`` defaults to True."""
 
     new_version: str
     abort_all_requests: bool = True
 
 
-class UpdateWeightsFromDiskRequest(StrictRequest):
+class UpdateWeightsFromDiskRequest(WireRequest):
     """``POST /update_weights_from_disk`` — every field of SGLang's ``UpdateWeightFromDiskReqInput``."""
 
     model_path: str = Field(min_length=1)
@@ -80,7 +80,7 @@ class UpdateWeightsFromDiskRequest(StrictRequest):
     manifest: Optional[dict[str, Any]] = None
 
 
-class WeightsCheckerRequest(StrictRequest):
+class WeightsCheckerRequest(WireRequest):
     """``GET|POST /weights_checker``; ``action`` defaults to ``checksum`` (SGLang v0.5.15+)."""
 
     action: CheckerAction = "checksum"
@@ -89,7 +89,7 @@ class WeightsCheckerRequest(StrictRequest):
     selector: str = "all"
 
 
-class MemoryOccupationRequest(StrictRequest):
+class MemoryOccupationRequest(WireRequest):
     """``POST /release_memory_occupation`` and ``/resume_memory_occupation``.
 
     ``tags`` None or empty means every tag."""
@@ -106,58 +106,114 @@ class MemoryOccupationRequest(StrictRequest):
 
 
 class RankResult(WireResponse):
-    """One rank's outcome of an admin operation."""
+    """One TP rank's outcome of an admin operation (its scalar fields sit beside these)."""
 
     rank: int
     role: str = "tp"
+    tp_rank: int = 0
+    tp_size: int = 1
     success: bool
     message: str = ""
 
 
 class AdminResult(WireResponse):
-    """Generic admin response: ``{success, message, rank_results, ...}``.
-
-    Extra action-specific fields sit beside these (``num_paused_requests``,
-    ``per_gpu_checksum``, ...)."""
+    """The generic admin answer: ``{success, message, rank_results}`` plus the action's fields."""
 
     success: bool
     message: str = ""
     rank_results: Optional[list[RankResult]] = None
 
+    @property
+    def ok(self) -> bool:
+        return self.success
 
-class StatusResult(WireResponse):
-    """``/pause_generation`` and ``/continue_generation`` reply, as SGLang: ``{"message", "status": "ok"}``."""
 
-    message: str
+class PauseResult(AdminResult):
+    """``/pause_generation``: SGLang answers ``{"message", "status": "ok"}`` (so ``success``
+    defaults to true); the counts are this worker's."""
+
+    success: bool = True
     status: str = "ok"
+    pause_mode: Optional[PauseMode] = None
+    num_aborted: int = 0
+    aborted_rids: list[str] = Field(default_factory=list)
+    num_retracted: int = 0
+    num_frozen: int = 0
+
+
+class ContinueResult(AdminResult):
+    """``/continue_generation``: like pause, SGLang's answer is ``{"message", "status": "ok"}``."""
+
+    success: bool = True
+    status: str = "ok"
+    was_paused: bool = False
+
+
+class AbortRequestResult(AdminResult):
+    num_aborted: int = 0
+    aborted_rids: list[str] = Field(default_factory=list)
+
+
+class FlushCacheResult(AdminResult):
+    """``/flush_cache``; a refusal (requests hold KV) answers 400."""
+
+
+class MemoryOccupationResult(AdminResult):
+    released: Optional[list[str]] = None
+    resumed: Optional[list[str]] = None
 
 
 class UpdateWeightsFromDiskResult(AdminResult):
     num_paused_requests: int = 0
+    num_aborted: int = 0
     weight_version: Optional[str] = None
+    model_path: Optional[str] = None
+    is_paused: Optional[bool] = None
 
 
 class UpdateWeightVersionResult(AdminResult):
     new_version: Optional[str] = None
+    num_aborted: int = 0
 
 
 class WeightVersionResult(WireResponse):
+    """``/get_weight_version``."""
+
     weight_version: str
 
 
-class WeightsCheckerResult(AdminResult):
-    """Checker summary (sglang-omni ``StrictWeightChecker``); ``compare`` adds the diff fields."""
+class CheckerRank(WireResponse):
+    """One rank's digests in an engine-level checker report (SGLang 0.5.23's ``ranks`` entries)."""
 
-    action: str
+    checksums: dict[str, str] = Field(default_factory=dict)
+    per_gpu_checksum: str
+    parallelism_info: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class WeightsCheckerResult(AdminResult):
+    """Checker summary (sglang-omni ``StrictWeightChecker``); ``compare`` adds the diff fields.
+
+    ``per_gpu_checksum`` is rank 0's checksum; ``per_engine_checksum`` covers every
+    rank and ``ranks`` holds each rank's digests (SGLang 0.5.23's scheme)."""
+
+    action: Optional[str] = None
     tensor_count: int = 0
     per_gpu_checksum: Optional[str] = None
     per_engine_checksum: Optional[str] = None
     checksums: Optional[dict[str, str]] = None
+    tensor_metadata: Optional[dict[str, dict[str, Any]]] = None
+    ranks: Optional[list[CheckerRank]] = None
     elapsed_s: float = 0.0
     matched: Optional[list[str]] = None
     missing: Optional[list[str]] = None
     unexpected: Optional[list[str]] = None
     changed: Optional[list[str]] = None
+
+    def checksums_per_rank(self) -> list[str]:
+        """Each rank's own checksum (the scheme a trainer recomputes from the tensors it sent)."""
+        if self.ranks:
+            return [r.per_gpu_checksum for r in self.ranks]
+        return [self.per_gpu_checksum] if self.per_gpu_checksum else []
 
 
 class ModelInfo(WireResponse):
@@ -177,10 +233,21 @@ class ModelInfo(WireResponse):
     tp_size: int = 1
     dtype: str = ""
     device: str = ""
+    context_length: Optional[int] = None
     is_paused: bool = False
     pause_mode: Optional[str] = None
     weights_partial: bool = False
     weights_released: bool = False
+    token_step: int = 0
     supports_weight_update: bool = True
     supports_weight_checker: bool = True
-    rank_results: Optional[list[dict[str, Any]]] = None
+    rank_results: Optional[list[RankResult]] = None
+
+
+class ServerInfo(WireResponse):
+    """``/server_info``: the worker's settings (keys blanked) and per-rank scheduler counters."""
+
+    tp_size: int = 1
+    weight_version: Optional[str] = None
+    version: Optional[str] = None
+    internal_states: list[dict[str, Any]] = Field(default_factory=list)

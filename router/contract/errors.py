@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict
 
 
 class ErrorDetail(BaseModel):
@@ -27,6 +27,10 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorBody(BaseModel):
+    """``{"error": {"message"}}``; fields beside ``error`` (``expected_world_size``, ``journal``) are kept."""
+
+    model_config = ConfigDict(extra="allow")
+
     error: ErrorDetail
 
 

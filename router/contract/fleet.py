@@ -1,25 +1,34 @@
-"""Router-only wire messages: worker records, registry requests, broadcast results.
+"""Router-only wire messages: worker records, registry requests, and the answers of
+admin calls broadcast to the fleet.
 
-Workers never see these; the router answers with them and the trainer client
-reads them. Messages that workers also speak (generate, admin, weight sync)
-live in the sibling modules.
+A broadcast's answer (:class:`FleetAnswer`) is the answer a single worker gives,
+with each field holding the value every worker agrees on (where they disagree,
+the field's default), plus the router's envelope: ``path``, ``worker_count`` and
+``results``, one :class:`WorkerResult` per worker holding that worker's own
+parsed answer. A client written for one worker's answer therefore reads the same
+names with the same types through the router; per-worker detail sits beside them.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, Generic, Literal, Optional, Sequence, TypeVar
 
-from pydantic import ConfigDict, Field, field_validator
+from pydantic import Field
 
+from router.contract.admin import ModelInfo, WeightsCheckerResult, WeightVersionResult
 from router.contract.base import WireRequest, WireResponse
-
-
-class _Strict(WireRequest):
-    """No coercion: ``"yes"`` where a bool belongs is a 400."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
+from router.contract.weight_sync import (
+    AbortWeightsUpdateResponse,
+    CompleteWeightsUpdateResponse,
+    PrepareWeightsUpdateResponse,
+    WeightSyncResponse,
+)
 
 HealthState = Literal["healthy", "unhealthy", "dead"]
+R = TypeVar("R", bound=WireResponse)
+
+#: Fields of a worker's answer that describe that worker alone; never lifted into the fleet's answer.
+PER_WORKER_FIELDS = frozenset({"success", "message", "status", "rank_results", "error"})
 
 
 class WorkerRecord(WireResponse):
@@ -30,110 +39,180 @@ class WorkerRecord(WireResponse):
     health: HealthState
     disabled: bool
     inflight: int
-    weight_version: str | None = None
-    tp_size: int | None = None
+    weight_version: Optional[str] = None
+    tp_size: Optional[int] = None
 
 
 class WorkerList(WireResponse):
     workers: list[WorkerRecord]
 
 
-class AddWorkerRequest(_Strict):
+class RemovedWorker(WireResponse):
+    """``DELETE /workers/{id}``."""
+
+    removed: WorkerRecord
+
+
+class AddWorkerRequest(WireRequest):
     """``POST /workers`` (and the legacy ``POST /add_worker?url=``)."""
 
     url: str = Field(min_length=1)
     disabled: bool = False
 
 
-class UpdateWorkerRequest(_Strict):
+class UpdateWorkerRequest(WireRequest):
     """``PUT /workers/{id}``: today only the operator's ``disabled`` flag can change."""
 
     disabled: bool
 
 
-class WorkerUrlQuery(_Strict):
+class WorkerUrlQuery(WireRequest):
     """The legacy routes take the worker as ``?url=``."""
 
     url: str = Field(min_length=1)
 
 
-class WorkerResult(WireResponse):
+class WorkerResult(WireResponse, Generic[R]):
     """What one worker answered to one broadcast admin call.
 
-    ``body`` holds the worker's parsed reply when it answered at all;
-    ``error`` says why there is no usable reply (connection refused, timeout).
+    ``body`` is the worker's answer parsed into the route's response model;
+    ``error`` says why there is no usable answer (connection refused, timeout,
+    an error body, a body that is not the route's response model).
     """
 
     worker: str
     url: str
     success: bool
-    status_code: int | None = None
-    body: Any = None
-    error: str | None = None
+    status_code: Optional[int] = None
+    body: Optional[R] = None
+    error: Optional[str] = None
     elapsed_ms: float
 
+    def reason(self) -> str:
+        """One line saying why this worker failed (or ``ok``)."""
+        if self.error is not None:
+            return self.error
+        body = self.body
+        if body is None:
+            return "no answer"
+        message = getattr(body, "message", None)
+        return str(message) if message else body.model_dump_json()[:300]
 
-class BroadcastResponse(WireResponse):
-    """The router's reply to a broadcast admin call: 200 when every target succeeded, else 502."""
+
+class FleetAnswer(WireResponse, Generic[R]):
+    """The router's answer to a broadcast admin call: 200 when every target succeeded, else 502."""
 
     success: bool
     message: str
     path: str
     worker_count: int
-    results: list[WorkerResult]
+    results: list[WorkerResult[R]]
+
+    @property
+    def ok(self) -> bool:
+        return self.success
+
+    def failed_workers(self) -> list[str]:
+        return [r.worker for r in self.results if not r.success]
 
 
-class PrepareResponse(BroadcastResponse):
+def agreed_fields(model: type[WireResponse], answers: Sequence[Optional[WireResponse]]) -> dict[str, Any]:
+    """The fields of ``model`` that every answer sets to the same value (per-worker fields left out).
+
+    A field on which the answers disagree, or that some worker did not report, is
+    absent: the fleet answer then shows the field's default, and each worker's own
+    value stays in its :class:`WorkerResult`.
+    """
+    bodies = [a for a in answers if a is not None]
+    if not bodies or len(bodies) != len(answers):
+        return {}
+    agreed: dict[str, Any] = {}
+    for name in model.model_fields:
+        if name in PER_WORKER_FIELDS:
+            continue
+        values = [getattr(b, name, None) for b in bodies]
+        if all(v == values[0] for v in values[1:]) and name in bodies[0].model_fields_set:
+            agreed[name] = values[0]
+    return agreed
+
+
+class PrepareFleetAnswer(FleetAnswer[PrepareWeightsUpdateResponse], PrepareWeightsUpdateResponse):
     """``/prepare_weights_update`` through the router: ``ready`` only when every target is.
 
     On ``error``, ``aborts`` holds the answers of the ready workers told to drop their receive.
     """
 
-    status: Literal["ready", "error"]
-    aborts: list[WorkerResult] = Field(default_factory=list)
+    aborts: list[WorkerResult[AbortWeightsUpdateResponse]] = Field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ready"
 
 
-class CompleteResponse(BroadcastResponse):
-    """``/complete_weights_update`` through the router, with what each worker says it applied."""
+class CompleteFleetAnswer(FleetAnswer[CompleteWeightsUpdateResponse], CompleteWeightsUpdateResponse):
+    """``/complete_weights_update`` through the router. ``num_buckets_received`` and
+    ``checksum`` are the fleet's when every worker agrees; ``checksums`` maps each
+    worker to the checksum of the weights it applied."""
 
-    num_buckets_received: dict[str, int | None]
-    checksums: dict[str, str | None]
-    checksums_match: bool | None
+    checksums: dict[str, Optional[str]] = Field(default_factory=dict)
+    checksums_match: Optional[bool] = None
     """``None`` when some worker reported no checksum."""
 
 
-class GroupInitResponse(BroadcastResponse):
-    """``/init_weights_update_group`` through the router, with the rank each worker was given."""
+class RankAssignment(WireResponse):
+    """The ranks one worker holds in a weight-update group: ``rank_offset .. rank_offset + tp_size - 1``."""
 
-    ranks: list[dict[str, Any]]
+    worker: str
+    url: str
+    rank_offset: int
+    tp_size: int
+
+
+class GroupInitFleetAnswer(FleetAnswer[WeightSyncResponse], WeightSyncResponse):
+    """``/init_weights_update_group`` through the router, with the ranks each worker was given."""
+
+    ranks: list[RankAssignment] = Field(default_factory=list)
 
 
 class WorldSizeResponse(WireResponse):
     """``GET /get_world_size``: ranks held by workers, the trainer's rank 0 excluded."""
 
     world_size: int
-    workers: list[dict[str, Any]] = Field(default_factory=list)
+    workers: list[RankAssignment] = Field(default_factory=list)
 
 
-class RankPlanRequest(_Strict):
-    """The two fields of ``/init_weights_update_group`` that the router plans ranks from.
+class WeightsCheckerFleetAnswer(FleetAnswer[WeightsCheckerResult], WeightsCheckerResult):
+    """``/weights_checker`` through the router. The worker's fields (``checksums`` per
+    tensor, ``per_engine_checksum``, ...) hold the fleet's values where every worker
+    agrees. With ``checksum``: ``worker_checksums`` maps each worker to its
+    engine-level checksum, ``rank_checksums`` to its per-rank checksums, and
+    ``identical`` says whether every worker holds the same weights."""
 
-    The rest of the body is forwarded to every worker untouched, so the router
-    does not need (or re-declare) the full message.
-    """
-
-    world_size: int = Field(ge=2)
-    rank_offset: int | None = Field(default=None, ge=0)
-
-    @field_validator("world_size", "rank_offset", mode="before")
-    @classmethod
-    def _no_bools(cls, value: Any) -> Any:
-        if isinstance(value, bool):
-            raise ValueError("must be an integer")
-        return value
+    identical: Optional[bool] = None
+    worker_checksums: dict[str, Optional[str]] = Field(default_factory=dict)
+    rank_checksums: dict[str, list[str]] = Field(default_factory=dict)
 
 
-class JournalResolveRequest(_Strict):
+class WorkerVersion(WireResponse):
+    id: str
+    url: str
+    weight_version: Optional[str] = None
+
+
+class FleetModelInfo(ModelInfo):
+    """``/model_info`` through the router: the first worker's info with the fleet's common version."""
+
+    worker_count: int
+    workers: list[WorkerVersion]
+
+
+class FleetWeightVersion(WeightVersionResult):
+    """``/get_weight_version`` through the router: the version every worker holds."""
+
+    worker_count: int
+
+
+class JournalResolveRequest(WireRequest):
     """``POST /weight_update_journal/resolve``: the operator vouches the fleet is consistent."""
 
     acknowledge: bool
@@ -157,4 +236,12 @@ class JournalState(WireResponse):
 
 
 class JournalView(WireResponse):
-    pending: JournalState | None = None
+    pending: Optional[JournalState] = None
+
+
+class JournalResolved(WireResponse):
+    """The answer of ``POST /weight_update_journal/resolve``: the workers given back their previous flag."""
+
+    success: bool
+    resolved: bool
+    workers: list[WorkerRecord] = Field(default_factory=list)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
 
 from router.contract.base import WireRequest, WireResponse
 
@@ -31,13 +31,7 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
 }
 
 
-class StrictRequest(WireRequest):
-    """A request body whose fields are type-checked without coercion."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-
-class SamplingParams(StrictRequest):
+class SamplingParams(WireRequest):
     """Per-request sampling parameters (SGLang ``SamplingParams`` subset).
 
     ``temperature == 0`` means greedy decoding (deterministic). ``top_k == -1``
@@ -97,7 +91,7 @@ class SamplingParams(StrictRequest):
         return self.seed if self.seed is not None else self.sampling_seed
 
 
-class GenerateRequest(StrictRequest):
+class GenerateRequest(WireRequest):
     """``POST /generate`` body: one prompt or a batch (SGLang ``GenerateReqInput``).
 
     Exactly one of ``text`` / ``input_ids`` is given. A batch is a list of

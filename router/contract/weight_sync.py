@@ -21,15 +21,16 @@ from __future__ import annotations
 
 from typing import Any, Literal, Optional
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from router.contract.base import WireResponse
+from router.contract.admin import AdminResult
+from router.contract.base import WireRequest, WireResponse
+from router.contract.budget import MAX_TIMEOUT_S
 from router.contract.bucket_layout import BucketLayout, LayoutError, normalize_dtype_name
-from router.contract.generate import StrictRequest
 
 DEFAULT_GROUP_NAME = "weight_update_group"
-#: Upper bound for any caller-supplied timeout: a day is "forever" for a sync.
-MAX_TIMEOUT_S = 86_400.0
+#: The trainer holds rank 0; a worker's first rank when the caller names none.
+DEFAULT_RANK_OFFSET = 1
 
 LoadFormat = Optional[Literal["flattened_bucket"]]
 Backend = Optional[Literal["nccl", "gloo"]]
@@ -47,44 +48,50 @@ def _version_to_str(value: Any) -> Any:
     return str(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else value
 
 
-class TensorListMeta(StrictRequest):
+class TensorListMeta(WireRequest):
     """Parallel ``names``/``dtypes``/``shapes`` lists with equal lengths (SGLang
-    silently truncates with ``zip``; here a mismatch is a 400)."""
+    silently truncates with ``zip``; here a mismatch is a 400).
+
+    The bucket's byte layout is computed once, when the model is validated, and
+    read from :attr:`layout` by everyone after that (the router, the receiver)."""
 
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
+    _layout: BucketLayout = PrivateAttr()
 
     @model_validator(mode="after")
     def _lists_agree(self) -> "TensorListMeta":
-        if not (len(self.names) == len(self.dtypes) == len(self.shapes)):
-            raise ValueError(
-                f"names, dtypes and shapes must have equal lengths, got {len(self.names)}, "
-                f"{len(self.dtypes)} and {len(self.shapes)}"
-            )
         if not self.names:
             raise ValueError("at least one tensor is required")
         try:
-            self.dtypes = [normalize_dtype_name(d) for d in self.dtypes]
+            # Also checks equal lengths, known dtypes, non-negative dims, distinct names.
+            self._layout = BucketLayout.from_meta(self.names, self.dtypes, self.shapes, require_aligned=False)
         except LayoutError as exc:
             raise ValueError(str(exc)) from None
+        self.dtypes = self._layout.dtypes  # normalized: "torch.bfloat16" -> "bfloat16"
         return self
 
-    def layout(self, *, require_aligned: bool) -> BucketLayout:
-        """The flattened layout of these tensors (raises ``LayoutError``)."""
-        return BucketLayout.from_meta(self.names, self.dtypes, self.shapes, require_aligned=require_aligned)
+    @property
+    def layout(self) -> BucketLayout:
+        """Where each tensor sits in the bucket's flattened buffer (alignment checked only for flattened updates)."""
+        return self._layout
 
 
 # -- group lifecycle -------------------------------------------------------------------------
 
 
-class InitWeightsUpdateGroupRequest(StrictRequest):
+class InitWeightsUpdateGroupRequest(WireRequest):
     """``POST /init_weights_update_group``: join the trainer's group at
-    ``rank = rank_offset + tp_rank`` (the trainer is rank 0)."""
+    ``rank = rank_offset + tp_rank`` (the trainer is rank 0).
+
+    Through the router ``rank_offset`` is the first rank of the first worker; the
+    router gives each worker its own. SGLang requires it; here it defaults to
+    :data:`DEFAULT_RANK_OFFSET`, the only right value for a lone worker."""
 
     master_address: str = Field(min_length=1)
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(ge=1)
+    rank_offset: int = Field(default=DEFAULT_RANK_OFFSET, ge=1)
     world_size: int = Field(ge=2)
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
     #: ``None`` = ``nccl`` on a CUDA worker, else ``gloo`` (SGLang always defaults to nccl).
@@ -101,17 +108,14 @@ class InitWeightsUpdateGroupRequest(StrictRequest):
         return self
 
 
-class DestroyWeightsUpdateGroupRequest(StrictRequest):
+class DestroyWeightsUpdateGroupRequest(WireRequest):
     """``POST /destroy_weights_update_group``."""
 
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
 
 
-class WeightSyncResponse(WireResponse):
+class WeightSyncResponse(AdminResult):
     """SGLang's admin answer: ``{"success", "message"}``."""
-
-    success: bool
-    message: str = ""
 
 
 # -- single phase ----------------------------------------------------------------------------
@@ -137,7 +141,7 @@ class UpdateWeightsFromDistributedRequest(TensorListMeta):
     def _aligned_if_flat(self) -> "UpdateWeightsFromDistributedRequest":
         if self.load_format == "flattened_bucket":
             try:
-                self.layout(require_aligned=True)
+                self.layout.check_aligned()
             except LayoutError as exc:
                 raise ValueError(str(exc)) from None
         return self
@@ -150,7 +154,7 @@ class BucketMetadata(TensorListMeta):
     """One bucket of a two-phase update."""
 
 
-class PrepareWeightsUpdateRequest(StrictRequest):
+class PrepareWeightsUpdateRequest(WireRequest):
     """``POST /prepare_weights_update``: metadata for every bucket, before any broadcast."""
 
     num_buckets: int = Field(ge=1)
@@ -184,18 +188,24 @@ class PrepareWeightsUpdateRequest(StrictRequest):
                 seen[name] = index
             if self.load_format == "flattened_bucket":
                 try:
-                    bucket.layout(require_aligned=True)
+                    bucket.layout.check_aligned()
                 except LayoutError as exc:
                     raise ValueError(f"bucket {index + 1}: {exc}") from None
         return self
 
 
 class PrepareWeightsUpdateResponse(WireResponse):
+    """``ready`` once the receive loop runs; ``error`` (with the reason) when nothing was started."""
+
     status: Literal["ready", "error"]
     message: str = ""
 
+    @property
+    def ok(self) -> bool:
+        return self.status == "ready"
 
-class CompleteWeightsUpdateRequest(StrictRequest):
+
+class CompleteWeightsUpdateRequest(WireRequest):
     """``POST /complete_weights_update``: wait for the receive, apply (atomic), answer."""
 
     group_name: str = Field(min_length=1)
@@ -211,30 +221,28 @@ class CompleteWeightsUpdateRequest(StrictRequest):
     _timeout = field_validator("timeout_s")(_check_timeout)
 
 
-class BeginWeightUpdateRequest(StrictRequest):
+class BeginWeightUpdateRequest(WireRequest):
     """``POST /begin_weight_update`` (SGLang 0.5.23; miles sends it): open the update bracket."""
 
     selector: Literal["all", "target", "draft"] = "all"
 
 
-class EndWeightUpdateRequest(StrictRequest):
+class EndWeightUpdateRequest(WireRequest):
     """``POST /end_weight_update`` (SGLang 0.5.23): close the update bracket. No fields."""
 
 
-class AbortWeightsUpdateRequest(StrictRequest):
+class AbortWeightsUpdateRequest(WireRequest):
     """``POST /abort_weights_update``: drop a prepared receive the trainer will not feed
     (the router sends it to the ready workers when another one's prepare failed)."""
 
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
 
 
-class AbortWeightsUpdateResponse(WireResponse):
+class AbortWeightsUpdateResponse(AdminResult):
     """``success``: the prepared receive was dropped and the weights are untouched.
     ``weights_partial``: the worker's weights are a mix of versions (some buckets were
     applied before the abort, or an earlier update failed); it stays paused."""
 
-    success: bool
-    message: str = ""
     weights_partial: bool = False
 
 
@@ -243,10 +251,11 @@ class RankChecksum(WireResponse):
     checksum: str
 
 
-class CompleteWeightsUpdateResponse(WireResponse):
-    success: bool
+class CompleteWeightsUpdateResponse(AdminResult):
+    """What the receive got and what was applied; through the router, each field holds the
+    value every worker agrees on (per-worker answers sit beside it in ``results``)."""
+
     num_buckets_received: int = 0
-    message: str = ""
     #: Checksum of rank 0's weights as applied (only when requested and successful).
     checksum: Optional[str] = None
     rank_checksums: Optional[list[RankChecksum]] = None

@@ -8,7 +8,7 @@ A trainer using that recipe interoperates with no change.
 
 Differences from SGLang, all on the failure path:
 
-* the timeout defaults to :data:`DEFAULT_GROUP_TIMEOUT_S` (SGLang leaves torch's
+* the timeout defaults to the budget's ``DEFAULT_GROUP_TIMEOUT_S`` (SGLang leaves torch's
   30 minutes), so a peer that never arrives fails the join with a clear error;
 * no default process group is needed: the group is registered in torch's
   world map as its own world (``pg_group_ranks[pg] = {i: i}``) so that
@@ -32,9 +32,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
+from router.contract.budget import DEFAULT_GROUP_TIMEOUT_S
+
 log = logging.getLogger(__name__)
 
-DEFAULT_GROUP_TIMEOUT_S = 120.0
 Backend = Literal["gloo", "nccl"]
 
 

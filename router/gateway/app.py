@@ -17,38 +17,29 @@ from typing import AsyncIterator
 import aiohttp
 from aiohttp import web
 
-from router.gateway import keys
-from router.gateway.admin.broadcast import AdminBroadcaster
-from router.gateway.config import RouterConfig
-from router.gateway.admin.fleet_views import FleetViews
-from router.gateway.fleet.health import HealthChecker, WorkerProber
-from router.gateway.admin.journal import UpdateJournal
-from router.gateway.metrics import RouterMetrics
-from router.gateway.admin.operations import OPERATIONS
-from router.gateway.routing.policy import make_policy
-from router.gateway.routing.proxy import GenerateProxy
-from router.gateway.admin.ranks import GroupInitializer
-from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
-from router.gateway.routes import admin, fleet
-from router.gateway.tasks import TaskSet
-from router.gateway.admin.two_phase import TwoPhaseCoordinator
-from router.gateway.admin.update_gate import UpdateGate
 from router.contract.web.auth import auth_middleware
 from router.contract.web.middleware import Handler, error_middleware
+from router.gateway import keys
+from router.gateway.admin.fanout import FanOut
+from router.gateway.admin.fleet_views import FleetViews
+from router.gateway.admin.journal import UpdateJournal
+from router.gateway.admin.locked import AdminContext
+from router.gateway.admin.ranks import GroupInitializer
+from router.gateway.admin.two_phase import TwoPhaseCoordinator
+from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.config import RouterConfig
+from router.gateway.fleet.health import HealthChecker, WorkerProber
+from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
+from router.gateway.metrics import RouterMetrics
+from router.gateway.routes import admin, fleet
+from router.gateway.routing.policy import make_policy
+from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
 OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
 GENERATION_PATHS = ("/generate",)
-# Admin routes whose fleet semantics need more than the generic broadcast.
-_SPECIAL = {
-    "/model_info": admin.model_info,
-    "/get_weight_version": admin.get_weight_version,
-    "/weights_checker": admin.weights_checker,
-    "/init_weights_update_group": admin.init_weights_update_group,
-    "/prepare_weights_update": admin.prepare_weights_update,
-    "/complete_weights_update": admin.complete_weights_update,
-}
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -57,7 +48,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 def routes() -> list[web.RouteDef]:
     """Every route the router serves."""
-    table = [
+    return [
         web.post("/generate", generate),
         web.put("/generate", generate),
         web.get("/health", fleet.health),
@@ -74,13 +65,8 @@ def routes() -> list[web.RouteDef]:
         web.get("/list_workers", fleet.legacy_list_workers),
         web.get("/weight_update_journal", fleet.get_journal),
         web.post("/weight_update_journal/resolve", fleet.resolve_journal),
-        web.get("/get_world_size", admin.get_world_size),
-        web.post("/abort_weights_update", admin.abort_weights_update),
+        *admin.routes(),
     ]
-    for path, op in OPERATIONS.items():
-        handler = _SPECIAL.get(path, admin.broadcast)
-        table.extend(web.route(method, path, handler) for method in op.methods)
-    return table
 
 
 @web.middleware
@@ -119,22 +105,21 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
     app[keys.SESSION] = session
     prober = WorkerProber(session, timeout_s=cfg.health_check_timeout_s, headers=app[keys.SERVICE_HEADERS])
-    broadcaster = AdminBroadcaster(
+    fanout = FanOut(session, connect_timeout_s=cfg.connect_timeout_s)
+    ctx = AdminContext(
         registry=app[keys.REGISTRY], gate=app[keys.GATE], journal=app[keys.JOURNAL], metrics=app[keys.METRICS],
-        session=session, prober=prober, connect_timeout_s=cfg.connect_timeout_s,
+        fanout=fanout, prober=prober,
     )  # fmt: skip
-    app[keys.BROADCASTER] = broadcaster
+    app[keys.ADMIN] = ctx
     app[keys.PROXY] = GenerateProxy(
         config=cfg, registry=app[keys.REGISTRY], policy=make_policy(cfg.policy), session=session,
         metrics=app[keys.METRICS], tasks=app[keys.TASKS], service_headers=app[keys.SERVICE_HEADERS],
     )  # fmt: skip
-    app[keys.GROUP_INIT] = GroupInitializer(broadcaster, OPERATIONS["/init_weights_update_group"])
+    app[keys.GROUP_INIT] = GroupInitializer(ctx)
     app[keys.TWO_PHASE] = TwoPhaseCoordinator(
-        broadcaster, app[keys.TASKS],
-        prepare_op=OPERATIONS["/prepare_weights_update"], complete_op=OPERATIONS["/complete_weights_update"],
-        default_timeout_s=cfg.update_session_timeout_s, service_headers=app[keys.SERVICE_HEADERS],
-    )  # fmt: skip
-    app[keys.VIEWS] = FleetViews(broadcaster)
+        ctx, app[keys.TASKS], prepared_life_s=cfg.update_session_timeout_s, service_headers=app[keys.SERVICE_HEADERS]
+    )
+    app[keys.VIEWS] = FleetViews(ctx)
     checker = HealthChecker(app[keys.REGISTRY], prober, interval_s=cfg.health_check_interval_s)
     app[keys.HEALTH] = checker
     app[keys.HEALTH_TASK] = asyncio.get_running_loop().create_task(checker.run(), name="health-checker")
@@ -145,7 +130,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await app[keys.HEALTH_TASK]
         await app[keys.TASKS].close()
-        broadcaster.close()
+        fanout.close()
         await session.close()
 
 

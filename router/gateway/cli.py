@@ -70,7 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
     p.add_argument("--health-dead-threshold", type=int, default=None, help="failed probes until dead (default: 2x failure threshold)")
     p.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold)
-    p.add_argument("--update-session-timeout-s", type=float, default=d.update_session_timeout_s)
+    p.add_argument("--update-session-timeout-s", type=float, default=None)
     p.add_argument("--state-dir", type=Path, default=None, help="durable update journal directory (crash safety)")
     p.add_argument("--max-connections", type=int, default=d.max_connections)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

@@ -6,6 +6,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
 
+from router.contract.budget import DEFAULT_LOCK_WAIT_S
+
 PolicyName = Literal["least_inflight", "round_robin", "random"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 
@@ -26,7 +28,7 @@ class RouterConfig:
     policy: PolicyName = "least_inflight"
     """How ``/generate`` picks among routable workers."""
 
-    admin_lock_timeout_s: float = 300.0
+    admin_lock_timeout_s: float = DEFAULT_LOCK_WAIT_S
     """How long an admin update waits for the update lock before answering 503."""
 
     request_timeout_s: float = 1800.0
@@ -53,9 +55,10 @@ class RouterConfig:
     health_success_threshold: int = 2
     """Consecutive good probes that bring an unhealthy or dead worker back."""
 
-    update_session_timeout_s: float = 900.0
-    """Default life of a two-phase update session (prepare to complete) when the
-    caller gives no ``timeout_s``; past it the router fails the update closed."""
+    update_session_timeout_s: float | None = None
+    """Life of a prepared two-phase update (ready prepare to its complete or abort); past it
+    the router fails the update closed. ``None``: the prepare's receive window (its
+    ``timeout_s``, else the workers' default) plus one margin of the timeout budget."""
 
     state_dir: Path | None = None
     """Where the update journal lives. ``None``: in-memory only (no crash safety)."""
@@ -77,8 +80,9 @@ class RouterConfig:
             "connect_timeout_s": self.connect_timeout_s,
             "health_check_interval_s": self.health_check_interval_s,
             "health_check_timeout_s": self.health_check_timeout_s,
-            "update_session_timeout_s": self.update_session_timeout_s,
         }
+        if self.update_session_timeout_s is not None:
+            positive["update_session_timeout_s"] = self.update_session_timeout_s
         for name, value in positive.items():
             if not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value}")

@@ -7,18 +7,18 @@ import asyncio
 import aiohttp
 from aiohttp import web
 
-from router.gateway.admin.broadcast import AdminBroadcaster
-from router.gateway.config import RouterConfig
 from router.gateway.admin.fleet_views import FleetViews
-from router.gateway.fleet.health import HealthChecker
 from router.gateway.admin.journal import UpdateJournal
-from router.gateway.metrics import RouterMetrics
-from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.ranks import GroupInitializer
-from router.gateway.fleet.registry import WorkerRegistry
-from router.gateway.tasks import TaskSet
 from router.gateway.admin.two_phase import TwoPhaseCoordinator
 from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.config import RouterConfig
+from router.gateway.fleet.health import HealthChecker
+from router.gateway.fleet.registry import WorkerRegistry
+from router.gateway.metrics import RouterMetrics
+from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.tasks import TaskSet
 
 CONFIG = web.AppKey("config", RouterConfig)
 REGISTRY = web.AppKey("registry", WorkerRegistry)
@@ -31,7 +31,7 @@ SERVICE_HEADERS = web.AppKey("service_headers", dict[str, str])
 
 # Created in the cleanup context, once the event loop runs.
 SESSION = web.AppKey("client_session", aiohttp.ClientSession)
-BROADCASTER = web.AppKey("broadcaster", AdminBroadcaster)
+ADMIN = web.AppKey("admin", AdminContext)
 PROXY = web.AppKey("proxy", GenerateProxy)
 GROUP_INIT = web.AppKey("group_init", GroupInitializer)
 TWO_PHASE = web.AppKey("two_phase", TwoPhaseCoordinator)

@@ -1,34 +1,45 @@
-"""Asyncio client (aiohttp). ``sync_weights`` runs the blocking cycle in a thread,
-so torch work in the caller's ``broadcast`` never runs on the event loop."""
+"""Asyncio client (aiohttp). Its methods are :class:`RouterCalls`' methods, awaited.
+
+``sync_weights`` runs the blocking cycle in a thread, so torch work in the
+caller's ``broadcast`` never runs on the event loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Coroutine, Sequence, TypeVar
 
 import aiohttp
 
-from router.trainer.calls import RouterCalls, decode_response, unreachable
+from router.contract.base import WireResponse
+from router.contract.budget import DEFAULT_LOCK_WAIT_S
+from router.trainer.calls import Bucket, Call, RouterCalls, decode_answer, unreachable
 from router.trainer.client import RouterClient
 from router.trainer.driver import SyncReport
 
+A = TypeVar("A", bound=WireResponse)
+
 
 class AsyncRouterClient(RouterCalls):
-    """Like :class:`RouterClient`, but every call is awaited. Use as ``async with``."""
+    """Like :class:`RouterClient`, but every call method returns an awaitable of its answer.
 
-    def __init__(self, url: str, *, admin_key: str | None = None, timeout_s: float = 120.0):
-        super().__init__(url, admin_key=admin_key, timeout_s=timeout_s)
+    Use as ``async with``. The methods are declared by :class:`RouterCalls` with the
+    answer's type; :meth:`call` is the same transport with its awaitable type
+    spelled out, for callers that type-check.
+    """
+
+    def __init__(self, url: str, *, admin_key: str | None = None, lock_wait_s: float = DEFAULT_LOCK_WAIT_S):
+        super().__init__(url, admin_key=admin_key, lock_wait_s=lock_wait_s)
         self._session: aiohttp.ClientSession | None = None
         # sync_weights runs the blocking cycle; one client for every sync, sharing
         # ``joined_groups``, so a joined group is initialized once, not once per sync.
-        self._blocking = RouterClient(self.url, admin_key=admin_key, timeout_s=timeout_s)
+        self._blocking = RouterClient(self.url, admin_key=admin_key, lock_wait_s=lock_wait_s)
         self._blocking.joined_groups = self.joined_groups
 
     async def __aenter__(self) -> "AsyncRouterClient":
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.close()
 
     async def close(self) -> None:
@@ -36,18 +47,26 @@ class AsyncRouterClient(RouterCalls):
             await self._session.close()
             self._session = None
 
-    async def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
+    def _call(self, call: Call[A]) -> A:
+        # Each method of RouterCalls returns what _call returns: here, the coroutine of call().
+        return self.call(call)  # type: ignore[return-value]
+
+    def call(self, call: Call[A]) -> Coroutine[Any, Any, A]:
+        return self._send(call)
+
+    async def _send(self, call: Call[A]) -> A:
         if self._session is None:
             self._session = aiohttp.ClientSession()
-        data = None if body is None else json.dumps(body).encode()
-        timeout = aiohttp.ClientTimeout(total=timeout_s or self.timeout_s)
+        timeout = aiohttp.ClientTimeout(total=call.timeout_s)
         try:
-            async with self._session.request(method, self.url + path, data=data, headers=self.headers(), timeout=timeout) as resp:
+            async with self._session.request(
+                call.method, self.url + call.path, data=call.data(), headers=self.headers(), timeout=timeout
+            ) as resp:
                 status, raw = resp.status, await resp.read()
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
-            raise unreachable(method, path, exc) from exc
-        return decode_response(method, path, status, raw)
+            raise unreachable(call, exc) from exc
+        return decode_answer(call, status, raw)
 
-    async def sync_weights(self, *, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None], **options: Any) -> SyncReport:
+    async def sync_weights(self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Any) -> SyncReport:
         """:meth:`RouterClient.sync_weights` on a thread (``broadcast`` and ``join`` run there too)."""
         return await asyncio.to_thread(self._blocking.sync_weights, buckets=buckets, broadcast=broadcast, **options)

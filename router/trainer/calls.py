@@ -1,84 +1,178 @@
-"""One method per router admin call, shared by the sync and async clients.
+"""One method per router call, shared by the blocking and the asyncio client.
 
-Each method builds its request and hands it to ``self._request``; the sync
-client's ``_request`` returns the parsed body, the async client's returns a
-coroutine. Both transports build headers with :meth:`RouterCalls.headers` and
-turn the answer into a result with :func:`decode_response`, so a non-2xx answer
-raises the same :class:`RouterCallError` (status, message and the per-worker
-results the router returned) whichever client made the call.
+Each method builds its request model and names the model of the router's answer
+(a :class:`Call`); the client's transport sends it and parses the answer into
+that model, once. The HTTP wait of an admin call comes from the endpoint's
+timeout budget: the router's wait for the workers plus one margin, plus the
+router's lock wait for serialized calls (:mod:`router.contract.budget`).
+
+A non-2xx answer raises :class:`RouterCallError` with the status, the message
+and, for a failed broadcast, the per-worker results as typed models.
 """
 
 from __future__ import annotations
 
-import json
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, Optional, Sequence, TypeVar, Union
 from urllib.parse import quote
+
+from pydantic import ValidationError
+
+from router.contract import endpoints as ep
+from router.contract.admin import (
+    AbortRequest,
+    AbortRequestResult,
+    AdminResult,
+    ContinueRequest,
+    ContinueResult,
+    EmptyRequest,
+    FlushCacheRequest,
+    FlushCacheResult,
+    MemoryOccupationRequest,
+    MemoryOccupationResult,
+    MemoryTag,
+    PauseMode,
+    PauseRequest,
+    PauseResult,
+    ServerInfo,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResult,
+    UpdateWeightVersionRequest,
+    UpdateWeightVersionResult,
+    WeightsCheckerRequest,
+)
+from router.contract.base import WireRequest, WireResponse
+from router.contract.budget import DEFAULT_LOCK_WAIT_S
+from router.contract.errors import ErrorBody
+from router.contract.fleet import (
+    AddWorkerRequest,
+    CompleteFleetAnswer,
+    FleetAnswer,
+    FleetModelInfo,
+    FleetWeightVersion,
+    GroupInitFleetAnswer,
+    JournalResolved,
+    JournalResolveRequest,
+    JournalView,
+    PrepareFleetAnswer,
+    RemovedWorker,
+    UpdateWorkerRequest,
+    WeightsCheckerFleetAnswer,
+    WorkerList,
+    WorkerRecord,
+    WorkerResult,
+    WorldSizeResponse,
+)
+from router.contract.weight_sync import (
+    DEFAULT_GROUP_NAME,
+    AbortWeightsUpdateRequest,
+    AbortWeightsUpdateResponse,
+    BucketMetadata,
+    CompleteWeightsUpdateRequest,
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
+    PrepareWeightsUpdateRequest,
+    UpdateWeightsFromDistributedRequest,
+    WeightSyncResponse,
+)
+
+A = TypeVar("A", bound=WireResponse)
+Bucket = Union[BucketMetadata, dict[str, Any]]
+#: The HTTP timeout of calls outside the admin table (registry, journal, world size): they answer at once.
+REGISTRY_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class Call(Generic[A]):
+    """One router call: what to send, how long to wait, and the model of the answer."""
+
+    method: str
+    path: str
+    body: Optional[WireRequest]
+    answer: type[A]
+    timeout_s: float
+
+    def data(self) -> Optional[bytes]:
+        if self.body is None:
+            return None
+        data = self.body.to_json()
+        return None if self.method == "GET" and data == b"{}" else data
 
 
 class RouterCallError(RuntimeError):
-    """A router call answered non-2xx (or could not be made)."""
+    """A router call answered non-2xx (``status``), or got no answer at all (``status`` is ``None``)."""
 
-    def __init__(self, method: str, path: str, status: int | None, body: Any):
+    def __init__(self, method: str, path: str, status: Optional[int], message: str,
+                 *, answer: Optional[FleetAnswer[Any]] = None, error: Optional[ErrorBody] = None):  # fmt: skip
         self.method = method
         self.path = path
         self.status = status
-        self.body = body
-        super().__init__(f"{method} {path} -> {status}: {self.message}")
+        self.message = message
+        self.answer = answer
+        """The router's answer of a failed broadcast (per-worker ``results``)."""
+        self.error = error
+        """The error body of a refusal (extra fields such as ``expected_world_size`` in ``model_extra``)."""
+        super().__init__(f"{method} {path} -> {status}: {message}")
 
     @property
-    def message(self) -> str:
-        b = self.body
-        if isinstance(b, dict):
-            if isinstance(b.get("error"), dict):
-                return str(b["error"].get("message"))
-            if "message" in b:
-                return str(b["message"])
-        return str(b)
-
-    @property
-    def results(self) -> list[dict[str, Any]]:
-        """Per-worker results of a failed broadcast (empty for non-broadcast errors)."""
-        b = self.body
-        return list(b.get("results") or []) if isinstance(b, dict) else []
+    def results(self) -> list[WorkerResult[Any]]:
+        """Per-worker results of a failed broadcast (empty for other errors)."""
+        return list(self.answer.results) if self.answer is not None else []
 
     def failed_workers(self) -> list[str]:
-        return [r.get("worker", "?") for r in self.results if not r.get("success")]
+        return [r.worker for r in self.results if not r.success]
 
 
-def decode_response(method: str, path: str, status: int, raw: bytes) -> Any:
-    """The parsed body of a 2xx answer (JSON, else text, ``None`` when empty); raise otherwise."""
+def decode_answer(call: Call[A], status: int, raw: bytes) -> A:
+    """The answer of a 2xx call as ``call.answer``; anything else raises :class:`RouterCallError`."""
+    if 200 <= status < 300:
+        try:
+            return call.answer.model_validate_json(raw)
+        except ValidationError as exc:
+            raise RouterCallError(call.method, call.path, status, f"the router's answer is not a {call.answer.__name__}: {exc}") from None
+    answer: Optional[FleetAnswer[Any]] = None
+    error: Optional[ErrorBody] = None
     try:
-        parsed = json.loads(raw) if raw else None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        parsed = raw.decode("utf-8", errors="replace")
-    if not 200 <= status < 300:
-        raise RouterCallError(method, path, status, parsed)
-    return parsed
+        error = ErrorBody.model_validate_json(raw)
+        message = error.error.message
+    except ValidationError:
+        try:
+            answer = FleetAnswer[WireResponse].model_validate_json(raw)
+            message = answer.message
+        except ValidationError:
+            message = raw.decode("utf-8", errors="replace")[:1000] or f"HTTP {status}"
+    raise RouterCallError(call.method, call.path, status, message, answer=answer, error=error)
 
 
-def unreachable(method: str, path: str, exc: BaseException) -> RouterCallError:
+def unreachable(call: Call[Any], exc: BaseException) -> RouterCallError:
     """The error for a call that got no HTTP answer at all (refused, reset, timed out)."""
     detail = f"{type(exc).__name__}: {exc}" if str(exc) else repr(exc)  # a timeout's str() is empty
-    return RouterCallError(method, path, None, {"error": {"message": f"router unreachable: {detail}"}})
+    return RouterCallError(call.method, call.path, None, f"router unreachable: {detail}")
 
 
-def _drop_none(body: dict[str, Any]) -> dict[str, Any]:
-    return {k: v for k, v in body.items() if v is not None}
+def _set(**fields: Any) -> dict[str, Any]:
+    """Only the fields the caller gave: the rest keep the receiver's defaults."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _buckets(buckets: Sequence[Bucket]) -> list[BucketMetadata]:
+    return [b if isinstance(b, BucketMetadata) else BucketMetadata.model_validate(b) for b in buckets]
 
 
 class RouterCalls:
-    """The router's HTTP surface as methods (transport supplied by the subclass).
+    """The router's HTTP surface as methods; the transport (:meth:`_call`) is the subclass's.
 
     Args:
         url: the router's base URL (a trailing ``/`` is dropped).
         admin_key: sent as ``Authorization: Bearer`` on every call.
-        timeout_s: the HTTP timeout of a call that does not set its own.
+        lock_wait_s: the router's ``--admin-lock-timeout-s``: how long a serialized
+            call may wait for the router's update lock before its own work starts.
     """
 
-    def __init__(self, url: str, *, admin_key: str | None = None, timeout_s: float = 120.0):
+    def __init__(self, url: str, *, admin_key: Optional[str] = None, lock_wait_s: float = DEFAULT_LOCK_WAIT_S):
         self.url = url.rstrip("/")
         self.admin_key = admin_key
-        self.timeout_s = timeout_s
+        self.lock_wait_s = lock_wait_s
         self.joined_groups: set[str] = set()
         """Names of the weight-update groups this trainer has joined as rank 0 through this
         client. ``sync_weights`` initializes a group not in it (asking the router for ranks,
@@ -92,28 +186,38 @@ class RouterCalls:
             out["Authorization"] = f"Bearer {self.admin_key}"
         return out
 
-    def _request(self, method: str, path: str, body: dict[str, Any] | None = None, *, timeout_s: float | None = None) -> Any:
+    def _call(self, call: Call[A]) -> A:
         raise NotImplementedError
 
+    def _admin(self, endpoint: ep.Endpoint[Any, Any], req: WireRequest, answer: type[A]) -> A:
+        lock = self.lock_wait_s if endpoint.serialized else 0.0
+        wait = endpoint.budget.client_wait(endpoint.timeout_of(req), lock_wait_s=lock)
+        return self._call(Call(endpoint.methods[-1], endpoint.path, req, answer, wait))
+
+    def _plain(self, method: str, path: str, answer: type[A], body: Optional[WireRequest] = None) -> A:
+        return self._call(Call(method, path, body, answer, REGISTRY_TIMEOUT_S))
+
     # -- generation control
-    def pause_generation(self, mode: str = "retract") -> Any:
-        return self._request("POST", "/pause_generation", {"mode": mode})
+    def pause_generation(self, mode: PauseMode = "retract") -> FleetAnswer[PauseResult]:
+        return self._admin(ep.PAUSE_GENERATION, PauseRequest(mode=mode), FleetAnswer[PauseResult])
 
-    def continue_generation(self) -> Any:
-        return self._request("POST", "/continue_generation", {})
+    def continue_generation(self) -> FleetAnswer[ContinueResult]:
+        return self._admin(ep.CONTINUE_GENERATION, ContinueRequest(), FleetAnswer[ContinueResult])
 
-    def abort_request(self, rid: str | list[str] | None = None, abort_all: bool = False) -> Any:
-        return self._request("POST", "/abort_request", _drop_none({"rid": rid, "abort_all": abort_all}))
+    def abort_request(self, rid: Union[str, list[str], None] = None, abort_all: bool = False) -> FleetAnswer[AbortRequestResult]:
+        req = AbortRequest(**_set(rid=rid), abort_all=abort_all)
+        return self._admin(ep.ABORT_REQUEST, req, FleetAnswer[AbortRequestResult])
 
-    def flush_cache(self) -> Any:
-        return self._request("POST", "/flush_cache", {})
+    def flush_cache(self) -> FleetAnswer[FlushCacheResult]:
+        return self._admin(ep.FLUSH_CACHE, FlushCacheRequest(), FleetAnswer[FlushCacheResult])
 
     # -- weights
-    def update_weights_from_disk(self, model_path: str, **fields: Any) -> Any:
-        return self._request("POST", "/update_weights_from_disk", {"model_path": model_path, **fields}, timeout_s=1900)
+    def update_weights_from_disk(self, model_path: str, **fields: Any) -> FleetAnswer[UpdateWeightsFromDiskResult]:
+        req = UpdateWeightsFromDiskRequest(model_path=model_path, **fields)
+        return self._admin(ep.UPDATE_WEIGHTS_FROM_DISK, req, FleetAnswer[UpdateWeightsFromDiskResult])
 
-    def update_weights_from_tensor(self, **fields: Any) -> Any:
-        return self._request("POST", "/update_weights_from_tensor", fields)
+    def update_weights_from_tensor(self, **fields: Any) -> FleetAnswer[AdminResult]:
+        return self._admin(ep.UPDATE_WEIGHTS_FROM_TENSOR, EmptyRequest(**fields), FleetAnswer[AdminResult])
 
     def init_weights_update_group(
         self,
@@ -121,109 +225,115 @@ class RouterCalls:
         master_port: int,
         world_size: int,
         *,
-        group_name: str = "weight_update_group",
-        backend: str | None = None,
-        rank_offset: int | None = None,
-        timeout_s: float | None = None,
-    ) -> Any:
-        body = _drop_none({
-            "master_address": master_address, "master_port": master_port, "world_size": world_size,
-            "group_name": group_name, "backend": backend, "rank_offset": rank_offset, "timeout_s": timeout_s,
-        })  # fmt: skip
-        return self._request("POST", "/init_weights_update_group", body, timeout_s=(timeout_s or 900) + 60)
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: Optional[str] = None,
+        rank_offset: Optional[int] = None,
+        timeout_s: Optional[float] = None,
+    ) -> GroupInitFleetAnswer:
+        req = InitWeightsUpdateGroupRequest(
+            master_address=master_address, master_port=master_port, world_size=world_size, group_name=group_name,
+            **_set(backend=backend, rank_offset=rank_offset, timeout_s=timeout_s),
+        )  # fmt: skip
+        return self._admin(ep.INIT_WEIGHTS_UPDATE_GROUP, req, GroupInitFleetAnswer)
 
-    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> Any:
-        return self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+    def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> FleetAnswer[WeightSyncResponse]:
+        req = DestroyWeightsUpdateGroupRequest(group_name=group_name)
+        return self._admin(ep.DESTROY_WEIGHTS_UPDATE_GROUP, req, FleetAnswer[WeightSyncResponse])
 
-    def get_world_size(self) -> Any:
-        return self._request("GET", "/get_world_size")
+    def get_world_size(self) -> WorldSizeResponse:
+        return self._plain("GET", "/get_world_size", WorldSizeResponse)
 
     def update_weights_from_distributed(
         self,
-        names: Sequence[str],
-        dtypes: Sequence[str],
-        shapes: Sequence[Sequence[int]],
+        bucket: Bucket,
         *,
-        group_name: str = "weight_update_group",
-        load_format: str | None = None,
-        weight_version: str | None = None,
+        group_name: str = DEFAULT_GROUP_NAME,
+        load_format: Optional[str] = None,
+        weight_version: Optional[str] = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
-        timeout_s: float | None = None,
-    ) -> Any:
-        body = _drop_none({
-            "names": list(names), "dtypes": list(dtypes), "shapes": [list(s) for s in shapes],
-            "group_name": group_name, "load_format": load_format, "weight_version": weight_version,
-            "flush_cache": flush_cache, "abort_all_requests": abort_all_requests, "timeout_s": timeout_s,
-        })  # fmt: skip
-        return self._request("POST", "/update_weights_from_distributed", body, timeout_s=(timeout_s or 1800) + 60)
+        timeout_s: Optional[float] = None,
+    ) -> FleetAnswer[WeightSyncResponse]:
+        meta = _buckets([bucket])[0]
+        req = UpdateWeightsFromDistributedRequest(
+            names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes, group_name=group_name, flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests,
+            **_set(load_format=load_format, weight_version=weight_version, timeout_s=timeout_s),
+        )  # fmt: skip
+        return self._admin(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, FleetAnswer[WeightSyncResponse])
 
     def prepare_weights_update(
         self,
-        buckets: Sequence[dict[str, Any]],
+        buckets: Sequence[Bucket],
         *,
-        group_name: str = "weight_update_group",
-        load_format: str | None = None,
-        weight_version: str | None = None,
-        atomic: bool | None = None,
-        timeout_s: float | None = None,
-    ) -> Any:
-        body = _drop_none({
-            "num_buckets": len(buckets), "buckets": list(buckets), "group_name": group_name,
-            "load_format": load_format, "weight_version": weight_version, "atomic": atomic, "timeout_s": timeout_s,
-        })  # fmt: skip
-        return self._request("POST", "/prepare_weights_update", body, timeout_s=(timeout_s or 600) + 60)
+        group_name: str = DEFAULT_GROUP_NAME,
+        load_format: Optional[str] = None,
+        weight_version: Optional[str] = None,
+        atomic: Optional[bool] = None,
+        timeout_s: Optional[float] = None,
+    ) -> PrepareFleetAnswer:
+        metas = _buckets(buckets)
+        req = PrepareWeightsUpdateRequest(
+            num_buckets=len(metas), buckets=metas, group_name=group_name,
+            **_set(load_format=load_format, weight_version=weight_version, atomic=atomic, timeout_s=timeout_s),
+        )  # fmt: skip
+        return self._admin(ep.PREPARE_WEIGHTS_UPDATE, req, PrepareFleetAnswer)
 
     def complete_weights_update(
-        self, *, group_name: str = "weight_update_group", flush_cache: bool = False, weight_version: str | None = None,
-        return_checksum: bool | None = None, timeout_s: float | None = None,
-    ) -> Any:  # fmt: skip
-        body = _drop_none({
-            "group_name": group_name, "flush_cache": flush_cache, "weight_version": weight_version,
-            "return_checksum": return_checksum, "timeout_s": timeout_s,
-        })  # fmt: skip
-        return self._request("POST", "/complete_weights_update", body, timeout_s=(timeout_s or 1800) + 60)
+        self, *, group_name: str = DEFAULT_GROUP_NAME, flush_cache: bool = False, weight_version: Optional[str] = None,
+        return_checksum: Optional[bool] = None, timeout_s: Optional[float] = None,
+    ) -> CompleteFleetAnswer:  # fmt: skip
+        req = CompleteWeightsUpdateRequest(
+            group_name=group_name, flush_cache=flush_cache,
+            **_set(weight_version=weight_version, return_checksum=return_checksum, timeout_s=timeout_s),
+        )  # fmt: skip
+        return self._admin(ep.COMPLETE_WEIGHTS_UPDATE, req, CompleteFleetAnswer)
 
-    def abort_weights_update(self, group_name: str = "weight_update_group") -> Any:
-        return self._request("POST", "/abort_weights_update", {"group_name": group_name})
+    def abort_weights_update(self, group_name: str = DEFAULT_GROUP_NAME) -> FleetAnswer[AbortWeightsUpdateResponse]:
+        req = AbortWeightsUpdateRequest(group_name=group_name)
+        return self._admin(ep.ABORT_WEIGHTS_UPDATE, req, FleetAnswer[AbortWeightsUpdateResponse])
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> Any:
-        return self._request("POST", "/update_weight_version", {"new_version": new_version, "abort_all_requests": abort_all_requests})
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> FleetAnswer[UpdateWeightVersionResult]:
+        req = UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests)
+        return self._admin(ep.UPDATE_WEIGHT_VERSION, req, FleetAnswer[UpdateWeightVersionResult])
 
-    def release_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        return self._request("POST", "/release_memory_occupation", _drop_none({"tags": tags}))
+    def release_memory_occupation(self, tags: Optional[list[MemoryTag]] = None) -> FleetAnswer[MemoryOccupationResult]:
+        req = MemoryOccupationRequest(**_set(tags=tags))
+        return self._admin(ep.RELEASE_MEMORY_OCCUPATION, req, FleetAnswer[MemoryOccupationResult])
 
-    def resume_memory_occupation(self, tags: list[str] | None = None) -> Any:
-        return self._request("POST", "/resume_memory_occupation", _drop_none({"tags": tags}))
+    def resume_memory_occupation(self, tags: Optional[list[MemoryTag]] = None) -> FleetAnswer[MemoryOccupationResult]:
+        req = MemoryOccupationRequest(**_set(tags=tags))
+        return self._admin(ep.RESUME_MEMORY_OCCUPATION, req, FleetAnswer[MemoryOccupationResult])
 
     # -- fleet reads
-    def model_info(self) -> Any:
-        return self._request("GET", "/model_info")
+    def model_info(self) -> FleetModelInfo:
+        return self._admin(ep.MODEL_INFO, EmptyRequest(), FleetModelInfo)
 
-    def get_weight_version(self) -> Any:
-        return self._request("GET", "/get_weight_version")
+    def get_weight_version(self) -> FleetWeightVersion:
+        return self._admin(ep.GET_WEIGHT_VERSION, EmptyRequest(), FleetWeightVersion)
 
-    def server_info(self) -> Any:
-        return self._request("GET", "/server_info")
+    def server_info(self) -> FleetAnswer[ServerInfo]:
+        return self._admin(ep.SERVER_INFO, EmptyRequest(), FleetAnswer[ServerInfo])
 
-    def weights_checker(self, action: str = "checksum") -> Any:
-        return self._request("POST", "/weights_checker", {"action": action}, timeout_s=960)
+    def weights_checker(self, action: str = "checksum") -> WeightsCheckerFleetAnswer:
+        req = WeightsCheckerRequest.model_validate({"action": action})
+        return self._admin(ep.WEIGHTS_CHECKER, req, WeightsCheckerFleetAnswer)
 
     # -- registry
-    def list_workers(self) -> Any:
-        return self._request("GET", "/workers")
+    def list_workers(self) -> WorkerList:
+        return self._plain("GET", "/workers", WorkerList)
 
-    def add_worker(self, url: str, disabled: bool = False) -> Any:
-        return self._request("POST", "/workers", {"url": url, "disabled": disabled})
+    def add_worker(self, url: str, disabled: bool = False) -> WorkerRecord:
+        return self._plain("POST", "/workers", WorkerRecord, AddWorkerRequest(url=url, disabled=disabled))
 
-    def remove_worker(self, worker: str) -> Any:
-        return self._request("DELETE", f"/workers/{quote(worker, safe='')}")
+    def remove_worker(self, worker: str) -> RemovedWorker:
+        return self._plain("DELETE", f"/workers/{quote(worker, safe='')}", RemovedWorker)
 
-    def set_worker_disabled(self, worker: str, disabled: bool) -> Any:
-        return self._request("PUT", f"/workers/{quote(worker, safe='')}", {"disabled": disabled})
+    def set_worker_disabled(self, worker: str, disabled: bool) -> WorkerRecord:
+        return self._plain("PUT", f"/workers/{quote(worker, safe='')}", WorkerRecord, UpdateWorkerRequest(disabled=disabled))
 
-    def update_journal(self) -> Any:
-        return self._request("GET", "/weight_update_journal")
+    def update_journal(self) -> JournalView:
+        return self._plain("GET", "/weight_update_journal", JournalView)
 
-    def resolve_update_journal(self) -> Any:
-        return self._request("POST", "/weight_update_journal/resolve", {"acknowledge": True})
+    def resolve_update_journal(self) -> JournalResolved:
+        return self._plain("POST", "/weight_update_journal/resolve", JournalResolved, JournalResolveRequest(acknowledge=True))

@@ -4,7 +4,7 @@
 
 The tensors themselves never pass through here: the caller supplies
 ``broadcast(bucket_index)``, which sends one bucket over the process group
-(the torch sender lives with the worker package), and, for the first sync,
+(:class:`~router.trainer.sender.TrainerWeightSender`), and, for the first sync,
 ``GroupSpec.join(world_size)``, which creates the trainer's rank-0 side of the
 group. Both run on the calling thread; HTTP calls that must be in flight at
 the same time (group init, single-phase updates) run on a background thread.
@@ -20,8 +20,8 @@ Failure handling, by stage:
 
 A failure at prepare, broadcast or complete also leaves the group out of
 lockstep (a worker whose prepared receive was dropped, or that missed part of a
-broadcast, refuses the group from then on), so the group is rebuilt: an update
-session the router may still hold (broadcast failed after a ready prepare) is
+broadcast, refuses the group from then on), so the group is rebuilt: a prepared
+update the router may still hold (broadcast failed after a ready prepare) is
 ended with ``/abort_weights_update`` rather than left to expire with the admin
 lock held; the workers leave the group (``/destroy_weights_update_group``); the
 trainer leaves it (``GroupSpec.leave``); and the client forgets it, so the next
@@ -33,13 +33,19 @@ group: every broadcast matched.
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal, Optional, Sequence
 
-from router.trainer.calls import RouterCallError, RouterCalls
+from pydantic import BaseModel, Field
+
+from router.contract import endpoints as ep
+from router.contract.budget import HOP_MARGIN_S
+from router.contract.fleet import CompleteFleetAnswer, GroupInitFleetAnswer, WorkerResult
+from router.contract.weight_sync import DEFAULT_GROUP_NAME, BucketMetadata
+from router.trainer.calls import Bucket, RouterCallError, RouterCalls
+from router.trainer.rendezvous import alongside
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +59,7 @@ class SyncError(RuntimeError):
         self.stage = stage
         self.cause = cause
         self.weights_uncertain = weights_uncertain
-        self.results: list[dict[str, Any]] = cause.results if isinstance(cause, RouterCallError) else []
+        self.results: list[WorkerResult[Any]] = cause.results if isinstance(cause, RouterCallError) else []
         self.recovery: dict[str, str] = {}
         """What the client did to the group after this failure, step -> outcome
         (``abort_weights_update``, ``destroy_weights_update_group``, ``leave``); empty when nothing."""
@@ -73,26 +79,28 @@ class GroupSpec:
     master_address: str
     master_port: int
     join: Callable[[int], None]
-    group_name: str = "weight_update_group"
-    backend: str | None = None
-    timeout_s: float | None = None
-    leave: Callable[[], None] | None = None
+    group_name: str = DEFAULT_GROUP_NAME
+    backend: Optional[str] = None
+    timeout_s: Optional[float] = None
+    leave: Optional[Callable[[], None]] = None
 
 
-@dataclass
-class SyncReport:
+class SyncReport(BaseModel):
+    """What one :meth:`WeightSync.run` did (``model_dump(mode="json")`` for a log line or a file)."""
+
     protocol: str
     num_buckets: int
-    weight_version: str | None
-    world_size: int | None
-    seconds: float
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    checksums: dict[str, Any] = field(default_factory=dict)
-    rank_checksums: dict[str, list[str]] = field(default_factory=dict)
+    weight_version: Optional[str]
+    world_size: Optional[int]
+    seconds: float = 0.0
+    stage_seconds: dict[str, float] = Field(default_factory=dict)
+    checksums: dict[str, Optional[str]] = Field(default_factory=dict)
+    """Each worker's checksum of the weights it holds (engine-level, from the verify step)."""
+    rank_checksums: dict[str, list[str]] = Field(default_factory=dict)
     """Each worker's per-rank checksums from the verify step (what ``expected_checksum`` is compared with)."""
-    fleet_identical: bool | None = None
-    matches_expected: bool | None = None
-    group_init: Any = None
+    fleet_identical: Optional[bool] = None
+    matches_expected: Optional[bool] = None
+    group_init: Optional[GroupInitFleetAnswer] = None
     """The router's answer to the group init (per-worker ``ranks``), on the sync that created the group."""
 
 
@@ -100,33 +108,9 @@ def _log_progress(stage: str, info: dict[str, Any]) -> None:
     log.info("weight sync: %s %s", stage, info)
 
 
-class _Background:
-    """A blocking router call on a daemon thread, so that the calling thread can meanwhile
-    do its own part of the rendezvous the call waits on (join the group, send a bucket)."""
-
-    def __init__(self, fn: Callable[[], Any]):
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-        def run() -> None:
-            try:
-                self._value = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
-                self._error = exc
-
-        self._thread = threading.Thread(target=run, daemon=True)
-        self._thread.start()
-
-    def wait(self, timeout_s: float) -> None:
-        self._thread.join(timeout_s)
-
-    def result(self, on_timeout: str) -> Any:
-        """The call's answer once :meth:`wait` returned; its error, or ``TimeoutError(on_timeout)``, raised."""
-        if self._error is not None:
-            raise self._error
-        if self._thread.is_alive():
-            raise TimeoutError(on_timeout)
-        return self._value
+def _guard_s(endpoint: ep.Endpoint[Any, Any], timeout_s: Optional[float], lock_wait_s: float) -> float:
+    """How long to wait for a background call: a guard only, since the call's own HTTP timeout fires first."""
+    return endpoint.budget.client_wait(timeout_s, lock_wait_s=lock_wait_s) + HOP_MARGIN_S
 
 
 class WeightSync:
@@ -139,14 +123,14 @@ class WeightSync:
         *,
         group: GroupSpec,
         protocol: Literal["two_phase", "single_phase"] = "two_phase",
-        load_format: str | None = None,
-        weight_version: str | None = None,
-        pause_mode: str = "retract",
-        atomic: bool | None = None,
-        timeout_s: float | None = None,
+        load_format: Optional[str] = None,
+        weight_version: Optional[str] = None,
+        pause_mode: Literal["abort", "retract", "in_place"] = "retract",
+        atomic: Optional[bool] = None,
+        timeout_s: Optional[float] = None,
         verify: bool = True,
-        expected_checksum: str | None = None,
-        progress: Progress | None = None,
+        expected_checksum: Optional[str] = None,
+        progress: Optional[Progress] = None,
     ):
         if protocol not in ("two_phase", "single_phase"):
             raise ValueError(f"protocol must be 'two_phase' or 'single_phase', got {protocol!r}")
@@ -162,10 +146,10 @@ class WeightSync:
         self.expected_checksum = expected_checksum
         self.progress = progress or _log_progress
         self._stages: dict[str, float] = {}
-        self._group_init: Any = None
-        # From a ready prepare until the router has answered complete: the router
-        # holds an update session (and its admin lock) for this group.
-        self._session_open = False
+        self._group_init: Optional[GroupInitFleetAnswer] = None
+        # From a ready prepare until the router has answered complete: the router holds a
+        # prepared update (and its admin lock) for this group.
+        self._router_holds_update = False
 
     # ------------------------------------------------------------------ stages
 
@@ -184,37 +168,36 @@ class WeightSync:
         self.progress(name, {"state": "done", "seconds": self._stages[name]})
         return value
 
-    def ensure_group(self) -> int | None:
+    def ensure_group(self) -> Optional[int]:
         joined = self.client.joined_groups
         if self.group.group_name in joined:
             return None
-        world = int(self.client.get_world_size()["world_size"]) + 1
+        world = self.client.get_world_size().world_size + 1
         g = self.group
-        init = _Background(
+        self._group_init = alongside(
             lambda: self.client.init_weights_update_group(
                 g.master_address, g.master_port, world, group_name=g.group_name, backend=g.backend, timeout_s=g.timeout_s
-            )
+            ),
+            lambda: g.join(world),
+            timeout_s=_guard_s(ep.INIT_WEIGHTS_UPDATE_GROUP, g.timeout_s, self.client.lock_wait_s),
+            what="/init_weights_update_group",
         )
-        try:
-            g.join(world)
-        finally:
-            init.wait((g.timeout_s or 900) + 120)
-        self._group_init = init.result("router did not answer /init_weights_update_group in time")
         joined.add(g.group_name)
         return world
 
-    def _single_phase(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> None:
+    def _single_phase(self, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None]) -> None:
+        guard = _guard_s(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, self.timeout_s, self.client.lock_wait_s)
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
-            update = _Background(
-                lambda b=bucket, last=last: self.client.update_weights_from_distributed(
-                    b["names"], b["dtypes"], b["shapes"], group_name=self.group.group_name, load_format=self.load_format,
-                    weight_version=self.weight_version if last else None, flush_cache=last, timeout_s=self.timeout_s,
-                )
+            alongside(
+                partial(
+                    self.client.update_weights_from_distributed, bucket, group_name=self.group.group_name,
+                    load_format=self.load_format, weight_version=self.weight_version if last else None,
+                    flush_cache=last, timeout_s=self.timeout_s,
+                ),
+                partial(broadcast, i),
+                timeout_s=guard, what=f"update_weights_from_distributed of bucket {i}", settle_on_failure=False,
             )  # fmt: skip
-            broadcast(i)
-            update.wait((self.timeout_s or 1800) + 120)
-            update.result(f"router did not answer update_weights_from_distributed for bucket {i}")
             self.progress("bucket", {"index": i, "of": len(buckets)})
 
     def _two_phase_send(self, n: int, broadcast: Callable[[int], None]) -> None:
@@ -224,30 +207,31 @@ class WeightSync:
 
     # ------------------------------------------------------------------ the cycle
 
-    def run(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> SyncReport:
+    def run(self, buckets: Sequence[Bucket], broadcast: Callable[[int], None]) -> SyncReport:
         start = time.perf_counter()
+        metas = [b if isinstance(b, BucketMetadata) else BucketMetadata.model_validate(b) for b in buckets]
         world = self._stage("init_group", self.ensure_group, uncertain=False)
         self._stage("pause", lambda: self.client.pause_generation(self.pause_mode), uncertain=False)
         try:
-            complete = self._update(buckets, broadcast)
+            complete = self._update(metas, broadcast)
         except SyncError as exc:
             self._rebuild_group_after(exc)
             if not exc.weights_uncertain:
                 self._resume_after_clean_failure()
             raise
         report = SyncReport(
-            protocol=self.protocol, num_buckets=len(buckets), weight_version=self.weight_version,
-            world_size=world, seconds=0.0, stage_seconds=self._stages, group_init=self._group_init,
+            protocol=self.protocol, num_buckets=len(metas), weight_version=self.weight_version,
+            world_size=world, stage_seconds=self._stages, group_init=self._group_init,
         )  # fmt: skip
-        if isinstance(complete, dict):
-            report.checksums = dict(complete.get("checksums") or {})
+        if complete is not None:
+            report.checksums = dict(complete.checksums)
         if self.verify:
             self._stage("verify", lambda: self._verify(report), uncertain=True)
         self._stage("continue", self.client.continue_generation, uncertain=True)
         report.seconds = round(time.perf_counter() - start, 4)
         return report
 
-    def _update(self, buckets: Sequence[dict[str, Any]], broadcast: Callable[[int], None]) -> Any:
+    def _update(self, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None]) -> Optional[CompleteFleetAnswer]:
         """prepare -> broadcast -> complete (two phase; returns complete's answer) or the single-phase calls."""
         if self.protocol == "single_phase":
             self._stage("broadcast", lambda: self._single_phase(buckets, broadcast), uncertain=True)
@@ -256,33 +240,34 @@ class WeightSync:
             self.client.prepare_weights_update, buckets, group_name=self.group.group_name,
             load_format=self.load_format, weight_version=self.weight_version, atomic=self.atomic, timeout_s=self.timeout_s,
         )  # fmt: skip
-        self._stage("prepare", lambda: self._session_call(prepare, opens=True), uncertain=False)
+        self._stage("prepare", lambda: self._prepared_call(prepare, holds=True), uncertain=False)
         self._stage("broadcast", lambda: self._two_phase_send(len(buckets), broadcast), uncertain=True)
         complete = partial(
             self.client.complete_weights_update, group_name=self.group.group_name,
             weight_version=self.weight_version, return_checksum=self.verify or None, timeout_s=self.timeout_s,
         )  # fmt: skip
-        return self._stage("complete", lambda: self._session_call(complete, opens=False), uncertain=True)
+        answer: CompleteFleetAnswer = self._stage("complete", lambda: self._prepared_call(complete, holds=False), uncertain=True)
+        return answer
 
-    def _session_call(self, call: Callable[[], Any], *, opens: bool) -> Any:
-        """Prepare (``opens``) or complete, tracking whether the router may hold an update session."""
+    def _prepared_call(self, call: Callable[[], Any], *, holds: bool) -> Any:
+        """Prepare (``holds``) or complete, tracking whether the router may hold a prepared update."""
         try:
             answer = call()
         except RouterCallError as exc:
             # An answer means the router decided: a failed prepare releases everything,
-            # and complete ends the session whatever its outcome. No answer (refused,
-            # timed out) leaves it unknown: the session may be open.
-            self._session_open = exc.status is None
+            # and complete ends the prepared update whatever its outcome. No answer
+            # (refused, timed out) leaves it unknown: the update may still be held.
+            self._router_holds_update = exc.status is None
             raise
-        self._session_open = opens
+        self._router_holds_update = holds
         return answer
 
     def _rebuild_group_after(self, error: SyncError) -> None:
-        """End the router's session, have everyone leave the group, forget it (best effort, recorded)."""
+        """End the router's prepared update, have everyone leave the group, forget it (best effort, recorded)."""
         g, done = self.group, error.recovery
-        if self._session_open:
+        if self._router_holds_update:
             done["abort_weights_update"] = _attempt(lambda: self.client.abort_weights_update(g.group_name))
-            self._session_open = False
+            self._router_holds_update = False
         done["destroy_weights_update_group"] = _attempt(lambda: self.client.destroy_weights_update_group(g.group_name))
         if g.leave is not None:
             done["leave"] = _attempt(g.leave)
@@ -294,9 +279,9 @@ class WeightSync:
 
     def _verify(self, report: SyncReport) -> None:
         checked = self.client.weights_checker("checksum")
-        report.checksums = dict(checked.get("checksums") or report.checksums)
-        report.rank_checksums = ranks = {w: list(v) for w, v in (checked.get("rank_checksums") or {}).items()}
-        report.fleet_identical = bool(checked.get("identical"))
+        report.checksums = dict(checked.worker_checksums) or report.checksums
+        report.rank_checksums = ranks = {w: list(v) for w, v in checked.rank_checksums.items()}
+        report.fleet_identical = bool(checked.identical)
         if not report.fleet_identical:
             raise SyncError("verify", f"workers hold different weights: {report.checksums}", weights_uncertain=True)
         if self.expected_checksum is not None:
@@ -321,5 +306,5 @@ def _attempt(fn: Callable[[], Any]) -> str:
         return f"failed: {exc}"
     except Exception as exc:  # noqa: BLE001 - the caller's leave; recorded, not raised
         return f"failed: {type(exc).__name__}: {exc}"
-    message = answer.get("message") if isinstance(answer, dict) else None
+    message = getattr(answer, "message", None)
     return f"ok: {message}" if message and message != "ok" else "ok"

@@ -1,16 +1,13 @@
-"""Trainer side: plan buckets once, join the group as rank 0, broadcast each step.
+"""Trainer side of the data plane: plan buckets once, join the group as rank 0, broadcast.
 
-A trainer imports this module (it needs torch, not the worker process)::
+A trainer imports it from :mod:`router.trainer` (it needs torch)::
 
     plan = BucketPlan.from_named_tensors(model.named_parameters())   # once per model
     sender = TrainerWeightSender(master_port=port, world_size=1 + n_worker_ranks)
-    sender.connect(post_init=lambda: post_init_to_every_worker())    # local join ∥ HTTP init
-    for step in ...:
-        sender.update_two_phase(plan, dict(model.named_parameters()),
-                                prepare=post_prepare, complete=post_complete)
+    client.sync_weights(buckets=plan.metadata(), broadcast=lambda i: sender.send_bucket(plan, i, tensors), ...)
 
-The HTTP calls are injected as callables so this module stays transport-free;
-``router.trainer`` provides ready-made ones.
+The sync driver (:mod:`router.trainer.driver`) orders the HTTP calls; this
+module only joins, sends and leaves.
 
 Cross-rank contract: every receiver issues the same broadcasts in the same
 order as :meth:`TrainerWeightSender.send` — buckets in plan order; per tensor
@@ -22,28 +19,26 @@ receiver never rejects it (SGLang v0.5.23's "Unaligned received tensor").
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
 
 from router.contract.bucket_layout import BucketLayout, aligned_order
-from router.dataplane.digest import digest_named_tensors
+from router.contract.budget import DEFAULT_GROUP_TIMEOUT_S
+from router.contract.weight_sync import (
+    DEFAULT_GROUP_NAME,
+    BucketMetadata,
+    InitWeightsUpdateGroupRequest,
+    PrepareWeightsUpdateRequest,
+)
 from router.dataplane.buckets import allocate_bytes, dtype_name, pack
-from router.dataplane.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
-
-log = logging.getLogger(__name__)
+from router.dataplane.digest import digest_named_tensors
+from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
 
 DEFAULT_BUCKET_BYTES = 1 << 30
-T = TypeVar("T")
 Progress = Callable[[int, int, int], None]  # (buckets done, buckets total, bytes done)
-
-
-class WeightSyncError(RuntimeError):
-    """A weight update was refused or failed on some worker."""
 
 
 @dataclass(frozen=True)
@@ -101,17 +96,14 @@ class BucketPlan:
         """A plan holding only bucket ``index`` (for callers that send bucket by bucket)."""
         return BucketPlan(buckets=(self.buckets[index],), budget_bytes=self.budget_bytes)
 
-    def metadata(self) -> list[dict[str, Any]]:
-        """The ``buckets`` field of a prepare request."""
-        return [{"names": b.names, "dtypes": b.dtypes, "shapes": b.shapes} for b in self.buckets]
+    def metadata(self) -> list[BucketMetadata]:
+        """The ``buckets`` of a prepare request (what ``sync_weights(buckets=...)`` takes)."""
+        return [BucketMetadata(names=b.names, dtypes=b.dtypes, shapes=b.shapes) for b in self.buckets]
 
-    def prepare_body(self, group_name: str, *, load_format: str | None = None, **extra: Any) -> dict[str, Any]:
-        """A ``/prepare_weights_update`` body (``extra``: weight_version, atomic, timeout_s, ...)."""
-        body: dict[str, Any] = {"num_buckets": len(self.buckets), "buckets": self.metadata(), "group_name": group_name}
-        if load_format is not None:
-            body["load_format"] = load_format
-        body.update({k: v for k, v in extra.items() if v is not None})
-        return body
+    def prepare_request(self, group_name: str = DEFAULT_GROUP_NAME, **fields: Any) -> PrepareWeightsUpdateRequest:
+        """A ``/prepare_weights_update`` request for this plan (``fields``: load_format, weight_version, atomic, ...)."""
+        given = {k: v for k, v in fields.items() if v is not None}
+        return PrepareWeightsUpdateRequest(num_buckets=len(self.buckets), buckets=self.metadata(), group_name=group_name, **given)
 
 
 @dataclass(frozen=True)
@@ -137,7 +129,7 @@ class TrainerWeightSender:
         master_port: int,
         world_size: int,
         master_address: str = "127.0.0.1",
-        group_name: str = "weight_update_group",
+        group_name: str = DEFAULT_GROUP_NAME,
         backend: str | None = None,
         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
         device: torch.device | str = "cpu",
@@ -152,20 +144,15 @@ class TrainerWeightSender:
         self.group: WeightUpdateGroup | None = None
         self._buffers: list[torch.Tensor] = []
 
-    def init_body(self, rank_offset: int, **extra: Any) -> dict[str, Any]:
-        """An ``/init_weights_update_group`` body for the worker whose first rank is ``rank_offset``."""
-        body = {
-            "master_address": self.master_address,
-            "master_port": self.master_port,
-            "rank_offset": rank_offset,
-            "world_size": self.world_size,
-            "group_name": self.group_name,
-            "timeout_s": self.timeout_s,
-        }
+    def init_request(self, rank_offset: int, **fields: Any) -> InitWeightsUpdateGroupRequest:
+        """An ``/init_weights_update_group`` request for the worker whose first rank is ``rank_offset``."""
+        given: dict[str, Any] = {"world_size": self.world_size, "timeout_s": self.timeout_s, **fields}
         if self.backend is not None:
-            body["backend"] = self.backend
-        body.update(extra)
-        return body
+            given.setdefault("backend", self.backend)
+        return InitWeightsUpdateGroupRequest(
+            master_address=self.master_address, master_port=self.master_port, rank_offset=rank_offset,
+            group_name=self.group_name, **given,
+        )  # fmt: skip
 
     # -- group lifecycle -----------------------------------------------------------------------
 
@@ -183,37 +170,6 @@ class TrainerWeightSender:
             timeout_s=self.timeout_s,
         )
         return self.group
-
-    def connect(self, post_init: Callable[[], T]) -> T:
-        """Run the local join and ``post_init`` (the HTTP init call to every worker) at once.
-
-        Both block until all ranks meet, so neither may wait for the other. Returns
-        ``post_init``'s result; raises :class:`GroupError` if the join failed.
-        """
-        result: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                result["value"] = post_init()
-            except BaseException as exc:  # surfaced below, after the join settles
-                result["error"] = exc
-
-        thread = threading.Thread(target=call, name="weight-sync-init-http", daemon=True)
-        thread.start()
-        join_error: Exception | None = None
-        try:
-            self.join()
-        except GroupError as exc:
-            join_error = exc
-        thread.join(timeout=self.timeout_s + 30.0)
-        if join_error is not None:
-            raise join_error
-        if thread.is_alive():
-            raise GroupError("the init HTTP call did not return in time")
-        if "error" in result:
-            self.close()
-            raise result["error"]
-        return result.get("value")  # type: ignore[return-value]
 
     def close(self) -> None:
         """Leave the group (idempotent); pair with ``/destroy_weights_update_group`` on the workers."""
@@ -269,82 +225,11 @@ class TrainerWeightSender:
         :meth:`router.trainer.RouterClient.sync_weights` expects."""
         return self.send(plan.bucket(index), tensors, load_format=load_format)
 
-    def update_two_phase(
-        self,
-        plan: BucketPlan,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        prepare: Callable[[dict[str, Any]], dict[str, Any]],
-        complete: Callable[[dict[str, Any]], dict[str, Any]],
-        load_format: str | None = None,
-        progress: Progress | None = None,
-        **options: Any,
-    ) -> dict[str, Any]:
-        """prepare → broadcast → complete. ``options`` go into both bodies where they
-        belong (weight_version, atomic, timeout_s, flush_cache, return_checksum...).
-
-        Raises :class:`WeightSyncError` if prepare is refused (nothing was broadcast)
-        or complete reports a failure.
-        """
-        self._require_group()
-        prepare_opts = {k: options.get(k) for k in ("weight_version", "atomic", "timeout_s", "abort_all_requests")}
-        answer = prepare(plan.prepare_body(self.group_name, load_format=load_format, **prepare_opts))
-        if answer.get("status") != "ready":
-            raise WeightSyncError(f"prepare_weights_update refused: {answer.get('message') or answer}")
-        send_error: Exception | None = None
-        try:
-            self.send(plan, tensors, load_format=load_format, progress=progress)
-        except Exception as exc:  # still call complete: it reports the receivers' view
-            send_error = exc
-        complete_body = {"group_name": self.group_name, "flush_cache": bool(options.get("flush_cache", False))}
-        for key in ("weight_version", "return_checksum", "timeout_s"):
-            if options.get(key) is not None:
-                complete_body[key] = options[key]
-        result = complete(complete_body)
-        if send_error is not None:
-            raise WeightSyncError(f"broadcast failed: {send_error}; complete answered {result}") from send_error
-        if not result.get("success"):
-            raise WeightSyncError(f"complete_weights_update failed: {result.get('message') or result}")
-        return result
-
-    def update_single_phase(
-        self,
-        plan: BucketPlan,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        post_update: Callable[[dict[str, Any]], dict[str, Any]],
-        load_format: str | None = None,
-        weight_version: str | None = None,
-        flush_cache: bool = False,
-    ) -> list[dict[str, Any]]:
-        """The SGLang sequence slime uses: per bucket, fire the HTTP call, broadcast at
-        once, then collect the HTTP answer (no handshake; the collective pairs them)."""
-        group = self._require_group()
-        answers = []
-        for layout in plan.buckets:
-            body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes, "group_name": self.group_name,
-                    "flush_cache": flush_cache, "weight_version": weight_version, "load_format": load_format}
-            box: dict[str, Any] = {}
-            thread = threading.Thread(target=lambda b=body: box.update(r=_capture(post_update, b)), daemon=True)
-            thread.start()
-            self.send(BucketPlan((layout,), plan.budget_bytes), tensors, load_format=load_format)
-            thread.join(timeout=self.timeout_s)
-            result = box.get("r")
-            if result is None:
-                group.mark_broken("an update_weights_from_distributed call did not return")
-                raise WeightSyncError("update_weights_from_distributed did not return in time")
-            if isinstance(result, BaseException):
-                raise WeightSyncError(f"update_weights_from_distributed failed: {result}") from result
-            if not result.get("success"):
-                raise WeightSyncError(f"update_weights_from_distributed failed: {result.get('message') or result}")
-            answers.append(result)
-        return answers
-
     # -- helpers -------------------------------------------------------------------------------
 
     def _require_group(self) -> WeightUpdateGroup:
         if self.group is None:
-            raise GroupError("not connected; call connect() first")
+            raise GroupError("not joined; call join() first")
         self.group.require_usable()
         return self.group
 
@@ -370,12 +255,5 @@ def sent_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 def _contiguous(tensors: Mapping[str, torch.Tensor], name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
     tensor = tensors[name]
     if dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
-        raise WeightSyncError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the plan says {dtype} {list(shape)}")
+        raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the plan says {dtype} {list(shape)}")
     return tensor.contiguous()
-
-
-def _capture(fn: Callable[[dict[str, Any]], T], body: dict[str, Any]) -> T | BaseException:
-    try:
-        return fn(body)
-    except BaseException as exc:
-        return exc

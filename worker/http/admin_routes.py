@@ -1,5 +1,5 @@
-"""Admin routes (SGLang / sglang-omni RL admin surface). Thin handlers: parse,
-call the Coordinator, shape the response.
+"""Admin routes (SGLang / sglang-omni RL admin surface). Thin handlers: parse the
+route's request model, call the Coordinator, answer the route's response model.
 
 Admin failures answer 400 with ``{"success": false, "message", ...,
 "error": {"message"}}``: SGLang's admin shape and the project's error shape at
@@ -14,6 +14,8 @@ from typing import Any, Awaitable, Callable
 
 from aiohttp import web
 
+from router import __version__
+from router.contract import endpoints as ep
 from router.contract.admin import (
     AbortRequest,
     ContinueRequest,
@@ -25,6 +27,7 @@ from router.contract.admin import (
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
+from router.contract.base import WireResponse
 from router.contract.errors import ApiError
 from router.contract.web.parsing import parse_body
 from worker.engine import admin_ops
@@ -33,7 +36,6 @@ from worker.http.keys import CONFIG, COORDINATOR
 from worker.stage import AdminBusy, AdminTimeout, StageResult
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-VERSION = "0.1.0"
 
 
 def admin_handler(fn: Handler) -> Handler:
@@ -51,24 +53,28 @@ def admin_handler(fn: Handler) -> Handler:
     return wrapper
 
 
-async def _exclusive(request: web.Request, action: str, op: Callable[..., Any], req: Any, **extra: Any) -> web.Response:
+def answer(endpoint: ep.Endpoint[Any, Any], body: WireResponse | dict[str, Any]) -> web.Response:
+    """The route's response model as JSON: 200, or 400 with ``error.message`` when it reports a failure."""
+    model = body if isinstance(body, WireResponse) else endpoint.response.model_validate(body)
+    payload = model.model_dump(mode="json")
+    if model.ok:
+        return web.json_response(payload)
+    payload["error"] = {"message": payload.get("message", "")}
+    return web.json_response(payload, status=400)
+
+
+def stage_answer(endpoint: ep.Endpoint[Any, Any], result: StageResult, **extra: Any) -> web.Response:
+    return answer(endpoint, result.body(**extra))
+
+
+async def _exclusive(request: web.Request, endpoint: ep.Endpoint[Any, Any], op: Callable[..., Any], req: Any, **extra: Any) -> web.Response:
     """Run a state-changing admin op inside the coordinator's admin section, so it
     cannot interleave with another one (a weight update, a memory release)."""
     coord = request.app[COORDINATOR]
-    async with coord.admin_section(action):
-        result = await coord.admin(action, functools.partial(op, req=req))
-    return admin_response(result, **extra)
-
-
-def admin_response(result: StageResult, **extra: Any) -> web.Response:
-    return answer_response(result.body(**extra), result.success, result.message)
-
-
-def answer_response(body: dict[str, Any], ok: bool, message: str) -> web.Response:
-    """An SGLang admin body; a failure also carries ``error.message`` and answers 400."""
-    if not ok:
-        body["error"] = {"message": message}
-    return web.json_response(body, status=200 if ok else 400)
+    bound = endpoint.worker_bound(req)
+    async with coord.admin_section(endpoint.name, bound):
+        result = await coord.admin(endpoint.name, functools.partial(op, req=req), bound)
+    return stage_answer(endpoint, result, **extra)
 
 
 # -- status --------------------------------------------------------------------------------
@@ -76,13 +82,13 @@ def answer_response(body: dict[str, Any], ok: bool, message: str) -> web.Respons
 
 async def model_info(request: web.Request) -> web.Response:
     await parse_body(request, EmptyRequest)
-    return web.json_response(request.app[COORDINATOR].model_info())
+    return answer(ep.MODEL_INFO, request.app[COORDINATOR].model_info())
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
     """``{"weight_version"}``. Upstream SGLang v0.5.9 answers 404 here (deprecated
     in favour of ``/model_info``); slime patches it back and its client calls it."""
-    return web.json_response({"weight_version": request.app[COORDINATOR].worker.weight_version})
+    return answer(ep.GET_WEIGHT_VERSION, {"weight_version": request.app[COORDINATOR].worker.weight_version})
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -90,9 +96,9 @@ async def server_info(request: web.Request) -> web.Response:
     server args here, API keys included; this worker blanks the keys."""
     coord = request.app[COORDINATOR]
     states = [rank.internal_state() for rank in coord.stage.ranks]
-    info = {**request.app[CONFIG].public_dict(), "tp_size": coord.stage.tp_size, "internal_states": states, "version": VERSION}
+    info = {**request.app[CONFIG].public_dict(), "tp_size": coord.stage.tp_size, "internal_states": states, "version": __version__}
     info["weight_version"] = coord.worker.weight_version
-    return web.json_response(info)
+    return answer(ep.SERVER_INFO, info)
 
 
 # -- weight version ----------------------------------------------------------------------
@@ -101,7 +107,7 @@ async def server_info(request: web.Request) -> web.Response:
 @admin_handler
 async def update_weight_version(request: web.Request) -> web.Response:
     req = await parse_body(request, UpdateWeightVersionRequest, allow_empty=False)
-    return await _exclusive(request, "update_weight_version", admin_ops.update_weight_version, req)
+    return await _exclusive(request, ep.UPDATE_WEIGHT_VERSION, admin_ops.update_weight_version, req)
 
 
 # -- pause / continue / abort / flush ------------------------------------------------------
@@ -110,14 +116,14 @@ async def update_weight_version(request: web.Request) -> web.Response:
 @admin_handler
 async def pause_generation(request: web.Request) -> web.Response:
     req = await parse_body(request, PauseRequest)
-    result = await request.app[COORDINATOR].pause(req)
-    return admin_response(result, status="ok")
+    result = await request.app[COORDINATOR].pause(req, ep.PAUSE_GENERATION.worker_bound(req))
+    return stage_answer(ep.PAUSE_GENERATION, result, status="ok")
 
 
 @admin_handler
 async def continue_generation(request: web.Request) -> web.Response:
     req = await parse_body(request, ContinueRequest)
-    return await _exclusive(request, "continue_generation", admin_ops.continue_generation, req, status="ok")
+    return await _exclusive(request, ep.CONTINUE_GENERATION, admin_ops.continue_generation, req, status="ok")
 
 
 @admin_handler
@@ -125,8 +131,9 @@ async def abort_request(request: web.Request) -> web.Response:
     """Prefix-match abort (SGLang); unknown rids are not an error. Aborted
     requests return 200 with ``finish_reason.type == "abort"`` to their callers."""
     req = await parse_body(request, AbortRequest)
-    result = await request.app[COORDINATOR].admin("abort_request", functools.partial(admin_ops.abort_request, req=req))
-    return admin_response(result)
+    bound = ep.ABORT_REQUEST.worker_bound(req)
+    result = await request.app[COORDINATOR].admin("abort_request", functools.partial(admin_ops.abort_request, req=req), bound)
+    return stage_answer(ep.ABORT_REQUEST, result)
 
 
 @admin_handler
@@ -136,10 +143,10 @@ async def flush_cache(request: web.Request) -> web.Response:
     so a ``retract`` pause allows the flush — SGLang v0.5.15 refused it there
     because its idle check counted the waiting queue (fixed in v0.5.23)."""
     req = await parse_body(request, FlushCacheRequest)
-    result = await request.app[COORDINATOR].flush_cache(req.timeout)
+    result = await request.app[COORDINATOR].flush_cache(req.timeout, ep.FLUSH_CACHE.worker_bound(req))
     if not result.success:
         raise ApiError(400, result.message)
-    return admin_response(result)
+    return stage_answer(ep.FLUSH_CACHE, result)
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -148,15 +155,16 @@ async def flush_cache(request: web.Request) -> web.Response:
 @admin_handler
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     req = await parse_body(request, UpdateWeightsFromDiskRequest, allow_empty=False)
-    result = await request.app[COORDINATOR].update_weights_from_disk(req)
-    return admin_response(result)
+    result = await request.app[COORDINATOR].update_weights_from_disk(req, ep.UPDATE_WEIGHTS_FROM_DISK.worker_bound(req))
+    return stage_answer(ep.UPDATE_WEIGHTS_FROM_DISK, result)
 
 
 @admin_handler
 async def weights_checker(request: web.Request) -> web.Response:
     req = await parse_body(request, WeightsCheckerRequest)
-    result = await request.app[COORDINATOR].admin("weights_checker", functools.partial(admin_ops.weights_checker, req=req))
-    return admin_response(result, **engine_report(result.rank_data))
+    bound = ep.WEIGHTS_CHECKER.worker_bound(req)
+    result = await request.app[COORDINATOR].admin("weights_checker", functools.partial(admin_ops.weights_checker, req=req), bound)
+    return stage_answer(ep.WEIGHTS_CHECKER, result, **engine_report(result.rank_data))
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
@@ -173,34 +181,36 @@ async def release_memory_occupation(request: web.Request) -> web.Response:
     """Refused while requests are active. Released weights are kept in a host
     copy and restored by resume (SGLang drops their contents)."""
     req = await parse_body(request, MemoryOccupationRequest)
-    return await _exclusive(request, "release_memory_occupation", admin_ops.release_memory, req)
+    return await _exclusive(request, ep.RELEASE_MEMORY_OCCUPATION, admin_ops.release_memory, req)
 
 
 @admin_handler
 async def resume_memory_occupation(request: web.Request) -> web.Response:
     req = await parse_body(request, MemoryOccupationRequest)
-    return await _exclusive(request, "resume_memory_occupation", admin_ops.resume_memory, req)
+    return await _exclusive(request, ep.RESUME_MEMORY_OCCUPATION, admin_ops.resume_memory, req)
 
 
-def _get_post(path: str, handler: Handler) -> list[web.RouteDef]:
-    return [web.get(path, handler), web.post(path, handler)]
+def endpoint_routes(endpoint: ep.Endpoint[Any, Any], handler: Handler) -> list[web.RouteDef]:
+    """``handler`` on every method of ``endpoint``, under its path and its older aliases."""
+    return [web.route(method, path, handler) for path in (endpoint.path, *endpoint.aliases) for method in endpoint.methods]
 
 
 ROUTES: list[web.RouteDef] = [
-    *_get_post("/model_info", model_info),
-    *_get_post("/get_model_info", model_info),
-    web.get("/get_weight_version", get_weight_version),
-    web.get("/weight_version", get_weight_version),
-    web.post("/update_weight_version", update_weight_version),
-    web.get("/server_info", server_info),
-    web.get("/get_server_info", server_info),
-    web.post("/pause_generation", pause_generation),
-    web.post("/continue_generation", continue_generation),
-    web.post("/abort_request", abort_request),
-    *_get_post("/flush_cache", flush_cache),
-    web.post("/update_weights_from_disk", update_weights_from_disk),
-    *_get_post("/weights_checker", weights_checker),
-    web.post("/update_weights_from_tensor", update_weights_from_tensor),
-    *_get_post("/release_memory_occupation", release_memory_occupation),
-    *_get_post("/resume_memory_occupation", resume_memory_occupation),
+    route
+    for endpoint, handler in (
+        (ep.MODEL_INFO, model_info),
+        (ep.GET_WEIGHT_VERSION, get_weight_version),
+        (ep.SERVER_INFO, server_info),
+        (ep.UPDATE_WEIGHT_VERSION, update_weight_version),
+        (ep.PAUSE_GENERATION, pause_generation),
+        (ep.CONTINUE_GENERATION, continue_generation),
+        (ep.ABORT_REQUEST, abort_request),
+        (ep.FLUSH_CACHE, flush_cache),
+        (ep.UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk),
+        (ep.WEIGHTS_CHECKER, weights_checker),
+        (ep.UPDATE_WEIGHTS_FROM_TENSOR, update_weights_from_tensor),
+        (ep.RELEASE_MEMORY_OCCUPATION, release_memory_occupation),
+        (ep.RESUME_MEMORY_OCCUPATION, resume_memory_occupation),
+    )
+    for route in endpoint_routes(endpoint, handler)
 ]

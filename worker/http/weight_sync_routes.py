@@ -1,7 +1,7 @@
 """Weight-sync routes: group lifecycle, SGLang's single-phase update, and the
 two-phase prepare/complete/abort protocol. Thin handlers over
 :class:`worker.transfer.session.WeightSyncController`, one per row of the table
-at the bottom (the controller's method and the answer's success test).
+at the bottom (its endpoint, the controller method, whether an empty body is allowed).
 
 Status codes: 200 on success; 400 with the SGLang body (``success: false`` or
 ``status: "error"``, plus ``message``) and the project's ``error.message`` on
@@ -22,52 +22,33 @@ from __future__ import annotations
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
-from pydantic import BaseModel
 
-from router.contract.weight_sync import (
-    AbortWeightsUpdateRequest,
-    BeginWeightUpdateRequest,
-    CompleteWeightsUpdateRequest,
-    DestroyWeightsUpdateGroupRequest,
-    EndWeightUpdateRequest,
-    InitWeightsUpdateGroupRequest,
-    PrepareWeightsUpdateRequest,
-    UpdateWeightsFromDistributedRequest,
-)
+from router.contract import endpoints as ep
+from router.contract.base import WireRequest, WireResponse
 from router.contract.web.parsing import parse_body
-from worker.http.admin_routes import Handler, admin_handler, answer_response
+from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
 from worker.http.keys import COORDINATOR, WEIGHT_SYNC
 from worker.transfer.session import WeightSyncController
 
-Call = Callable[[WeightSyncController, Any], Awaitable[BaseModel]]
+Call = Callable[[WeightSyncController, Any], Awaitable[WireResponse]]
 
 
-def _succeeded(answer: Any) -> bool:
-    return bool(answer.success)
-
-
-def _ready(answer: Any) -> bool:
-    return answer.status == "ready"
-
-
-def _handler(model: type[BaseModel], call: Call, ok: Callable[[Any], bool], *, allow_empty: bool) -> Handler:
-    """Parse ``model``, run ``call`` on the controller, answer 200 if ``ok`` else 400."""
+def _handler(endpoint: ep.Endpoint[Any, Any], call: Call, *, allow_empty: bool) -> Handler:
+    """Parse the endpoint's request, run ``call`` on the controller, answer its response model."""
 
     @admin_handler
     async def handle(request: web.Request) -> web.Response:
-        req = await parse_body(request, model, allow_empty=allow_empty)
-        answer = await call(request.app[WEIGHT_SYNC], req)
-        body = answer.model_dump(exclude_none=True)
-        return answer_response(body, ok(answer), body.get("message", ""))
+        req: WireRequest = await parse_body(request, endpoint.request, allow_empty=allow_empty)
+        return answer(endpoint, await call(request.app[WEIGHT_SYNC], req))
 
     return handle
 
 
-async def _begin(controller: WeightSyncController, req: BeginWeightUpdateRequest) -> BaseModel:
+async def _begin(controller: WeightSyncController, req: Any) -> WireResponse:
     return controller.bracket.begin(req)
 
 
-async def _end(controller: WeightSyncController, req: EndWeightUpdateRequest) -> BaseModel:
+async def _end(controller: WeightSyncController, req: Any) -> WireResponse:
     return controller.bracket.end(req)
 
 
@@ -79,18 +60,18 @@ async def controller_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 _W = WeightSyncController
-#: (path, request model, controller method, success test, whether an empty body is allowed)
-_TABLE: list[tuple[str, type[BaseModel], Call, Callable[[Any], bool], bool]] = [
-    ("/init_weights_update_group", InitWeightsUpdateGroupRequest, _W.init_group, _succeeded, False),
-    ("/destroy_weights_update_group", DestroyWeightsUpdateGroupRequest, _W.destroy_group, _succeeded, True),
-    ("/update_weights_from_distributed", UpdateWeightsFromDistributedRequest, _W.update_from_distributed, _succeeded, False),
-    ("/prepare_weights_update", PrepareWeightsUpdateRequest, _W.prepare, _ready, False),
-    ("/complete_weights_update", CompleteWeightsUpdateRequest, _W.complete, _succeeded, False),
-    ("/abort_weights_update", AbortWeightsUpdateRequest, _W.abort, _succeeded, True),
-    ("/begin_weight_update", BeginWeightUpdateRequest, _begin, _succeeded, True),
-    ("/end_weight_update", EndWeightUpdateRequest, _end, _succeeded, True),
+#: (endpoint, controller method, whether an empty body is allowed)
+_TABLE: list[tuple[ep.Endpoint[Any, Any], Call, bool]] = [
+    (ep.INIT_WEIGHTS_UPDATE_GROUP, _W.init_group, False),
+    (ep.DESTROY_WEIGHTS_UPDATE_GROUP, _W.destroy_group, True),
+    (ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, _W.update_from_distributed, False),
+    (ep.PREPARE_WEIGHTS_UPDATE, _W.prepare, False),
+    (ep.COMPLETE_WEIGHTS_UPDATE, _W.complete, False),
+    (ep.ABORT_WEIGHTS_UPDATE, _W.abort, True),
+    (ep.BEGIN_WEIGHT_UPDATE, _begin, True),
+    (ep.END_WEIGHT_UPDATE, _end, True),
 ]
 
 ROUTES: list[web.RouteDef] = [
-    web.post(path, _handler(model, call, ok, allow_empty=allow_empty)) for path, model, call, ok, allow_empty in _TABLE
+    route for endpoint, call, allow_empty in _TABLE for route in endpoint_routes(endpoint, _handler(endpoint, call, allow_empty=allow_empty))
 ]

@@ -63,7 +63,8 @@ from worker.stage import held
 from worker.transfer.applier import FinishResult, ModelApplier
 from worker.transfer.bracket import UpdateBracket
 from router.dataplane.buckets import NamedTensors
-from router.dataplane.group import DEFAULT_GROUP_TIMEOUT_S, GroupError, WeightUpdateGroup, init_weight_update_group
+from router.contract.budget import DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S
+from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
 from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
 from worker.transfer.validation import MetadataError, validate_buckets
 
@@ -72,7 +73,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-DEFAULT_RECEIVE_TIMEOUT_S = 600.0
 #: Scheduler-thread steps (checks, a bucket's copy) are short; this only guards a stuck thread.
 SCHEDULER_STEP_TIMEOUT_S = 120.0
 #: How long an abort waits for another weight-sync call on this worker before answering 503.

@@ -43,10 +43,12 @@ def validate_buckets(
     for index, bucket in enumerate(buckets):
         where = f"bucket {index + 1}: " if len(buckets) > 1 else ""
         try:
-            layouts.append(bucket.layout(require_aligned=flattened))
+            if flattened:
+                bucket.layout.check_aligned()
         except LayoutError as exc:
             problems.append(f"{where}{exc}")
             continue
+        layouts.append(bucket.layout)
         for slot in layouts[-1].slots:
             if slot.name in seen:
                 problems.append(f"{where}tensor {slot.name!r} is sent twice")

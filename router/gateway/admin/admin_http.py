@@ -16,7 +16,7 @@ Rules that keep it safe:
 - no request is ever retried here (admin POSTs are not idempotent);
 - a timeout or any error closes that connection.
 
-``https`` workers go through aiohttp instead (see ``AdminBroadcaster``).
+``https`` workers go through aiohttp instead (see :class:`~router.gateway.admin.fanout.FanOut`).
 """
 
 from __future__ import annotations

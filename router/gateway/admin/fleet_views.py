@@ -4,52 +4,59 @@
   or 409 listing each worker's version when they differ (a mixed fleet must
   not look healthy to a trainer).
 - ``/weights_checker`` with ``checksum``: every worker's checksum and whether
-  they are all identical (``checksums`` holds the engine-level digest, which
-  covers every TP rank; ``rank_checksums`` each rank's own, which a trainer
-  can recompute from the tensors it sent).
+  they are all identical (``worker_checksums`` holds the engine-level digest,
+  which covers every TP rank; ``rank_checksums`` each rank's own, which a
+  trainer can recompute from the tensors it sent).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from router.gateway.admin.broadcast import AdminBroadcaster, AdminCall, Outcome
+from router.contract import endpoints as ep
+from router.contract.admin import ModelInfo, WeightsCheckerRequest, WeightsCheckerResult, WeightVersionResult
 from router.contract.errors import Conflict
-from router.gateway.admin.operations import Operation
-from router.contract.fleet import WorkerResult
-from router.gateway.fleet.registry import tp_size_of
+from router.contract.fleet import (
+    FleetAnswer,
+    FleetModelInfo,
+    FleetWeightVersion,
+    WeightsCheckerFleetAnswer,
+    WorkerResult,
+    WorkerVersion,
+)
+from router.gateway.admin.answers import Outcome
+from router.gateway.admin.broadcast import broadcast
+from router.gateway.admin.fanout import AdminCall
+from router.gateway.admin.locked import AdminContext
+from router.gateway.admin.operations import OPERATIONS
 
-CHECKSUM_KEYS = ("per_engine_checksum", "per_gpu_checksum", "checksum")
+MODEL_INFO = OPERATIONS[ep.MODEL_INFO.path]
+WEIGHT_VERSION = OPERATIONS[ep.GET_WEIGHT_VERSION.path]
+WEIGHTS_CHECKER = OPERATIONS[ep.WEIGHTS_CHECKER.path]
 
 
-def _version_of(result: WorkerResult) -> str | None:
+def _version_of(result: WorkerResult[Any]) -> str | None:
     body = result.body
-    if isinstance(body, dict) and isinstance(body.get("weight_version"), str):
-        return body["weight_version"]
-    return None
+    return body.weight_version if isinstance(body, (ModelInfo, WeightVersionResult)) else None
 
 
 class FleetViews:
     """Broadcast a read, then judge the fleet's consistency."""
 
-    def __init__(self, broadcaster: AdminBroadcaster):
-        self._b = broadcaster
+    def __init__(self, ctx: AdminContext):
+        self._ctx = ctx
 
-    async def _read(self, op: Operation, call: AdminCall) -> tuple[Outcome, list[WorkerResult]]:
-        outcome = await self._b.broadcast(op, call)
-        return outcome, outcome.response.results
-
-    def _record_versions(self, results: list[WorkerResult]) -> None:
+    def _record_versions(self, results: list[WorkerResult[Any]]) -> None:
         for r in results:
-            worker = self._b.registry.find(r.worker)
+            worker = self._ctx.registry.find(r.worker)
             version = _version_of(r)
-            if worker is not None and version is not None:
-                worker.weight_version = version
-                tp = tp_size_of(r.body)
-                if tp is not None:
-                    worker.tp_size = tp
+            if worker is None or version is None:
+                continue
+            worker.weight_version = version
+            if isinstance(r.body, ModelInfo) and r.body.tp_size >= 1:
+                worker.tp_size = r.body.tp_size
 
-    def _common_version(self, results: list[WorkerResult]) -> str:
+    def _common_version(self, results: list[WorkerResult[Any]]) -> str:
         versions = {r.worker: _version_of(r) for r in results}
         distinct = set(versions.values())
         if len(distinct) != 1 or None in distinct:
@@ -57,56 +64,41 @@ class FleetViews:
             raise Conflict(
                 f"mixed worker weight_version: {listing}",
                 versions=versions,
-                results=[r.model_dump() for r in results],
+                results=[r.model_dump(mode="json") for r in results],
             )
-        return distinct.pop()  # type: ignore[return-value]
+        version = distinct.pop()
+        assert version is not None
+        return version
 
-    async def model_info(self, op: Operation, call: AdminCall) -> tuple[int, dict[str, Any]]:
-        outcome, results = await self._read(op, call)
+    async def model_info(self, call: AdminCall) -> tuple[int, ModelInfo | FleetAnswer[Any]]:
+        outcome = await broadcast(self._ctx, MODEL_INFO, call)
+        results = outcome.answer.results
         self._record_versions(results)
         if not outcome.ok:
-            return outcome.status, outcome.response.model_dump()
+            return outcome.status, outcome.answer
         version = self._common_version(results)
-        first = results[0].body if isinstance(results[0].body, dict) else {}
-        workers = [{"id": r.worker, "url": r.url, "weight_version": _version_of(r)} for r in results]
-        return 200, {**first, "weight_version": version, "worker_count": len(results), "workers": workers}
+        first = results[0].body
+        assert isinstance(first, ModelInfo)
+        workers = [WorkerVersion(id=r.worker, url=r.url, weight_version=_version_of(r)) for r in results]
+        info = {**first.model_dump(), "weight_version": version, "worker_count": len(results), "workers": workers}
+        return 200, FleetModelInfo.model_validate(info)
 
-    async def weight_version(self, op: Operation, call: AdminCall) -> tuple[int, dict[str, Any]]:
-        outcome, results = await self._read(op, call)
+    async def weight_version(self, call: AdminCall) -> tuple[int, WeightVersionResult | FleetAnswer[Any]]:
+        outcome = await broadcast(self._ctx, WEIGHT_VERSION, call)
+        results = outcome.answer.results
         self._record_versions(results)
         if not outcome.ok:
-            return outcome.status, outcome.response.model_dump()
-        return 200, {"weight_version": self._common_version(results), "worker_count": len(results)}
+            return outcome.status, outcome.answer
+        return 200, FleetWeightVersion(weight_version=self._common_version(results), worker_count=len(results))
 
-    async def weights_checker(self, op: Operation, call: AdminCall, action: str) -> tuple[int, dict[str, Any]]:
-        outcome, results = await self._read(op, call)
-        body = outcome.response.model_dump()
-        if action == "checksum":
-            sums = {r.worker: _checksum(r.body) for r in results}
+    async def weights_checker(self, req: WeightsCheckerRequest, call: AdminCall) -> Outcome:
+        outcome = await broadcast(self._ctx, WEIGHTS_CHECKER, call)
+        answer = outcome.answer
+        if req.action == "checksum" and isinstance(answer, WeightsCheckerFleetAnswer):
+            bodies = {r.worker: r.body if isinstance(r.body, WeightsCheckerResult) else None for r in answer.results}
+            sums = {w: (b.per_engine_checksum or b.per_gpu_checksum) if b else None for w, b in bodies.items()}
             values = set(sums.values())
-            body["checksums"] = sums
-            body["rank_checksums"] = {r.worker: _rank_checksums(r.body) for r in results}
-            body["identical"] = outcome.ok and None not in values and len(values) == 1
-        return outcome.status, body
-
-
-def _checksum(body: Any) -> str | None:
-    if not isinstance(body, dict):
-        return None
-    for key in CHECKSUM_KEYS:
-        if isinstance(body.get(key), str):
-            return body[key]
-    return None
-
-
-def _rank_checksums(body: Any) -> list[str]:
-    """Each rank's own checksum (the scheme a trainer can recompute from the tensors it sent)."""
-    if not isinstance(body, dict):
-        return []
-    ranks = body.get("ranks")
-    if isinstance(ranks, list):
-        found = [r.get("per_gpu_checksum") for r in ranks if isinstance(r, dict)]
-        if found and all(isinstance(c, str) for c in found):
-            return found
-    single = body.get("per_gpu_checksum")
-    return [single] if isinstance(single, str) else []
+            answer.worker_checksums = sums
+            answer.rank_checksums = {w: b.checksums_per_rank() if b else [] for w, b in bodies.items()}
+            answer.identical = outcome.ok and None not in values and len(values) == 1
+        return outcome

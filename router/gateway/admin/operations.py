@@ -1,11 +1,13 @@
 """The admin routes the router broadcasts, and how each one is treated.
 
-One row per worker admin route. ``locked`` routes are serialized by the admin
-update lock; ``fenced`` routes also take their targets out of request routing
-for the whole broadcast, journal them, and keep them disabled unless every
-target succeeds. Timeouts are per route and sized for the work: a weight load
-or a rendezvous takes minutes, a version query does not. A caller's
-``timeout_s`` in the body stretches the router's wait beyond it.
+One row per worker admin route; the route's shape (methods, request and response
+models) and its timeout budget come from :mod:`router.contract.endpoints`, the
+rows add the router's policy:
+
+- ``locked`` (the endpoint is *serialized*): one at a time under the admin update lock;
+- ``fenced``: the targets are also taken out of request routing for the whole
+  broadcast, journaled, and kept disabled unless every target succeeds;
+- ``changes_weights``: after success the router refreshes each target's ``weight_version``.
 """
 
 from __future__ import annotations
@@ -13,71 +15,75 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-
-def caller_timeout_s(body: Any) -> float | None:
-    """The positive ``timeout_s`` a caller put in the body, if any (bools are not numbers here)."""
-    if isinstance(body, dict):
-        asked = body.get("timeout_s")
-        if isinstance(asked, (int, float)) and not isinstance(asked, bool) and asked > 0:
-            return float(asked)
-    return None
+from router.contract import endpoints as ep
+from router.contract.base import WireRequest
+from router.contract.fleet import (
+    CompleteFleetAnswer,
+    FleetAnswer,
+    GroupInitFleetAnswer,
+    PrepareFleetAnswer,
+    WeightsCheckerFleetAnswer,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class Operation:
     """One worker admin route and how the router treats it."""
 
-    path: str
-    methods: tuple[str, ...]
-    timeout_s: float
-    locked: bool = False
+    endpoint: ep.Endpoint[Any, Any]
     fenced: bool = False
     changes_weights: bool = False
-    """After success the router refreshes each target's ``weight_version``."""
+    answer: type[FleetAnswer[Any]] | None = None
+    """The router's answer model; by default the worker's answer lifted to the fleet."""
+
+    @property
+    def path(self) -> str:
+        return self.endpoint.path
 
     @property
     def name(self) -> str:
-        return self.path.lstrip("/")
+        return self.endpoint.name
 
-    def timeout_for(self, body: Any) -> float:
-        """The route's timeout, or the caller's ``timeout_s`` plus a margin when that is longer."""
-        asked = caller_timeout_s(body)
-        return self.timeout_s if asked is None else max(self.timeout_s, asked + 30.0)
+    @property
+    def locked(self) -> bool:
+        return self.endpoint.serialized
 
+    def answer_model(self) -> type[FleetAnswer[Any]]:
+        return self.answer if self.answer is not None else FleetAnswer[self.endpoint.response]  # type: ignore[name-defined]
 
-_P = ("POST",)
-_GP = ("GET", "POST")
-_G = ("GET",)
+    def router_wait(self, req: WireRequest) -> float:
+        """How long the router waits for one worker's answer to ``req`` (the budget plus one margin)."""
+        return self.endpoint.budget.router_wait(self.endpoint.timeout_of(req))
+
 
 OPERATIONS: dict[str, Operation] = {
     op.path: op
     for op in (
         # Fleet-changing: one at a time, targets fenced, fail closed.
-        Operation("/pause_generation", _P, 300.0, locked=True, fenced=True),
-        Operation("/update_weights_from_disk", _P, 1800.0, locked=True, fenced=True, changes_weights=True),
-        Operation("/update_weights_from_tensor", _P, 600.0, locked=True, fenced=True, changes_weights=True),
-        Operation("/update_weights_from_distributed", _P, 1800.0, locked=True, fenced=True, changes_weights=True),
-        Operation("/init_weights_update_group", _P, 900.0, locked=True, fenced=True),
-        Operation("/destroy_weights_update_group", _P, 300.0, locked=True, fenced=True),
-        Operation("/prepare_weights_update", _P, 600.0, locked=True, fenced=True),
-        Operation("/complete_weights_update", _P, 1800.0, locked=True, fenced=True, changes_weights=True),
-        Operation("/update_weight_version", _P, 120.0, locked=True, fenced=True, changes_weights=True),
-        Operation("/release_memory_occupation", _GP, 600.0, locked=True, fenced=True),
-        Operation("/resume_memory_occupation", _GP, 600.0, locked=True, fenced=True, changes_weights=True),
+        Operation(ep.PAUSE_GENERATION, fenced=True),
+        Operation(ep.UPDATE_WEIGHTS_FROM_DISK, fenced=True, changes_weights=True),
+        Operation(ep.UPDATE_WEIGHTS_FROM_TENSOR, fenced=True, changes_weights=True),
+        Operation(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, fenced=True, changes_weights=True),
+        Operation(ep.INIT_WEIGHTS_UPDATE_GROUP, fenced=True, answer=GroupInitFleetAnswer),
+        Operation(ep.DESTROY_WEIGHTS_UPDATE_GROUP, fenced=True),
+        Operation(ep.PREPARE_WEIGHTS_UPDATE, fenced=True, answer=PrepareFleetAnswer),
+        Operation(ep.UPDATE_WEIGHT_VERSION, fenced=True, changes_weights=True),
+        Operation(ep.RELEASE_MEMORY_OCCUPATION, fenced=True),
+        Operation(ep.RESUME_MEMORY_OCCUPATION, fenced=True, changes_weights=True),
         # Serialized with updates (resuming mid-update would serve partial weights) but not fenced.
-        Operation("/continue_generation", _P, 120.0, locked=True),
+        Operation(ep.CONTINUE_GENERATION),
         # SGLang 0.5.23's update bracket (miles sends it): serialized with updates, changes nothing.
-        Operation("/begin_weight_update", _P, 120.0, locked=True),
-        Operation("/end_weight_update", _P, 120.0, locked=True),
+        Operation(ep.BEGIN_WEIGHT_UPDATE),
+        Operation(ep.END_WEIGHT_UPDATE),
+        # Run inside the update a ready prepare holds the lock for (see two_phase).
+        Operation(ep.COMPLETE_WEIGHTS_UPDATE, changes_weights=True, answer=CompleteFleetAnswer),
+        Operation(ep.ABORT_WEIGHTS_UPDATE),
         # Plain broadcasts.
-        Operation("/flush_cache", _GP, 120.0),
-        Operation("/abort_request", _P, 30.0),
-        Operation("/get_weight_version", _G, 30.0),
-        Operation("/server_info", _G, 30.0),
-        Operation("/weights_checker", _GP, 900.0),
-        Operation("/model_info", _GP, 60.0),
+        Operation(ep.FLUSH_CACHE),
+        Operation(ep.ABORT_REQUEST),
+        Operation(ep.GET_WEIGHT_VERSION),
+        Operation(ep.SERVER_INFO),
+        Operation(ep.WEIGHTS_CHECKER, answer=WeightsCheckerFleetAnswer),
+        Operation(ep.MODEL_INFO),
     )
 }
-
-# The router-only route that tells workers to drop a prepared receive (two-phase abort).
-ABORT_WEIGHTS_UPDATE = Operation("/abort_weights_update", _P, 120.0)

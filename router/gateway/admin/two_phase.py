@@ -1,136 +1,112 @@
-"""The two-phase barrier through the router (seed 001): prepare on all, then complete on all.
+"""The two-phase barrier through the router: prepare on all, then complete on all.
 
 ``/prepare_weights_update`` answers ``ready`` only when every target is ready,
 so the trainer never broadcasts to a group in which someone is not receiving.
 If any target answers ``error`` (or not at all), the router tells the ready
-ones to drop their receive (``POST /abort_weights_update {"group_name"}``)
-and returns every worker's answer; no broadcast should follow.
+ones to drop their receive (``/abort_weights_update``) and returns every
+worker's answer; no broadcast should follow.
 
-Between a ready prepare and its complete the update is *in flight*: the
-router keeps the admin update lock, the targets disabled and the journal
-entry across the two HTTP calls (an update session). ``/complete_weights_update``
-ends it: all succeed, with the expected bucket count, → targets restored;
-otherwise they stay disabled. A session nobody completes expires after the
-caller's ``timeout_s`` (plus a margin) and fails closed.
+Between a ready prepare and its complete the update is a :class:`PreparedUpdate`:
+it owns the admin update lock, the fence on its targets and the journal entry,
+across the two HTTP calls. ``/complete_weights_update`` ends it: every worker
+succeeds with the announced bucket count → targets restored; otherwise they stay
+disabled. ``/abort_weights_update`` ends it when the trainer will not broadcast.
+A prepared update nobody ends expires once its receive window has passed (plus
+one margin) and fails closed. Each of the three ends runs as an
+:class:`~router.gateway.admin.locked.AdminRun` that adopts the update's lock,
+so the lock is released in that run's ``end``, like every other operation's.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
 from dataclasses import dataclass
 from typing import Any
 
-from router.gateway.admin.broadcast import AdminBroadcaster, AdminCall, Fence, Outcome, envelope, summarize
+from router.contract import endpoints as ep
+from router.contract.budget import DEFAULT_RECEIVE_TIMEOUT_S, HOP_MARGIN_S
 from router.contract.errors import Conflict
-from router.gateway.admin.operations import ABORT_WEIGHTS_UPDATE, Operation, caller_timeout_s
-from router.contract.fleet import CompleteResponse, PrepareResponse, WorkerResult
-from router.contract.weight_sync import DEFAULT_GROUP_NAME
+from router.contract.fleet import WorkerResult
+from router.contract.weight_sync import (
+    AbortWeightsUpdateRequest,
+    CompleteWeightsUpdateRequest,
+    CompleteWeightsUpdateResponse,
+    PrepareWeightsUpdateRequest,
+)
+from router.gateway.admin.answers import Outcome, fleet_answer, summarize
+from router.gateway.admin.fanout import AdminCall
+from router.gateway.admin.fence import Fence
+from router.gateway.admin.locked import AdminContext, AdminRun, LockHold
+from router.gateway.admin.operations import OPERATIONS
 from router.gateway.fleet.registry import Worker
 from router.gateway.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
-PREPARE = "/prepare_weights_update"
-COMPLETE = "/complete_weights_update"
-SESSION_MARGIN_S = 60.0
-# Where a worker may report the checksum of the weights it applied.
-CHECKSUM_KEYS = ("checksum", "per_engine_checksum", "per_gpu_checksum", "weights_checksum")
+PREPARE = OPERATIONS[ep.PREPARE_WEIGHTS_UPDATE.path]
+COMPLETE = OPERATIONS[ep.COMPLETE_WEIGHTS_UPDATE.path]
+ABORT = OPERATIONS[ep.ABORT_WEIGHTS_UPDATE.path]
 
 
 @dataclass
-class UpdateSession:
-    """An update between a ready prepare and its complete: it holds the admin lock and its fence."""
+class PreparedUpdate:
+    """An update between a ready prepare and its end: it owns the admin update lock and its fence."""
 
     group_name: str
+    lock: LockHold
     fence: Fence
     targets: list[Worker]
-    expected_buckets: int | None
-    started: float
+    expected_buckets: int
+    receive_deadline: float
+    """``time.monotonic()`` past which the workers stop receiving (prepare's ``timeout_s`` from ready on)."""
     expiry: asyncio.Task[None] | None = None
 
-
-def checksum_of(body: Any) -> str | None:
-    if not isinstance(body, dict):
-        return None
-    for key in CHECKSUM_KEYS:
-        value = body.get(key)
-        if isinstance(value, str) and value:
-            return value
-    return None
-
-
-def group_of(data: dict[str, Any]) -> str:
-    return str(data.get("group_name") or DEFAULT_GROUP_NAME)
-
-
-def expected_buckets(data: dict[str, Any]) -> int | None:
-    n = data.get("num_buckets")
-    if isinstance(n, int) and not isinstance(n, bool):
-        return n
-    buckets = data.get("buckets")
-    return len(buckets) if isinstance(buckets, list) else None
+    def receive_left_s(self) -> float:
+        return max(self.receive_deadline - time.monotonic(), 0.0)
 
 
 class TwoPhaseCoordinator:
-    """Prepare / complete / abort for the whole fleet, with at most one session at a time."""
+    """Prepare / complete / abort for the whole fleet, with at most one prepared update at a time."""
 
-    def __init__(
-        self,
-        broadcaster: AdminBroadcaster,
-        tasks: TaskSet,
-        *,
-        prepare_op: Operation,
-        complete_op: Operation,
-        default_timeout_s: float,
-        service_headers: dict[str, str],
-    ):
-        self._b = broadcaster
+    def __init__(self, ctx: AdminContext, tasks: TaskSet, *, prepared_life_s: float | None, service_headers: dict[str, str]):
+        self._ctx = ctx
         self._tasks = tasks
-        self._prepare_op = prepare_op
-        self._complete_op = complete_op
-        self._default_timeout_s = default_timeout_s
-        # The router's own credentials, for calls no caller is waiting on (session expiry).
+        #: Overrides the life of a prepared update (``--update-session-timeout-s``); by default its receive window + one margin.
+        self._prepared_life_s = prepared_life_s
+        # The router's own credentials, for calls no caller is waiting on (expiry).
         self._service_headers = service_headers
-        self.session: UpdateSession | None = None
+        self.prepared: PreparedUpdate | None = None
 
-    async def prepare(self, data: dict[str, Any], raw: bytes, headers: dict[str, str]) -> Outcome:
-        group = group_of(data)
-        start = time.perf_counter()
-        label = "error"
-        await self._b.gate.acquire(self._prepare_op.name)
-        keep_gate = False
-        try:
-            targets = self._b.live_targets()
-            fence = self._b.fence(targets, PREPARE)
-            call = AdminCall(method="POST", path=PREPARE, headers=headers, body=raw, timeout_s=self._prepare_op.timeout_for(data))
-            results = await self._b.fan_out(targets, call, fence=fence, stage="prepare")
-            for r in results:
-                if r.success and not (isinstance(r.body, dict) and r.body.get("status") == "ready"):
-                    r.success = False
-            if all(r.success for r in results):
-                life = self._session_life(data)
-                session = UpdateSession(group, fence, targets, expected_buckets(data), time.monotonic())
-                session.expiry = self._tasks.spawn(self._expire(session, life), name=f"update-session-{group}")
-                self.session = session
-                keep_gate = True
-                label = "success"
-                return Outcome(200, envelope(PREPARE, results, f"all {len(results)} worker(s) ready", PrepareResponse, status="ready"))
-            label = "failure"
-            return await self._release_after_failed_prepare(fence, targets, results, group, headers)
-        finally:
-            if not keep_gate:
-                self._b.gate.release()
-            self._b.metrics.observe_admin(self._prepare_op.name, label, time.perf_counter() - start)
+    async def prepare(self, req: PrepareWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
+        async with AdminRun.open(PREPARE, self._ctx) as run:
+            targets = self._ctx.live_targets()
+            fence = run.fence_targets(targets)
+            assert fence is not None  # prepare is fenced
+            call = AdminCall(PREPARE, "POST", req, headers, timeout_s=PREPARE.router_wait(req))
+            results = await run.fan_out(targets, call)
+            if not all(r.success for r in results):
+                run.outcome = "failure"
+                return await self._drop_ready(fence, targets, results, req.group_name, headers)
+            window = req.timeout_s if req.timeout_s is not None else DEFAULT_RECEIVE_TIMEOUT_S
+            prepared = PreparedUpdate(
+                group_name=req.group_name, lock=run.keep_lock(), fence=fence, targets=targets,
+                expected_buckets=req.num_buckets, receive_deadline=time.monotonic() + window,
+            )  # fmt: skip
+            life = self._prepared_life_s if self._prepared_life_s is not None else window + HOP_MARGIN_S
+            prepared.expiry = self._tasks.spawn(self._expire(prepared, life), name=f"prepared-update-{req.group_name}")
+            self.prepared = prepared
+            run.outcome = "success"
+            return Outcome(200, fleet_answer(PREPARE, results, f"all {len(results)} worker(s) ready", status="ready"))
 
-    async def _release_after_failed_prepare(
-        self, fence: Fence, targets: list[Worker], results: list[WorkerResult], group: str, headers: dict[str, str]
+    async def _drop_ready(
+        self, fence: Fence, targets: list[Worker], results: list[WorkerResult[Any]], group: str, headers: dict[str, str]
     ) -> Outcome:
+        """Some target is not ready: the ready ones drop their receive; known-good only if every drop succeeds."""
         ready_ids = {r.worker for r in results if r.success}
         ready = [w for w in targets if w.id in ready_ids]
-        aborts = await self._b.fan_out(ready, self._abort_call(group, headers)) if ready else []
+        aborts = await self._ctx.fanout.to_all(ready, self._abort_call(group, headers)) if ready else []
         failed = [r for r in results if not r.success]
         message = f"{len(failed)} of {len(results)} worker(s) not ready: {summarize(failed)}; no broadcast may start"
         if all(a.success for a in aborts):
@@ -142,88 +118,78 @@ class TwoPhaseCoordinator:
             bad = [a for a in aborts if not a.success]
             fence.fail([r.worker for r in failed] + [a.worker for a in bad], "prepare failed and a receive could not be dropped")
             message += f"; could not release {summarize(bad)}; all targets stay disabled (fail closed)"
-        return Outcome(502, envelope(PREPARE, results, message, PrepareResponse, status="error", aborts=aborts))
+        return Outcome(502, fleet_answer(PREPARE, results, message, success=False, status="error", aborts=aborts))
 
-    async def complete(self, data: dict[str, Any], raw: bytes, headers: dict[str, str]) -> Outcome:
-        group = group_of(data)
-        session = self.session
-        if session is None or session.group_name != group:
-            have = f"the open session is for group {session.group_name!r}" if session else "no update session is open"
-            raise Conflict(f"no prepared weight update for group {group!r} ({have}); call /prepare_weights_update first")
-        start = time.perf_counter()
-        self._end_session(session)
-        try:
-            call = AdminCall(method="POST", path=COMPLETE, headers=headers, body=raw, timeout_s=self._complete_op.timeout_for(data))
-            results = await self._b.fan_out(session.targets, call, fence=session.fence, stage="complete")
-            counts = self._check_counts(results, session.expected_buckets)
-            checksums = {r.worker: checksum_of(r.body) for r in results}
+    async def complete(self, req: CompleteWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
+        prepared = self._take(req.group_name, "call /prepare_weights_update first")
+        async with AdminRun.open(COMPLETE, self._ctx, adopt=prepared.lock) as run:
+            run.fence = prepared.fence
+            # The workers wait for the rest of the receive window unless complete bounds its own wait.
+            waits = req.timeout_s if req.timeout_s is not None else prepared.receive_left_s()
+            call = AdminCall(COMPLETE, "POST", req, headers, timeout_s=COMPLETE.endpoint.budget.router_wait(waits))
+            results = await run.fan_out(prepared.targets, call)
+            _check_counts(results, prepared.expected_buckets)
+            checksums = {r.worker: r.body.checksum if r.body is not None else None for r in results}
             values = set(checksums.values())
-            outcome = self._b.settle(
-                COMPLETE, results, session.fence, CompleteResponse, num_buckets_received=counts,
-                checksums=checksums, checksums_match=None if None in values else len(values) == 1,
-            )  # fmt: skip
+            outcome = run.settle(results, checksums=checksums, checksums_match=None if None in values else len(values) == 1)
             if outcome.ok:
-                await self._b.refresh_versions(session.targets)
-            self._b.metrics.observe_admin(self._complete_op.name, "success" if outcome.ok else "failure", time.perf_counter() - start)
+                await self._ctx.refresh_versions(prepared.targets)
             return outcome
-        finally:
-            self._b.gate.release()
 
-    async def abort(self, data: dict[str, Any], headers: dict[str, str]) -> Outcome:
+    async def abort(self, req: AbortWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
         """A caller gives up after a ready prepare: workers drop their receive.
 
         Known-good only if every worker confirms and none reports partially
         applied weights; otherwise the targets stay disabled.
         """
-        group = group_of(data)
-        session = self.session
-        if session is None or session.group_name != group:
-            raise Conflict(f"no prepared weight update for group {group!r} to abort")
-        self._end_session(session)
-        try:
-            results = await self._b.fan_out(session.targets, self._abort_call(group, headers))
-            partial = [r for r in results if isinstance(r.body, dict) and r.body.get("weights_partial") is True]
-            for r in partial:
-                r.success = False
-            return self._b.settle(ABORT_WEIGHTS_UPDATE.path, results, session.fence)
-        finally:
-            self._b.gate.release()
+        prepared = self._take(req.group_name, "nothing to abort")
+        async with AdminRun.open(ABORT, self._ctx, adopt=prepared.lock) as run:
+            run.fence = prepared.fence
+            results = await run.fan_out(prepared.targets, self._abort_call(req.group_name, headers))
+            for r in results:
+                if r.body is not None and getattr(r.body, "weights_partial", False):
+                    r.success = False
+            return run.settle(results)
 
     # ------------------------------------------------------------------ internals
 
+    def _take(self, group: str, hint: str) -> PreparedUpdate:
+        """Detach the prepared update of ``group`` (the caller's run now ends it), or 409."""
+        prepared = self.prepared
+        if prepared is None or prepared.group_name != group:
+            have = f"the prepared one is for group {prepared.group_name!r}" if prepared else "no update is prepared"
+            raise Conflict(f"no prepared weight update for group {group!r} ({have}); {hint}")
+        self._detach(prepared)
+        return prepared
+
+    def _detach(self, prepared: PreparedUpdate) -> None:
+        self.prepared = None
+        if prepared.expiry is not None and prepared.expiry is not asyncio.current_task():
+            prepared.expiry.cancel()
+
     def _abort_call(self, group: str, headers: dict[str, str]) -> AdminCall:
-        body = json.dumps({"group_name": group}).encode()
-        return AdminCall(method="POST", path=ABORT_WEIGHTS_UPDATE.path, headers=headers, body=body, timeout_s=ABORT_WEIGHTS_UPDATE.timeout_s)
+        req = AbortWeightsUpdateRequest(group_name=group)
+        return AdminCall(ABORT, "POST", req, headers, timeout_s=ABORT.router_wait(req))
 
-    def _session_life(self, data: dict[str, Any]) -> float:
-        asked = caller_timeout_s(data)
-        return self._default_timeout_s if asked is None else asked + SESSION_MARGIN_S
-
-    def _end_session(self, session: UpdateSession) -> None:
-        """Detach the session (the caller now owns releasing the gate)."""
-        self.session = None
-        if session.expiry is not None and session.expiry is not asyncio.current_task():
-            session.expiry.cancel()
-
-    @staticmethod
-    def _check_counts(results: list[WorkerResult], expected: int | None) -> dict[str, int | None]:
-        counts: dict[str, int | None] = {}
-        for r in results:
-            n = r.body.get("num_buckets_received") if isinstance(r.body, dict) else None
-            counts[r.worker] = n if isinstance(n, int) else None
-            if r.success and expected is not None and n != expected:
-                r.success = False
-                r.error = f"received {n} bucket(s), expected {expected}"
-        return counts
-
-    async def _expire(self, session: UpdateSession, life_s: float) -> None:
+    async def _expire(self, prepared: PreparedUpdate, life_s: float) -> None:
         await asyncio.sleep(life_s)
-        if self.session is not session:
+        if self.prepared is not prepared:
             return
-        log.error("update session for group %s expired after %.0fs without complete; failing closed", session.group_name, life_s)
-        self._end_session(session)
-        try:
-            await self._b.fan_out(session.targets, self._abort_call(session.group_name, self._service_headers))
-        finally:
-            session.fence.fail([w.id for w in session.targets], f"no /complete_weights_update within {life_s:.0f}s")
-            self._b.gate.release()
+        log.error("prepared update of group %s expired after %.0fs without complete; failing closed", prepared.group_name, life_s)
+        self._detach(prepared)
+        async with AdminRun.open(ABORT, self._ctx, name="prepared_update_expired", adopt=prepared.lock) as run:
+            run.fence = prepared.fence
+            try:
+                await run.fan_out(prepared.targets, self._abort_call(prepared.group_name, self._service_headers))
+            finally:
+                prepared.fence.fail([w.id for w in prepared.targets], f"no /complete_weights_update within {life_s:.0f}s")
+                run.outcome = "failure"
+
+
+def _check_counts(results: list[WorkerResult[Any]], expected: int) -> None:
+    """A worker that applied another number of buckets than announced did not succeed."""
+    for r in results:
+        body = r.body
+        if r.success and isinstance(body, CompleteWeightsUpdateResponse) and body.num_buckets_received != expected:
+            r.success = False
+            r.error = f"received {body.num_buckets_received} bucket(s), expected {expected}"

@@ -12,13 +12,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import Any
+from typing import TypeVar
 
 import aiohttp
+from pydantic import ValidationError
 
-from router.gateway.fleet.registry import Worker, WorkerRegistry, tp_size_of
+from router.contract.admin import ModelInfo, ServerInfo
+from router.contract.base import WireResponse
+from router.gateway.fleet.registry import Worker, WorkerRegistry
 
 log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=WireResponse)
 
 
 class WorkerProber:
@@ -29,39 +34,36 @@ class WorkerProber:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = headers or {}
 
-    async def _get(self, worker: Worker, path: str) -> tuple[int, Any]:
+    async def _get(self, worker: Worker, path: str, model: type[M]) -> M | None:
+        """The worker's answer parsed as ``model``; ``None`` unless it answered 200 with one."""
         async with self._session.get(worker.url + path, timeout=self._timeout, headers=self._headers) as resp:
-            status = resp.status
+            if resp.status != 200:
+                return None
             try:
-                body = await resp.json(content_type=None)
-            except ValueError:
-                body = None
-            return status, body
+                return model.model_validate_json(await resp.read())
+            except ValidationError:
+                return None
 
     async def is_healthy(self, worker: Worker) -> bool:
         try:
-            status, _ = await self._get(worker, "/health")
+            async with self._session.get(worker.url + "/health", timeout=self._timeout, headers=self._headers) as resp:
+                return resp.status == 200
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False
-        return status == 200
 
     async def refresh_metadata(self, worker: Worker) -> bool:
         """Update ``weight_version`` and ``tp_size`` from the worker; False if it did not answer."""
         try:
-            status, info = await self._get(worker, "/model_info")
-            if status == 200 and isinstance(info, dict):
-                version = info.get("weight_version")
-                if isinstance(version, str):
-                    worker.weight_version = version
-                tp = tp_size_of(info)
-                if tp is not None:
-                    worker.tp_size = tp
+            info = await self._get(worker, "/model_info", ModelInfo)
+            if info is not None:
+                worker.weight_version = info.weight_version
+                if "tp_size" in info.model_fields_set and info.tp_size >= 1:
+                    worker.tp_size = info.tp_size
                     return True
-            status, info = await self._get(worker, "/server_info")
-            if status == 200 and isinstance(info, dict):
-                tp = tp_size_of(info)
-                if tp is not None:
-                    worker.tp_size = tp
+            server = await self._get(worker, "/server_info", ServerInfo)
+            if server is not None:
+                if "tp_size" in server.model_fields_set and server.tp_size >= 1:
+                    worker.tp_size = server.tp_size
                 return True
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False

@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Iterator
 from urllib.parse import unquote, urlsplit
 
 from router.contract.errors import BadRequest, Conflict, NotFound
@@ -60,12 +60,6 @@ def normalize_url(raw: str) -> str:
 def worker_id_for(url: str) -> str:
     """A stable id derived from the canonical URL, so it survives router restarts."""
     return "w-" + hashlib.sha256(url.encode()).hexdigest()[:12]
-
-
-def tp_size_of(info: Any) -> int | None:
-    """The ``tp_size`` a worker reported in a ``/model_info`` or ``/server_info`` body, if valid."""
-    tp = info.get("tp_size") if isinstance(info, dict) else None
-    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else None
 
 
 @dataclass(slots=True, eq=False)

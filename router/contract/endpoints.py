@@ -1,0 +1,164 @@
+"""Every worker admin route, once: path, methods, request and response model, timeout budget.
+
+The worker's route table, the router's operation table and the trainer client
+all read their admin routes from here, so a route's shape and its timeouts have
+one definition. The router serializes the ``serialized`` routes (every change of
+weights, pause state or groups) under its admin update lock, so their caller may
+first wait for the lock (:data:`~router.contract.budget.DEFAULT_LOCK_WAIT_S` by
+default). ``/complete_weights_update`` and ``/abort_weights_update`` run inside
+the update that a ready ``/prepare_weights_update`` holds the lock for: they
+never wait for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Generic, Optional, TypeVar
+
+from router.contract import admin, weight_sync
+from router.contract.base import WireRequest, WireResponse
+from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, Budget
+
+Req = TypeVar("Req", bound=WireRequest)
+Resp = TypeVar("Resp", bound=WireResponse)
+
+POST = ("POST",)
+GET = ("GET",)
+GET_POST = ("GET", "POST")
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoint(Generic[Req, Resp]):
+    """One admin route of the worker contract."""
+
+    path: str
+    methods: tuple[str, ...]
+    request: type[Req]
+    response: type[Resp]
+    budget: Budget
+    serialized: bool = False
+    """The router runs it under its admin update lock; the caller may first wait for the lock."""
+    aliases: tuple[str, ...] = ()
+    """Older names of the same route that workers also serve (SGLang's deprecated spellings)."""
+    timeout_field: Optional[str] = "timeout_s"
+    """The request field that bounds this call's wait (a join, a receive), if the request declares it."""
+
+    @property
+    def name(self) -> str:
+        return self.path.lstrip("/")
+
+    def timeout_of(self, req: Req) -> Optional[float]:
+        """The request's own bound on its wait, if this route has one and the caller set it."""
+        field = self.timeout_field
+        if field is None or field not in type(req).model_fields:
+            return None
+        value = getattr(req, field)
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+    def worker_bound(self, req: Req) -> float:
+        """The worker's deadline for this call."""
+        return self.budget.bound(self.timeout_of(req))
+
+
+def _receive(work_s: float) -> Budget:
+    """A call that waits for a receive bounded by the body's ``timeout_s``, then applies it."""
+    return Budget(work_s=work_s + APPLY_S, overhead_s=APPLY_S)
+
+
+MODEL_INFO = Endpoint("/model_info", GET_POST, admin.EmptyRequest, admin.ModelInfo, Budget(30.0), aliases=("/get_model_info",))
+GET_WEIGHT_VERSION = Endpoint(
+    "/get_weight_version", GET, admin.EmptyRequest, admin.WeightVersionResult, Budget(30.0), aliases=("/weight_version",)
+)
+SERVER_INFO = Endpoint("/server_info", GET, admin.EmptyRequest, admin.ServerInfo, Budget(30.0), aliases=("/get_server_info",))
+UPDATE_WEIGHT_VERSION = Endpoint(
+    "/update_weight_version", POST, admin.UpdateWeightVersionRequest, admin.UpdateWeightVersionResult, Budget(60.0),
+    serialized=True,
+)  # fmt: skip
+PAUSE_GENERATION = Endpoint(
+    "/pause_generation", POST, admin.PauseRequest, admin.PauseResult, Budget(60.0), serialized=True
+)
+CONTINUE_GENERATION = Endpoint(
+    "/continue_generation", POST, admin.ContinueRequest, admin.ContinueResult, Budget(60.0), serialized=True
+)
+ABORT_REQUEST = Endpoint("/abort_request", POST, admin.AbortRequest, admin.AbortRequestResult, Budget(30.0))
+#: Flush's ``timeout`` (a query parameter in SGLang) is its wait for the worker to become idle.
+FLUSH_CACHE = Endpoint(
+    "/flush_cache", GET_POST, admin.FlushCacheRequest, admin.FlushCacheResult, Budget(30.0, overhead_s=30.0),
+    timeout_field="timeout",
+)  # fmt: skip
+UPDATE_WEIGHTS_FROM_DISK = Endpoint(
+    "/update_weights_from_disk", POST, admin.UpdateWeightsFromDiskRequest, admin.UpdateWeightsFromDiskResult,
+    Budget(600.0), serialized=True,
+)  # fmt: skip
+UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
+    "/update_weights_from_tensor", POST, admin.EmptyRequest, admin.AdminResult, Budget(600.0), serialized=True
+)
+WEIGHTS_CHECKER = Endpoint(
+    "/weights_checker", GET_POST, admin.WeightsCheckerRequest, admin.WeightsCheckerResult, Budget(600.0)
+)
+RELEASE_MEMORY_OCCUPATION = Endpoint(
+    "/release_memory_occupation", GET_POST, admin.MemoryOccupationRequest, admin.MemoryOccupationResult,
+    Budget(300.0), serialized=True,
+)  # fmt: skip
+RESUME_MEMORY_OCCUPATION = Endpoint(
+    "/resume_memory_occupation", GET_POST, admin.MemoryOccupationRequest, admin.MemoryOccupationResult,
+    Budget(300.0), serialized=True,
+)  # fmt: skip
+INIT_WEIGHTS_UPDATE_GROUP = Endpoint(
+    "/init_weights_update_group", POST, weight_sync.InitWeightsUpdateGroupRequest, weight_sync.WeightSyncResponse,
+    Budget(DEFAULT_GROUP_TIMEOUT_S + 30.0, overhead_s=30.0), serialized=True,
+)  # fmt: skip
+DESTROY_WEIGHTS_UPDATE_GROUP = Endpoint(
+    "/destroy_weights_update_group", POST, weight_sync.DestroyWeightsUpdateGroupRequest, weight_sync.WeightSyncResponse,
+    Budget(60.0), serialized=True,
+)  # fmt: skip
+UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
+    "/update_weights_from_distributed", POST, weight_sync.UpdateWeightsFromDistributedRequest,
+    weight_sync.WeightSyncResponse, _receive(DEFAULT_RECEIVE_TIMEOUT_S), serialized=True,
+)  # fmt: skip
+#: Prepare answers once the receive runs: its ``timeout_s`` bounds the receive that follows, not this call.
+PREPARE_WEIGHTS_UPDATE = Endpoint(
+    "/prepare_weights_update", POST, weight_sync.PrepareWeightsUpdateRequest, weight_sync.PrepareWeightsUpdateResponse,
+    Budget(120.0), serialized=True, timeout_field=None,
+)  # fmt: skip
+COMPLETE_WEIGHTS_UPDATE = Endpoint(
+    "/complete_weights_update", POST, weight_sync.CompleteWeightsUpdateRequest,
+    weight_sync.CompleteWeightsUpdateResponse, _receive(DEFAULT_RECEIVE_TIMEOUT_S),
+)  # fmt: skip
+ABORT_WEIGHTS_UPDATE = Endpoint(
+    "/abort_weights_update", POST, weight_sync.AbortWeightsUpdateRequest, weight_sync.AbortWeightsUpdateResponse,
+    Budget(60.0),
+)  # fmt: skip
+BEGIN_WEIGHT_UPDATE = Endpoint(
+    "/begin_weight_update", POST, weight_sync.BeginWeightUpdateRequest, weight_sync.WeightSyncResponse, Budget(30.0),
+    serialized=True,
+)  # fmt: skip
+END_WEIGHT_UPDATE = Endpoint(
+    "/end_weight_update", POST, weight_sync.EndWeightUpdateRequest, weight_sync.WeightSyncResponse, Budget(30.0),
+    serialized=True,
+)  # fmt: skip
+
+#: Every admin route a worker serves, in the order they are documented.
+WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
+    MODEL_INFO,
+    GET_WEIGHT_VERSION,
+    SERVER_INFO,
+    UPDATE_WEIGHT_VERSION,
+    PAUSE_GENERATION,
+    CONTINUE_GENERATION,
+    ABORT_REQUEST,
+    FLUSH_CACHE,
+    UPDATE_WEIGHTS_FROM_DISK,
+    UPDATE_WEIGHTS_FROM_TENSOR,
+    WEIGHTS_CHECKER,
+    RELEASE_MEMORY_OCCUPATION,
+    RESUME_MEMORY_OCCUPATION,
+    INIT_WEIGHTS_UPDATE_GROUP,
+    DESTROY_WEIGHTS_UPDATE_GROUP,
+    UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+    PREPARE_WEIGHTS_UPDATE,
+    COMPLETE_WEIGHTS_UPDATE,
+    ABORT_WEIGHTS_UPDATE,
+    BEGIN_WEIGHT_UPDATE,
+    END_WEIGHT_UPDATE,
+)

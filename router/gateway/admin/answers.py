@@ -1,0 +1,45 @@
+"""The router's answer to a broadcast: per-worker results folded into one fleet answer.
+
+Every field of the route's response model holds the value all workers agree on
+(see :func:`router.contract.fleet.agreed_fields`); ``success`` is true only when
+every target succeeded; ``message`` says who failed and why.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from router.contract.fleet import FleetAnswer, WorkerResult, agreed_fields
+from router.gateway.admin.operations import Operation
+
+
+@dataclass(slots=True)
+class Outcome:
+    """A finished fleet operation: the HTTP status and the answer for the caller."""
+
+    status: int
+    answer: FleetAnswer[Any]
+
+    @property
+    def ok(self) -> bool:
+        return self.answer.success
+
+
+def summarize(failed: Sequence[WorkerResult[Any]]) -> str:
+    """One line per failed worker: its id, its status and why."""
+    return "; ".join(
+        f"{r.worker} ({r.status_code if r.status_code is not None else 'no response'}): {r.reason()[:300]}" for r in failed
+    )
+
+
+def fleet_answer(
+    op: Operation, results: list[WorkerResult[Any]], message: str, *, success: bool | None = None, **fields: Any
+) -> FleetAnswer[Any]:
+    """Fold ``results`` into ``op``'s answer model; ``fields`` (route-specific) override the agreed ones."""
+    model = op.answer_model()
+    agreed = agreed_fields(op.endpoint.response, [r.body for r in results])
+    ok = all(r.success for r in results) if success is None else success
+    return model.model_validate(
+        {**agreed, **fields, "success": ok, "message": message, "path": op.path, "worker_count": len(results), "results": results}
+    )

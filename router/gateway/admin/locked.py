@@ -1,0 +1,157 @@
+"""The one shape of every admin operation on the fleet.
+
+::
+
+    acquire the update lock (serialized operations; 503 past --admin-lock-timeout-s)
+      → pick the live targets (503 when there are none)
+      → fence them: journal, then disable (fenced operations)
+      → fan out (an interrupted fan-out fails the fence closed)
+      → settle: restore the fence when every target succeeded, else fail closed
+      → end: release the lock, record the metrics
+
+:class:`AdminRun` is that shape; :meth:`AdminRun.open` runs it as a context, and
+:meth:`AdminRun.end` is the only place the update lock is released. A ready
+prepare keeps the lock past its own HTTP call (:meth:`AdminRun.keep_lock`): the
+prepared update owns it then, and the run that ends that update (complete,
+abort or expiry) adopts it and releases it in its own ``end``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Sequence
+
+from router.contract.errors import Unavailable
+from router.contract.fleet import WorkerResult
+from router.gateway.admin.answers import Outcome, fleet_answer, summarize
+from router.gateway.admin.fanout import AdminCall, FanOut
+from router.gateway.admin.fence import RESOLVE_HINT, Fence
+from router.gateway.admin.journal import UpdateJournal
+from router.gateway.admin.operations import Operation
+from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.fleet.health import WorkerProber
+from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.metrics import RouterMetrics
+
+
+@dataclass(slots=True)
+class AdminContext:
+    """What every admin operation works with (one per app)."""
+
+    registry: WorkerRegistry
+    gate: UpdateGate
+    journal: UpdateJournal
+    metrics: RouterMetrics
+    fanout: FanOut
+    prober: WorkerProber
+
+    def live_targets(self) -> list[Worker]:
+        targets = self.registry.live()
+        if not targets:
+            raise Unavailable(f"no live workers to broadcast to ({len(self.registry)} registered, all dead)")
+        return targets
+
+    async def refresh_versions(self, workers: Sequence[Worker]) -> None:
+        """Read each worker's ``weight_version`` and ``tp_size`` again (after a change, or when unknown)."""
+        await asyncio.gather(*(self.prober.refresh_metadata(w) for w in workers))
+
+
+class LockHold:
+    """The admin update lock, held by one operation or one prepared update; released once."""
+
+    def __init__(self, gate: UpdateGate):
+        self._gate = gate
+        self._held = True
+
+    def release(self) -> None:
+        if self._held:
+            self._held = False
+            self._gate.release()
+
+
+class AdminRun:
+    """One admin operation on the fleet, from the lock to the metrics (see the module docstring)."""
+
+    def __init__(self, op: Operation, ctx: AdminContext, *, name: str | None = None, lock: LockHold | None = None):
+        self.op = op
+        self.ctx = ctx
+        self.name = name or op.name
+        self.fence: Fence | None = None
+        self.outcome = "error"
+        self._lock = lock
+        self._kept = False
+        self._ended = False
+        self._started = time.perf_counter()
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def open(cls, op: Operation, ctx: AdminContext, *, name: str | None = None,
+                   adopt: LockHold | None = None) -> AsyncIterator["AdminRun"]:  # fmt: skip
+        """Run one operation: take the lock if ``op`` is serialized (or ``adopt`` a prepared update's), end on exit.
+
+        Whatever escapes the body fails an unsettled fence closed: any target may
+        already have started applying the call.
+        """
+        lock = adopt
+        if lock is None and op.locked:
+            await ctx.gate.acquire(name or op.name)
+            lock = LockHold(ctx.gate)
+        run = cls(op, ctx, name=name, lock=lock)
+        try:
+            yield run
+        except BaseException:
+            if run.fence is not None and not run.fence.settled:
+                run.fence.fail([w.id for w in run.fence.targets], f"{run.name} interrupted")
+            raise
+        finally:
+            run.end()
+
+    def fence_targets(self, targets: Sequence[Worker]) -> Fence | None:
+        """Journal and disable ``targets`` if this operation is fenced (refuses with 409/503, changing nothing)."""
+        if self.op.fenced:
+            self.fence = Fence.raise_around(targets, self.op.path, self.ctx.journal)
+        return self.fence
+
+    async def fan_out(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
+        return await self.ctx.fanout.to_all(targets, call)
+
+    def settle(self, results: list[WorkerResult[Any]], **fields: Any) -> Outcome:
+        """The caller's answer, and the fence settled: restored if every target succeeded, else failed closed.
+
+        When every target answers 501, nothing can have changed and the fence is restored.
+        """
+        failed = [r for r in results if not r.success]
+        not_implemented = bool(results) and all(r.status_code == 501 for r in results)
+        if self.fence is not None:
+            if not failed or not_implemented:
+                self.fence.succeed()
+            else:
+                self.fence.fail([r.worker for r in failed], summarize(failed))
+        self.outcome = "success" if not failed else "failure"
+        if not failed:
+            return Outcome(200, fleet_answer(self.op, results, "ok", **fields))
+        if not_implemented:
+            return Outcome(501, fleet_answer(self.op, results, f"{self.op.path} is not implemented by the workers", **fields))
+        message = f"{len(failed)} of {len(results)} worker(s) failed {self.op.path}: {summarize(failed)}"
+        if self.fence is not None:
+            message += f". All {len(self.fence.targets)} target(s) stay disabled (fail closed); {RESOLVE_HINT}"
+        return Outcome(502, fleet_answer(self.op, results, message, **fields))
+
+    def keep_lock(self) -> LockHold:
+        """Hand the lock to a prepared update: this run ends without releasing it."""
+        if self._lock is None:
+            raise RuntimeError(f"{self.name} holds no lock to keep")
+        self._kept = True
+        return self._lock
+
+    def end(self) -> None:
+        """Release the lock (unless kept) and record the metrics; the only place either happens."""
+        if self._ended:
+            return
+        self._ended = True
+        if self._lock is not None and not self._kept:
+            self._lock.release()
+        self.ctx.metrics.observe_admin(self.name, self.outcome, time.perf_counter() - self._started)
