@@ -48,6 +48,7 @@ import torch.distributed as dist
 
 from router.contract.bucket_layout import BucketLayout
 from router.dataplane.group import init_weight_update_group
+from router.dataplane.formats import get_format
 from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
 from router.trainer.sender import BucketPlan, TrainerWeightSender
 
@@ -116,7 +117,7 @@ def receiver_main(rank: int, cfg: dict[str, Any], commands: "mp.Queue[Any]", res
             group.broadcast(raw, TIMEOUT_S)
         elif cmd["mode"] in ("flattened_bucket", "per_tensor"):
             model = model_for(plan)
-            receiver = BucketReceiver(group, plan.buckets, load_format=cmd["mode"], device=device, buffers=buffers,
+            receiver = BucketReceiver(group, plan.buckets, fmt=get_format(cmd["mode"]), device=device, buffers=buffers,
                                       apply=lambda i, named, m=model: applier.submit(apply_named, m, named))
             receiver.start(TIMEOUT_S)
             results.put("ready")

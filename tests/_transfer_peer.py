@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from router.dataplane.group import GroupError, init_weight_update_group
+from router.dataplane.formats import get_format
 from worker.transfer.receiver import BucketReceiver
 from router.trainer.sender import BucketPlan, TrainerWeightSender
 
@@ -130,8 +131,7 @@ def run_receiver(cfg: dict[str, Any]) -> dict[str, Any]:
             digests[index] = bucket_digest(named)
 
         apply = None if rnd.get("atomic") else (lambda i, named: applier.submit(apply_one, i, named))
-        fmt = "per_tensor" if rnd["format"] == "per_tensor" else "flattened_bucket"
-        receiver = BucketReceiver(group, plan.buckets, load_format=fmt, apply=apply)
+        receiver = BucketReceiver(group, plan.buckets, fmt=get_format(rnd["format"]), apply=apply)
         try:
             receiver.start(timeout_s=cfg["timeout_s"])
         except GroupError as exc:

@@ -24,10 +24,12 @@ from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
 from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpdateError
+from worker.engine.weight_ops import CommitOptions
 from worker.engine.request import GenerationParams, OutputChannel, Request
 from worker.engine.scheduler import Scheduler
 from worker.generation import GenerationHandle
 from worker.stage import AdminTimeout, RankOp, SchedulerUnavailable, Stage, StageResult, held
+from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +45,8 @@ class Coordinator:
         self.health_check_timeout_s = health_check_timeout_s
         self._admin_lock = asyncio.Lock()
         self._inflight: dict[str, GenerationHandle] = {}
+        self.updates = UpdatePipeline(self)
+        """Every weight update of this worker goes through this one pipeline."""
 
     # -- accessors -------------------------------------------------------------------
     @property
@@ -154,36 +158,46 @@ class Coordinator:
         return result
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult:
-        """Check, stage the checkpoint off the scheduler thread, then swap it in between steps."""
+        """One update transaction: check, read and validate the checkpoint off the scheduler
+        thread (inference keeps running), abort requests if asked, write it in one step."""
         action = "update_weights_from_disk"
-        deadline = time.monotonic() + timeout_s
-        async with self.admin_section(action, _left(deadline)):
-            check = await self.admin(action, partial(admin_ops.check_update_allowed, abort_all_requests=req.abort_all_requests), _left(deadline))
-            if not check.success:
-                check.data.setdefault("num_paused_requests", self.scheduler.num_waiting)
-                return check
-            staged: dict[int, StagedCheckpoint] = {}
-            loop = asyncio.get_running_loop()
-            for rank in self.stage.ranks:
-                try:
-                    staged[rank.rank] = await asyncio.wait_for(
-                        loop.run_in_executor(None, rank.worker.stage_checkpoint, req.model_path, req.load_format), _left(deadline)
-                    )
-                except WeightUpdateError as exc:
-                    failed = OpResult(False, f"Failed to update weights: {exc}", {"num_paused_requests": self.scheduler.num_waiting})
-                    return self.stage.describe(action, lambda _s: failed)
-                except asyncio.TimeoutError:
-                    raise AdminTimeout(action, timeout_s) from None
-            pre_aborted: list[str] = []
-            if req.abort_all_requests:
-                # As SGLang's writer lock does: aborted requests are answered
-                # (with the old weight_version) before the weights change.
-                aborted = await self.admin(action, lambda s: OpResult(True, "", {"rids": s.abort_all("Aborted: weights updated from disk")}), _left(deadline))
-                pre_aborted = list(aborted.data.get("rids", []))
-                await self.wait_returned(pre_aborted, _left(deadline))
-            result = await self.admin(action, lambda s: admin_ops.update_weights_from_disk(s, req, staged[s.rank]), _left(deadline))
-            result.data["num_aborted"] = result.data.get("num_aborted", 0) + len(pre_aborted)
-            return result
+        try:
+            txn = await self.updates.begin(action, abort_all=req.abort_all_requests, streaming=False, timeout_s=timeout_s,
+                                           after_deadline_s=0.0)  # fmt: skip
+        except UpdateRefused as exc:
+            return self._answer(action, False, str(exc))
+        try:
+            staged = await self._read_checkpoint(req, txn.step_s())
+            await self.updates.take(txn)
+            await self.updates.apply(txn, staged.tensors, require_complete=True)
+        except (UpdateRefused, UpdateFailed, WeightUpdateError) as exc:
+            await self.updates.fail(txn)
+            prefix = "" if isinstance(exc, UpdateRefused) else "Failed to update weights: "
+            return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted)
+        except asyncio.TimeoutError:
+            await self.updates.fail(txn)
+            raise AdminTimeout(action, timeout_s) from None
+        names = tuple(name for name, _ in staged.tensors)
+        result = await self.updates.commit(txn, CommitOptions(
+            names=names, whole=True, weight_version=req.weight_version, flush_cache=req.flush_cache,
+            keep_pause=req.keep_pause, empty_cache=req.torch_empty_cache, token_step=req.token_step,
+            model_path=staged.path, load_format=staged.load_format,
+        ))  # fmt: skip
+        result.message = "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
+        result.data.update(num_aborted=txn.num_aborted, model_path=self.worker.model_path)
+        return result
+
+    async def _read_checkpoint(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StagedCheckpoint:
+        """Every rank reads and validates the checkpoint on an executor thread (all ranks share one
+        host today, so the leader's read serves them all)."""
+        loop = asyncio.get_running_loop()
+        read = loop.run_in_executor(None, self.worker.stage_checkpoint, req.model_path, req.load_format)
+        return await asyncio.wait_for(read, timeout_s)
+
+    def _answer(self, action: str, ok: bool, message: str, **data: Any) -> StageResult:
+        """A stage-level answer built here (no scheduler round trip), with every rank's result."""
+        result = OpResult(ok, message, {"num_paused_requests": self.scheduler.num_waiting, **data})
+        return self.stage.describe(action, lambda _s: result)
 
     async def flush_cache(self, wait_s: float, timeout_s: float) -> StageResult:
         """Flush; with ``wait_s`` > 0, retry until the worker is idle or the time is up."""

@@ -20,7 +20,7 @@ This module never imports torch; the router and the trainer client use it too.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 #: Element size in bytes of every dtype a weight update may carry. Names are
@@ -141,6 +141,19 @@ class BucketLayout:
                     f"multiple of its {slot.dtype} element size {slot.itemsize}; order the bucket by "
                     "descending element size (or pad) so every offset is aligned"
                 )
+
+    def padded(self) -> "BucketLayout":
+        """The same tensors, each offset rounded up to a multiple of its element size.
+
+        A per-tensor receive writes each tensor on its own, so its buffer may pad
+        where a flattened bucket (one contiguous message) cannot."""
+        slots: list[TensorSlot] = []
+        offset = 0
+        for slot in self.slots:
+            offset = -(-offset // slot.itemsize) * slot.itemsize
+            slots.append(replace(slot, offset=offset))
+            offset += slot.nbytes
+        return BucketLayout(slots=tuple(slots), total_bytes=offset)
 
     @property
     def names(self) -> list[str]:

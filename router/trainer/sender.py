@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 import torch
+import torch.distributed as dist
 
 from router.contract.bucket_layout import BucketLayout, aligned_order
 from router.contract.budget import DEFAULT_GROUP_TIMEOUT_S
@@ -33,8 +34,9 @@ from router.contract.weight_sync import (
     InitWeightsUpdateGroupRequest,
     PrepareWeightsUpdateRequest,
 )
-from router.dataplane.buckets import allocate_bytes, dtype_name, pack
+from router.dataplane.buckets import allocate_bytes, dtype_name
 from router.dataplane.digest import digest_named_tensors
+from router.dataplane.formats import for_load_format
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
 
 DEFAULT_BUCKET_BYTES = 1 << 30
@@ -187,35 +189,30 @@ class TrainerWeightSender:
         load_format: str | None = None,
         progress: Progress | None = None,
     ) -> SendStats:
-        """Broadcast every bucket of ``plan`` (blocking until all have left)."""
+        """Broadcast every bucket of ``plan`` (blocking until all have left).
+
+        At most two buckets are in flight: bucket ``i`` is posted once bucket ``i - 2``
+        has left, so a packing format reuses two staging buffers.
+        """
         group = self._require_group()
+        fmt = for_load_format(load_format)
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
-        done_bytes = 0
-        if load_format == "flattened_bucket":
+        if fmt.packs:
             self._ensure_buffers(plan.max_bucket_bytes, min(2, len(plan.buckets)))
-            works: dict[int, Any] = {}
-            for index, layout in enumerate(plan.buckets):
-                if index - 2 in works:  # double buffer: wait before overwriting bucket i-2's buffer
-                    group.wait(works.pop(index - 2), deadline - time.monotonic())
-                buffer = self._buffers[index % 2]
-                packed = pack(((n, tensors[n]) for n in layout.names), layout, out=buffer)
-                works[index] = group.broadcast_async(packed)
-                done_bytes = self._report(progress, index, plan, done_bytes, layout)
-            for index in sorted(works):
-                group.wait(works[index], deadline - time.monotonic())
-        elif load_format is None:
-            previous: list[Any] = []
-            for index, layout in enumerate(plan.buckets):
-                current = [group.broadcast_async(_contiguous(tensors, s.name, s.dtype, s.shape)) for s in layout.slots]
-                for work in previous:
-                    group.wait(work, deadline - time.monotonic())
-                previous = current
-                done_bytes = self._report(progress, index, plan, done_bytes, layout)
-            for work in previous:
+        in_flight: dict[int, list[dist.Work]] = {}
+        done_bytes = 0
+        for index, layout in enumerate(plan.buckets):
+            for work in in_flight.pop(index - 2, []):
                 group.wait(work, deadline - time.monotonic())
-        else:
-            raise ValueError(f"unknown load_format {load_format!r}; expected None or 'flattened_bucket'")
+            buffer = self._buffers[index % 2] if fmt.packs else None
+            in_flight[index] = fmt.post_send(group, layout, tensors, buffer)
+            done_bytes += layout.total_bytes
+            if progress is not None:
+                progress(index + 1, len(plan.buckets), done_bytes)
+        for index in sorted(in_flight):
+            for work in in_flight[index]:
+                group.wait(work, deadline - time.monotonic())
         return SendStats(len(plan.buckets), plan.num_tensors, plan.total_bytes, time.perf_counter() - started)
 
     def send_bucket(
@@ -238,22 +235,8 @@ class TrainerWeightSender:
         if len(self._buffers) < count or any(b.numel() < nbytes for b in self._buffers):
             self._buffers = [allocate_bytes(nbytes, self.device) for _ in range(count)]
 
-    @staticmethod
-    def _report(progress: Progress | None, index: int, plan: BucketPlan, done: int, layout: BucketLayout) -> int:
-        done += layout.total_bytes
-        if progress is not None:
-            progress(index + 1, len(plan.buckets), done)
-        return done
-
 
 def sent_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     """The per-rank checksum of ``named`` in the weights-checker scheme: what every
     worker reports once it holds exactly these tensors."""
     return digest_named_tensors(named)[1]
-
-
-def _contiguous(tensors: Mapping[str, torch.Tensor], name: str, dtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    tensor = tensors[name]
-    if dtype_name(tensor.dtype) != dtype or tuple(tensor.shape) != shape:
-        raise ValueError(f"tensor {name!r} is {tensor.dtype} {list(tensor.shape)}, the plan says {dtype} {list(shape)}")
-    return tensor.contiguous()

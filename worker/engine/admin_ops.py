@@ -15,12 +15,11 @@ from router.contract.admin import (
     ContinueRequest,
     MemoryOccupationRequest,
     PauseRequest,
-    UpdateWeightsFromDiskRequest,
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
 from worker.engine.checker import CheckerError, compare_ok
-from worker.engine.model_worker import MEMORY_TAGS, StagedCheckpoint, WeightUpdateError
+from worker.engine.model_worker import MEMORY_TAGS, WeightUpdateError
 from worker.engine.scheduler import Scheduler
 
 
@@ -33,7 +32,7 @@ class OpResult:
     data: dict[str, Any] = field(default_factory=dict)
 
 
-def _active_message(count: int, what: str, *, can_abort_all: bool = True) -> str:
+def active_requests_message(count: int, what: str, *, can_abort_all: bool = True) -> str:
     """Why ``what`` is refused while requests hold KV; ``can_abort_all`` when the
     operation takes ``abort_all_requests``."""
     hint = " (or pass abort_all_requests=true)" if can_abort_all else ""
@@ -85,60 +84,6 @@ def update_weight_version(s: Scheduler, req: UpdateWeightVersionRequest) -> OpRe
     )
 
 
-def check_update_allowed(s: Scheduler, abort_all_requests: bool) -> OpResult:
-    """Cheap pre-check before a checkpoint is read: refuse at once when it would be refused anyway."""
-    if s.worker.weights_released:
-        return OpResult(False, "weights are released; call /resume_memory_occupation before updating them")
-    if s.active_request_count and not abort_all_requests:
-        return OpResult(False, _active_message(s.active_request_count, "update weights"))
-    return OpResult(True, "ok")
-
-
-def update_weights_from_disk(s: Scheduler, req: UpdateWeightsFromDiskRequest, staged: StagedCheckpoint) -> OpResult:
-    """Swap in a staged checkpoint.
-
-    Pause after the update: generation that the caller paused before stays
-    paused (lift it with ``/continue_generation``); otherwise ``keep_pause=true``
-    leaves it paused in ``in_place`` mode (nothing is active after an update, so
-    that only holds back queued requests), and by default it runs on.
-    ``num_paused_requests`` counts the requests waiting (queued or retracted)
-    while the weights changed; they continue on the new weights.
-    """
-    allowed = check_update_allowed(s, req.abort_all_requests)
-    if not allowed.success:
-        return OpResult(False, allowed.message, {"num_paused_requests": s.num_waiting})
-    aborted = s.abort_all("Aborted: weights updated from disk") if req.abort_all_requests else []
-    waiting = s.num_waiting
-    try:
-        s.worker.apply_staged(staged)
-    except WeightUpdateError as exc:
-        return OpResult(False, f"Failed to update weights: {exc}", {"num_paused_requests": waiting, "num_aborted": len(aborted)})
-    worker = s.worker
-    worker.token_step = req.token_step
-    if req.weight_version is not None:
-        worker.weight_version = req.weight_version
-    message = "Succeeded to update model weights."
-    if req.flush_cache:
-        ok, reason = s.flush_cache()
-        if not ok:  # cannot happen (nothing is active here); reported rather than asserted
-            message += f" Cache flush failed: {reason}"
-    if req.torch_empty_cache:
-        worker.empty_device_cache()
-    if not s.is_paused and req.keep_pause:
-        s.pause("in_place")
-    return OpResult(
-        True,
-        message,
-        {
-            "num_paused_requests": waiting,
-            "num_aborted": len(aborted),
-            "weight_version": worker.weight_version,
-            "model_path": worker.model_path,
-            "is_paused": s.is_paused,
-        },
-    )
-
-
 def weights_checker(s: Scheduler, req: WeightsCheckerRequest) -> OpResult:
     try:
         summary = s.worker.run_checker(req.action, req.skip_tensor_list or ())
@@ -158,7 +103,7 @@ def release_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult:
     """Refused while requests are active. Queued requests stay queued: generation
     does not step while any memory is released (they run after resume)."""
     if s.active_request_count:
-        return OpResult(False, _active_message(s.active_request_count, "release memory", can_abort_all=False))
+        return OpResult(False, active_requests_message(s.active_request_count, "release memory", can_abort_all=False))
     released = s.worker.release_memory(_tags(req))
     return OpResult(True, f"released {', '.join(released) or 'nothing (already released)'}", {"released": released})
 

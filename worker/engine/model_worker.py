@@ -5,10 +5,11 @@ steps); the only method safe on other threads is :meth:`ModelWorker.stage_checkp
 which reads a checkpoint into host memory and validates it without touching
 the model, so a disk update's I/O does not stall inference.
 
-Disk updates are all-or-nothing: a checkpoint is read and validated completely
-(names, shapes, dtypes, architecture) before any parameter is modified, and the
-copy itself runs against a host snapshot taken just before it, so even a
-failure half-way through the copy restores the previous weights bit for bit.
+The weights' state is :attr:`ModelWorker.ledger` (:mod:`worker.engine.weight_state`).
+:meth:`ModelWorker.apply_atomic` is the one all-or-nothing write every atomic
+update uses (a disk reload, an atomic or single-phase distributed update): it
+backs up exactly the tensors it overwrites, so a failure half-way through the
+copy restores the previous weights bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any, Iterable, Optional
 import torch
 
 from worker.engine.checker import WeightsChecker
+from worker.engine.weight_state import WeightLedger, WeightState
+from router.dataplane.buckets import NamedTensors
 from worker.model import (
     CausalLM,
     ModelConfig,
@@ -61,13 +64,17 @@ class WeightUpdateError(ValueError):
     """A weight update that was refused or failed; the previous weights are in place."""
 
 
+class RollbackFailed(RuntimeError):
+    """Restoring the previous weights after a failed write failed too: the weights are partial."""
+
+
 @dataclass
 class StagedCheckpoint:
     """A checkpoint read into host memory and validated against the model."""
 
     path: str
     load_format: Optional[str]
-    tensors: list[tuple[str, torch.Tensor]]
+    tensors: NamedTensors
 
 
 class ModelWorker:
@@ -91,9 +98,7 @@ class ModelWorker:
         self.load_format: Optional[str] = None
         self.weight_version = "default"
         self.token_step = 0
-        # True when a failed update could not restore the previous weights
-        # (or a transfer left them half-written): the worker must not serve.
-        self.weights_partial = False
+        self.ledger = WeightLedger(self.model.checkpoint_spec())
         self.checker = WeightsChecker()
         self._released: set[str] = set()
         self._host_weights: Optional[dict[str, torch.Tensor]] = None
@@ -113,7 +118,12 @@ class ModelWorker:
 
     @property
     def weights_released(self) -> bool:
-        return "weights" in self._released
+        return self.ledger.state is WeightState.RELEASED
+
+    @property
+    def weights_partial(self) -> bool:
+        """A mix of versions, or being rewritten bucket by bucket: nothing is generated."""
+        return self.ledger.mixed
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
@@ -157,46 +167,49 @@ class ModelWorker:
             raise WeightUpdateError(f"cannot read checkpoint at {model_path!r}: {exc}") from None
         return StagedCheckpoint(path=str(root), load_format=load_format, tensors=tensors)
 
-    def apply_staged(self, staged: StagedCheckpoint) -> int:
-        """Copy a staged checkpoint into the model (scheduler thread only).
+    def apply_atomic(self, named: NamedTensors, *, require_complete: bool = False) -> int:
+        """Write ``named`` in one go (scheduler thread only); the previous weights come back on any failure.
 
-        On any failure the previous weights are restored from a host snapshot
-        and :class:`WeightUpdateError` is raised; if even that fails,
-        ``weights_partial`` is set.
+        Raises :class:`WeightUpdateError` when the write failed and the backup was
+        restored, :class:`RollbackFailed` when restoring failed too.
         """
         if self.weights_released:
             raise WeightUpdateError("weights are released; call /resume_memory_occupation before updating them")
-        snapshot = self._host_snapshot()
+        views = dict(self.model.iter_checkpoint_tensors())
+        backup = [(views[name], views[name].to("cpu", copy=True)) for name, _ in named if name in views]
         try:
-            count = self.model.load_weights(staged.tensors, require_complete=True)
+            count = self.model.load_weights(named, require_complete=require_complete)
             self.synchronize()
         except Exception as exc:  # noqa: BLE001 - any failure mid-copy must roll back
-            self._restore(snapshot)
+            self._restore(backup)
             if isinstance(exc, WeightLoadError):
                 raise WeightUpdateError(str(exc)) from None
             raise WeightUpdateError(f"loading weights failed, previous weights restored: {type(exc).__name__}: {exc}") from None
-        self.model_path = staged.path
-        self.load_format = staged.load_format
-        self.weights_partial = False
         return count
 
-    def _host_snapshot(self) -> dict[str, torch.Tensor]:
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+    def apply_streamed(self, named: NamedTensors) -> int:
+        """Write one streamed bucket (scheduler thread only); its views are not kept."""
+        self.ledger.begin_writing()
+        count = self.model.load_weights(named)
+        self.synchronize()  # the receive thread reuses the buffer as soon as this returns
+        return count
 
-    def _restore(self, snapshot: dict[str, torch.Tensor]) -> None:
+    def _restore(self, backup: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         try:
             with torch.no_grad():
-                for name, param in self.model.named_parameters():
-                    param.data.copy_(snapshot[name])
+                for view, old in backup:
+                    view.copy_(old)
             self.synchronize()
-        except Exception:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001
             log.exception("restoring weights after a failed update failed; weights are partial")
-            self.weights_partial = True
-            raise
+            self.ledger.rollback_failed()
+            raise RollbackFailed(f"restoring the previous weights failed: {type(exc).__name__}: {exc}") from exc
 
     # -- memory occupation --------------------------------------------------------------
     def release_memory(self, tags: Iterable[str]) -> list[str]:
         """Move released weights to a host copy and free their device storage."""
+        if "weights" in tags and self.ledger.state is WeightState.WRITING:
+            raise WeightUpdateError("a weight update is writing the weights; complete or abort it before releasing them")
         done = []
         for tag in tags:
             if tag in self._released or tag == "cuda_graph":
@@ -209,6 +222,7 @@ class ModelWorker:
                         host[name] = param.data if param.device.type == "cpu" else param.data.to("cpu")
                         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 self._host_weights = host
+                self.ledger.released()
             self._released.add(tag)
             done.append(tag)
         self.empty_device_cache()
@@ -228,6 +242,7 @@ class ModelWorker:
                         param.data = saved if self.device.type == "cpu" else saved.to(self.device)
                 self._host_weights = None
                 self.synchronize()
+                self.ledger.resumed()
             self._released.discard(tag)
             done.append(tag)
         return done

@@ -6,7 +6,7 @@ from aiohttp import web
 
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
-from worker.transfer.session import WeightSyncController
+from worker.transfer.controller import WeightSyncController
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 """The event-loop facade over the stage and its scheduler threads."""

@@ -1,6 +1,6 @@
 """Weight-sync routes: group lifecycle, SGLang's single-phase update, and the
 two-phase prepare/complete/abort protocol. Thin handlers over
-:class:`worker.transfer.session.WeightSyncController`, one per row of the table
+:class:`worker.transfer.controller.WeightSyncController`, one per row of the table
 at the bottom (its endpoint, the controller method, whether an empty body is allowed).
 
 Status codes: 200 on success; 400 with the SGLang body (``success: false`` or
@@ -28,7 +28,7 @@ from router.contract.base import WireRequest, WireResponse
 from router.contract.web.parsing import parse_body
 from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
 from worker.http.keys import COORDINATOR, WEIGHT_SYNC
-from worker.transfer.session import WeightSyncController
+from worker.transfer.controller import WeightSyncController
 
 Call = Callable[[WeightSyncController, Any], Awaitable[WireResponse]]
 

@@ -9,9 +9,8 @@
                      └────────────────────► FAILED      (a broadcast failed or timed out, or cancel())
 
 Wire contract (must match the sender broadcast for broadcast, in lockstep):
-buckets are received in order; within a bucket the per-tensor format issues
-one ``broadcast(src=0)`` per tensor in list order, the flattened format one
-broadcast of the bucket's ``uint8`` buffer (layout: ``BucketLayout``).
+buckets are received in order; within a bucket, the bucket format
+(:mod:`router.dataplane.formats`) issues the same broadcasts as the sender's.
 
 Streaming mode is double-buffered: bucket ``i`` is received into buffer
 ``i % 2`` while bucket ``i - 1`` is applied elsewhere (the worker runs the
@@ -36,17 +35,16 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Callable, Literal, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from router.contract.bucket_layout import BucketLayout
-from router.dataplane.buckets import NamedTensors, allocate, allocate_bytes, slot_view, unpack
+from router.dataplane.buckets import NamedTensors, allocate, allocate_bytes, unpack
+from router.dataplane.formats import BucketFormat
 from router.dataplane.group import GroupError, WeightUpdateGroup
 
 log = logging.getLogger(__name__)
-
-LoadFormat = Literal["per_tensor", "flattened_bucket"]
 #: Submit the apply of bucket ``index`` elsewhere; the future resolves when it has run.
 ApplyFn = Callable[[int, NamedTensors], "Future[object]"]
 
@@ -89,7 +87,7 @@ class BucketReceiver:
     Args:
         group: the joined weight-update group.
         buckets: the validated layouts, in broadcast order.
-        load_format: ``"per_tensor"`` or ``"flattened_bucket"``.
+        fmt: how each bucket crosses the group.
         apply: streaming mode's apply hook; ``None`` selects atomic mode.
         device: where received tensors live.
         buffers: streaming mode's double buffers, reused across updates when given.
@@ -100,16 +98,16 @@ class BucketReceiver:
         group: WeightUpdateGroup,
         buckets: Sequence[BucketLayout],
         *,
-        load_format: LoadFormat,
+        fmt: BucketFormat,
         apply: ApplyFn | None,
         device: torch.device | str = "cpu",
         buffers: "ReceiveBuffers | None" = None,
     ):
-        if load_format not in ("per_tensor", "flattened_bucket"):
-            raise ValueError(f"unknown load_format {load_format!r}")
         self.group = group
         self.buckets = list(buckets)
-        self.load_format = load_format
+        self.fmt = fmt
+        # Where each tensor lands in the receive buffer (a per-tensor receive pads for alignment).
+        self._landing = [fmt.receive_layout(layout) for layout in self.buckets]
         self.atomic = apply is None
         self._apply = apply
         self.device = torch.device(device)
@@ -189,7 +187,7 @@ class BucketReceiver:
         """Atomic mode: every received bucket as named views, once the state is STAGED."""
         if not self.atomic or self.state is not ReceiveState.STAGED:
             raise RuntimeError(f"nothing staged (atomic={self.atomic}, state={self.state.value})")
-        return [(i, unpack(buf, layout)) for i, (buf, layout) in enumerate(zip(self._staged, self.buckets))]
+        return [(i, unpack(buf, layout)) for i, (buf, layout) in enumerate(zip(self._staged, self._landing))]
 
     def release(self) -> None:
         """Drop staged buffers (after they were applied or discarded)."""
@@ -198,7 +196,7 @@ class BucketReceiver:
     # -- the loop ------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        sizes = [layout.total_bytes for layout in self.buckets]
+        sizes = [layout.total_bytes for layout in self._landing]
         biggest = max(sizes, default=0)
         count = 0 if self.atomic else min(2, len(sizes))
         pool = self._pool if self._pool is not None else ReceiveBuffers()
@@ -211,7 +209,7 @@ class BucketReceiver:
             buffers = pool.lease(biggest, count, self.device)
             self._set_state(ReceiveState.RECEIVING)
             self._running.set()
-            for index, layout in enumerate(self.buckets):
+            for index, layout in enumerate(self._landing):
                 self._check_cancelled()
                 if self.atomic:
                     buffer = allocate(layout, self.device)
@@ -228,7 +226,7 @@ class BucketReceiver:
                 self._check_cancelled()  # a bucket that lands after cancel() is neither staged nor applied
                 with self._lock:
                     self.buckets_received += 1
-                    self.bytes_received += layout.total_bytes
+                    self.bytes_received += self.buckets[index].total_bytes
                 if self.atomic:
                     self._staged.append(buffer)
                 elif apply_error is None:
@@ -261,13 +259,7 @@ class BucketReceiver:
             self._finished.set()
 
     def _receive(self, buffer: torch.Tensor, layout: BucketLayout, index: int) -> None:
-        if self.load_format == "flattened_bucket":
-            self.group.broadcast(buffer[: layout.total_bytes], self._remaining(index))
-        else:
-            # Post every broadcast of the bucket first, then wait (SGLang's per-tensor pattern).
-            works = [self.group.broadcast_async(slot_view(buffer, slot)) for slot in layout.slots]
-            for work in works:
-                self.group.wait(work, self._remaining(index))
+        self.fmt.receive(self.group, layout, buffer, lambda: self._remaining(index))
         if self.device.type == "cuda":
             # The apply runs on another thread (another stream): make the bytes visible first.
             torch.cuda.current_stream(self.device).synchronize()

@@ -1,0 +1,150 @@
+"""The scheduler-thread steps of every weight update (disk, distributed, and later sources).
+
+Each function runs on one rank's scheduler thread, between forward steps, and
+returns an :class:`~worker.engine.admin_ops.OpResult`; the event-loop side that
+sequences them is :class:`worker.updates.UpdatePipeline`. Together they are one
+transaction:
+
+    check → take → apply (atomic, with rollback; or streamed bucket by bucket) → commit | fail
+
+``data["weights"]`` of every result says what the step left the weights as:
+``intact``, ``updated`` or ``partial`` (:data:`~worker.engine.weight_state.WeightsEffect`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+from router.dataplane.buckets import NamedTensors
+from router.dataplane.digest import digest_named_tensors
+from worker.engine.admin_ops import OpResult, active_requests_message
+from worker.engine.model_worker import RollbackFailed, WeightUpdateError
+from worker.engine.scheduler import Scheduler
+from worker.engine.weight_state import WeightState
+
+
+def refusal(s: Scheduler, *, abort_all: bool) -> Optional[str]:
+    """Why an update must not start now, or ``None``: nothing is changed either way."""
+    if s.worker.weights_released:
+        return "weights are released; call /resume_memory_occupation before updating them"
+    if s.active_request_count and not abort_all:
+        return active_requests_message(s.active_request_count, "update weights")
+    return None
+
+
+def check(s: Scheduler, *, abort_all: bool) -> OpResult:
+    """Refuse at once what would be refused anyway (before a checkpoint is read or a receive posted)."""
+    why = refusal(s, abort_all=abort_all)
+    return OpResult(why is None, why or "ok", {"num_paused_requests": s.num_waiting, "weights": "intact"})
+
+
+def take(s: Scheduler, *, abort_all: bool, hold: bool) -> OpResult:
+    """Make the worker ready to be written: abort requests if asked; with ``hold``, stop generation
+    (an ``in_place`` pause; with nothing active it only holds queued requests back)."""
+    why = refusal(s, abort_all=abort_all)
+    if why is not None:
+        return OpResult(False, why, {"weights": "intact"})
+    aborted = s.abort_all("Aborted: weights are being updated") if abort_all else []
+    paused_by_update = False
+    if hold and not s.is_paused:
+        s.pause("in_place")
+        paused_by_update = True
+    return OpResult(True, "", {"aborted_rids": aborted, "paused_by_update": paused_by_update, "weights": "intact"})
+
+
+def apply_atomic(s: Scheduler, named: NamedTensors, *, abort_all: bool, require_complete: bool) -> OpResult:
+    """Write every tensor in this one step; on failure the previous weights stay (or, if even
+    restoring failed, the weights are partial). Requests that arrived since ``take`` are
+    aborted first when ``abort_all`` (their answers carry the previous ``weight_version``)."""
+    why = refusal(s, abort_all=abort_all)
+    if why is not None:
+        return OpResult(False, why, {"weights": "intact"})
+    aborted = s.abort_all("Aborted: weights are being updated") if abort_all else []
+    try:
+        s.worker.apply_atomic(named, require_complete=require_complete)
+    except WeightUpdateError as exc:
+        return OpResult(False, str(exc), {"num_aborted": len(aborted), "weights": "intact"})
+    except RollbackFailed as exc:
+        return OpResult(False, str(exc), {"num_aborted": len(aborted), "weights": "partial"})
+    return OpResult(True, "", {"num_aborted": len(aborted), "weights": "updated"})
+
+
+def apply_streamed(s: Scheduler, named: NamedTensors, failed: threading.Event) -> int:
+    """Streaming: write one received bucket (the update's later buckets are refused once it ``failed``)."""
+    if failed.is_set():
+        raise RuntimeError("the update already failed; bucket not applied")
+    return s.worker.apply_streamed(named)
+
+
+@dataclass(frozen=True, slots=True)
+class CommitOptions:
+    """What a successful update does after its weights are written."""
+
+    names: tuple[str, ...]
+    """The tensors the update wrote (for leaving ``partial`` once all are rewritten)."""
+    whole: bool = False
+    """Every tensor of the model was written (a disk reload): the weights are whole again."""
+    weight_version: Optional[str] = None
+    flush_cache: bool = False
+    lift_hold: bool = False
+    """Un-pause if this update paused generation (and the weights are whole)."""
+    keep_pause: bool = False
+    """Pause ``in_place`` afterwards if generation is not paused (``update_weights_from_disk``)."""
+    empty_cache: bool = False
+    checksum: bool = False
+    token_step: Optional[int] = None
+    model_path: Optional[str] = None
+    load_format: Optional[str] = None
+
+
+def commit(s: Scheduler, opts: CommitOptions) -> OpResult:
+    """Record a successful write: weight state, version, flush, pause; optionally the checksum."""
+    w = s.worker
+    effect = w.ledger.committed(opts.names, whole=opts.whole)
+    if opts.model_path is not None:
+        w.model_path = opts.model_path
+        w.load_format = opts.load_format
+    if opts.token_step is not None:
+        w.token_step = opts.token_step
+    if opts.weight_version is not None:
+        w.weight_version = opts.weight_version
+    data: dict[str, object] = {"weights": effect, "weight_version": w.weight_version}
+    if opts.flush_cache:
+        ok, reason = s.flush_cache()
+        if not ok:
+            return OpResult(False, f"Weights were updated, but the cache was not flushed: {reason}", data)
+    if opts.empty_cache:
+        w.empty_device_cache()
+    if opts.lift_hold and w.ledger.servable:
+        lift_hold(s)
+    if opts.keep_pause and not s.is_paused:
+        s.pause("in_place")
+    if opts.checksum:
+        data["checksum"] = digest_named_tensors(w.model.iter_checkpoint_tensors())[1]
+    data["is_paused"] = s.is_paused
+    data["num_paused_requests"] = s.num_waiting
+    return OpResult(True, "", data)
+
+
+def fail(s: Scheduler, *, lift: bool) -> OpResult:
+    """An update ended without commit: a streaming one that wrote buckets leaves the weights partial
+    (generation stays held); one that wrote nothing lifts its hold when ``lift``."""
+    effect = s.worker.ledger.writing_failed()
+    if effect == "intact" and lift:
+        lift_hold(s)
+    return OpResult(True, "", {"weights": effect, "weights_partial": s.worker.weights_partial})
+
+
+def mark_partial(s: Scheduler) -> OpResult:
+    """SGLang's single-phase sync failed midway: earlier calls of the same sync may have written buckets."""
+    if s.worker.ledger.state is WeightState.RELEASED:
+        return OpResult(True, "", {"weights": "intact"})
+    return OpResult(True, "", {"weights": s.worker.ledger.mark_partial()})
+
+
+def lift_hold(s: Scheduler) -> None:
+    """Lift the ``in_place`` pause an update put on generation."""
+    if s.is_paused and s.pause_mode == "in_place":
+        s.continue_generation()
