@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch; a machine that already has a CUDA build in the venv keeps it.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,6 +22,12 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff (lint + format) and mypy, as CI runs them
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -38,8 +38,17 @@ from demo.launch import ManagedProcess, cli
 # ----------------------------------------------------------------------------- stand-in workers
 
 GENERATE_REPLY = json.dumps(
-    {"text": " world", "output_ids": [1, 2, 3], "meta_info": {"id": "r", "finish_reason": {"type": "length", "length": 3},
-     "prompt_tokens": 2, "completion_tokens": 3, "weight_version": "default"}}  # fmt: skip
+    {
+        "text": " world",
+        "output_ids": [1, 2, 3],
+        "meta_info": {
+            "id": "r",
+            "finish_reason": {"type": "length", "length": 3},
+            "prompt_tokens": 2,
+            "completion_tokens": 3,
+            "weight_version": "default",
+        },
+    }
 ).encode()
 
 
@@ -59,10 +68,17 @@ def standin_app() -> web.Application:
         return web.Response(body=GENERATE_REPLY, content_type="application/json")
 
     app = web.Application()
-    app.router.add_routes([
-        web.get("/health", reply_ok), web.get("/model_info", model_info), web.post("/generate", generate),
-        *(web.post(p, reply_ok) for p in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request")),
-    ])  # fmt: skip
+    app.router.add_routes(
+        [
+            web.get("/health", reply_ok),
+            web.get("/model_info", model_info),
+            web.post("/generate", generate),
+            *(
+                web.post(p, reply_ok)
+                for p in ("/flush_cache", "/pause_generation", "/continue_generation", "/abort_request")
+            ),
+        ]
+    )
     return app
 
 
@@ -94,8 +110,19 @@ def free_ports(n: int) -> list[int]:
 
 def start_router(urls: list[str], state_dir: str) -> tuple[ManagedProcess, str]:
     port = free_ports(1)[0]
-    argv = [cli("omni-router"), "--port", str(port), "--health-check-interval-s", "3600", "--log-level", "warning",
-            "--state-dir", state_dir, "--worker-urls", *urls]  # fmt: skip
+    argv = [
+        cli("omni-router"),
+        "--port",
+        str(port),
+        "--health-check-interval-s",
+        "3600",
+        "--log-level",
+        "warning",
+        "--state-dir",
+        state_dir,
+        "--worker-urls",
+        *urls,
+    ]
     proc = ManagedProcess(f"bench-router-{port}", argv).start()
     url = f"http://127.0.0.1:{port}"
     proc.wait_http_ready(url + "/readiness", timeout=60)
@@ -107,10 +134,12 @@ def start_router(urls: list[str], state_dir: str) -> tuple[ManagedProcess, str]:
 
 def pct(samples: list[float], q: float) -> float:
     s = sorted(samples)
-    return s[min(len(s) - 1, int(round(q / 100.0 * (len(s) - 1))))]
+    return s[min(len(s) - 1, round(q / 100.0 * (len(s) - 1)))]
 
 
-async def timed_posts(session: aiohttp.ClientSession, url: str, body: bytes, iters: int, warmup: int = 10) -> list[float]:
+async def timed_posts(
+    session: aiohttp.ClientSession, url: str, body: bytes, iters: int, warmup: int = 10
+) -> list[float]:
     out: list[float] = []
     for i in range(warmup + iters):
         t = time.perf_counter()
@@ -142,7 +171,9 @@ async def throughput(session: aiohttp.ClientSession, url: str, seconds: float, c
 async def bench(args: argparse.Namespace) -> None:
     n_max = max(args.workers)
     ports = free_ports(n_max)
-    standins = ManagedProcess("bench-standins", [sys.executable, __file__, "--serve-standins", *map(str, ports)]).start()
+    standins = ManagedProcess(
+        "bench-standins", [sys.executable, __file__, "--serve-standins", *map(str, ports)]
+    ).start()
     all_urls = [f"http://127.0.0.1:{p}" for p in ports]
     # The sites start in port order: once the last one answers, every one does.
     standins.wait_http_ready(all_urls[-1] + "/health", timeout=60)
@@ -158,7 +189,9 @@ async def bench(args: argparse.Namespace) -> None:
                     try:
                         for route, body in (("/flush_cache", b"{}"), ("/pause_generation", b'{"mode": "retract"}')):
                             xs = await timed_posts(session, rurl + route, body, args.iters)
-                            print(f"{n:>8} {route:<20} {pct(xs, 50):>8.2f} {pct(xs, 99):>8.2f} {statistics.mean(xs):>8.2f}")
+                            print(
+                                f"{n:>8} {route:<20} {pct(xs, 50):>8.2f} {pct(xs, 99):>8.2f} {statistics.mean(xs):>8.2f}"
+                            )
                     finally:
                         router.stop()
 
@@ -172,7 +205,9 @@ async def bench(args: argparse.Namespace) -> None:
                     d50, r50 = pct(direct, 50), pct(routed, 50)
                     print(f"{'direct':<10} p50 {d50:.3f}  p99 {pct(direct, 99):.3f}")
                     print(f"{'router':<10} p50 {r50:.3f}  p99 {pct(routed, 99):.3f}")
-                    print(f"added p50 {r50 - d50:.3f} ms   added p99 {pct(routed, 99) - pct(direct, 99):.3f} ms   ratio p50 {r50 / d50:.2f}x")
+                    print(
+                        f"added p50 {r50 - d50:.3f} ms   added p99 {pct(routed, 99) - pct(direct, 99):.3f} ms   ratio p50 {r50 / d50:.2f}x"
+                    )
                     print(f"\n## /generate throughput, concurrency {args.concurrency}, {args.seconds:g}s each (req/s)")
                     t_direct = await throughput(session, all_urls[0] + "/generate", args.seconds, args.concurrency)
                     t_router = await throughput(session, rurl + "/generate", args.seconds, args.concurrency)

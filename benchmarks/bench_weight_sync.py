@@ -47,10 +47,10 @@ import torch
 import torch.distributed as dist
 
 from router.contract.bucket_layout import BucketLayout
-from router.dataplane.group import init_weight_update_group
 from router.dataplane.formats import get_format
-from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
+from router.dataplane.group import init_weight_update_group
 from router.trainer.sender import BucketPlan, TrainerWeightSender
+from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
 
 GROUP = "bench_weight_sync"
 TIMEOUT_S = 300.0
@@ -78,23 +78,32 @@ def make_spec(total_bytes: int, count: int, dtype: str) -> list[tuple[str, str, 
 # -- receiver process ------------------------------------------------------------------------------
 
 
-def receiver_main(rank: int, cfg: dict[str, Any], commands: "mp.Queue[Any]", results: "mp.Queue[Any]") -> None:
+def receiver_main(rank: int, cfg: dict[str, Any], commands: mp.Queue[Any], results: mp.Queue[Any]) -> None:
     device = torch.device(f"cuda:{rank}" if cfg["backend"] == "nccl" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     else:
         single_threaded_copies()
-    group = init_weight_update_group(master_address="127.0.0.1", master_port=cfg["port"], rank=rank,
-                                     world_size=cfg["world_size"], group_name=GROUP, backend=cfg["backend"],
-                                     timeout_s=TIMEOUT_S)
+    group = init_weight_update_group(
+        master_address="127.0.0.1",
+        master_port=cfg["port"],
+        rank=rank,
+        world_size=cfg["world_size"],
+        group_name=GROUP,
+        backend=cfg["backend"],
+        timeout_s=TIMEOUT_S,
+    )
     applier = ThreadPoolExecutor(max_workers=1, thread_name_prefix="apply")  # stands in for the scheduler thread
     models: dict[str, dict[str, torch.Tensor]] = {}
 
     def model_for(plan: BucketPlan) -> dict[str, torch.Tensor]:
         key = f"{plan.num_tensors}"
         if key not in models:
-            models[key] = {s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device)
-                           for b in plan.buckets for s in b.slots}
+            models[key] = {
+                s.name: torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device)
+                for b in plan.buckets
+                for s in b.slots
+            }
         return models[key]
 
     def apply_named(model: dict[str, torch.Tensor], named: list[tuple[str, torch.Tensor]]) -> None:
@@ -117,8 +126,14 @@ def receiver_main(rank: int, cfg: dict[str, Any], commands: "mp.Queue[Any]", res
             group.broadcast(raw, TIMEOUT_S)
         elif cmd["mode"] in ("flattened_bucket", "per_tensor"):
             model = model_for(plan)
-            receiver = BucketReceiver(group, plan.buckets, fmt=get_format(cmd["mode"]), device=device, buffers=buffers,
-                                      apply=lambda i, named, m=model: applier.submit(apply_named, m, named))
+            receiver = BucketReceiver(
+                group,
+                plan.buckets,
+                fmt=get_format(cmd["mode"]),
+                device=device,
+                buffers=buffers,
+                apply=lambda i, named, m=model: applier.submit(apply_named, m, named),
+            )
             receiver.start(TIMEOUT_S)
             results.put("ready")
             outcome = receiver.wait(TIMEOUT_S)
@@ -128,7 +143,9 @@ def receiver_main(rank: int, cfg: dict[str, Any], commands: "mp.Queue[Any]", res
             results.put("ready")
             for _ in plan.buckets:
                 meta: BucketLayout = commands.get()
-                tensors = [(s.name, torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device)) for s in meta.slots]
+                tensors = [
+                    (s.name, torch.empty(s.shape, dtype=getattr(torch, s.dtype), device=device)) for s in meta.slots
+                ]
                 works = [group.broadcast_async(t) for _, t in tensors]  # SGLang: enqueue all, then wait all
                 for work in works:
                     group.wait(work, TIMEOUT_S)
@@ -154,12 +171,20 @@ class Bench:
         ctx = mp.get_context("spawn")
         self.commands = [ctx.Queue() for _ in range(args.receivers)]
         self.results = ctx.Queue()
-        self.procs = [ctx.Process(target=receiver_main, args=(r + 1, self.cfg, self.commands[r], self.results), daemon=True)
-                      for r in range(args.receivers)]
+        self.procs = [
+            ctx.Process(target=receiver_main, args=(r + 1, self.cfg, self.commands[r], self.results), daemon=True)
+            for r in range(args.receivers)
+        ]
         for p in self.procs:
             p.start()
-        self.sender = TrainerWeightSender(master_port=self.cfg["port"], world_size=self.cfg["world_size"],
-                                          group_name=GROUP, backend=backend, timeout_s=TIMEOUT_S, device=self.device)
+        self.sender = TrainerWeightSender(
+            master_port=self.cfg["port"],
+            world_size=self.cfg["world_size"],
+            group_name=GROUP,
+            backend=backend,
+            timeout_s=TIMEOUT_S,
+            device=self.device,
+        )
         self.sender.join()
 
     def tell(self, message: dict[str, Any]) -> None:
@@ -209,7 +234,9 @@ class Bench:
 
 
 def tensors_for(plan: BucketPlan, device: torch.device) -> dict[str, torch.Tensor]:
-    return {s.name: torch.randn(s.shape, device=device).to(getattr(torch, s.dtype)) for b in plan.buckets for s in b.slots}
+    return {
+        s.name: torch.randn(s.shape, device=device).to(getattr(torch, s.dtype)) for b in plan.buckets for s in b.slots
+    }
 
 
 def transport_section(args: argparse.Namespace) -> None:
@@ -239,8 +266,10 @@ def transport_section(args: argparse.Namespace) -> None:
         bench.close()
     rows = [(name, statistics.median(times[name]), p) for name, _, p in cases]
     raw_s = rows[0][1]
-    print(f"\n== transport: {plan.total_bytes / 2**20:.0f} MiB, {args.tensors} x {args.dtype} tensors, "
-          f"{len(plan.buckets)} buckets of <= {args.bucket_mb} MiB, {args.receivers} receiver(s), {bench.backend} ==")
+    print(
+        f"\n== transport: {plan.total_bytes / 2**20:.0f} MiB, {args.tensors} x {args.dtype} tensors, "
+        f"{len(plan.buckets)} buckets of <= {args.bucket_mb} MiB, {args.receivers} receiver(s), {bench.backend} =="
+    )
     print(f"{'path':44s} {'time s':>8s} {'GB/s':>8s} {'vs raw':>8s}")
     for name, seconds, p in rows:
         print(f"{name:44s} {seconds:8.3f} {p.total_bytes / seconds / 1e9:8.2f} {raw_s / seconds:8.1%}")
@@ -262,8 +291,10 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         single_threaded_copies()
-    print(f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, torch {torch.__version__}, "
-          f"cuda {torch.cuda.is_available()}")
+    print(
+        f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus, torch {torch.__version__}, "
+        f"cuda {torch.cuda.is_available()}"
+    )
     transport_section(args)
     if not args.no_e2e:
         from benchmarks.bench_weight_sync_e2e import e2e_section

@@ -17,11 +17,11 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -54,9 +54,14 @@ def post(url: str, body: Any = None, method: str = "POST") -> dict[str, Any]:
 def start_worker(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = _port()
     exe = Path(sys.executable).with_name("omni-worker")
-    log = open(tempfile.mktemp(prefix="bench-worker-", suffix=".log"), "wb")
-    proc = subprocess.Popen([str(exe), "--model-path", str(model_dir), "--port", str(port)], stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    log_path = tempfile.mktemp(prefix="bench-worker-", suffix=".log")
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(
+            [str(exe), "--model-path", str(model_dir), "--port", str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -66,7 +71,7 @@ def start_worker(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
         except OSError:
             time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)
-    raise RuntimeError(f"omni-worker did not start; see {log.name}")
+    raise RuntimeError(f"omni-worker did not start; see {log_path}")
 
 
 def timed(fn: Callable[[], float]) -> tuple[float, float]:
@@ -90,12 +95,16 @@ def e2e_section() -> None:
     sender = TrainerWeightSender(master_port=_port(), world_size=2, timeout_s=120)
     try:
         init = sender.init_request(1)
-        answer = alongside(lambda: post(url + "/init_weights_update_group", init), sender.join, timeout_s=300, what="init")
+        answer = alongside(
+            lambda: post(url + "/init_weights_update_group", init), sender.join, timeout_s=300, what="init"
+        )
         assert answer.get("success"), answer
 
         def two_phase() -> float:
             post(url + "/pause_generation", {"mode": "retract"})
-            ready = post(url + "/prepare_weights_update", plan.prepare_request(sender.group_name, load_format="flattened_bucket"))
+            ready = post(
+                url + "/prepare_weights_update", plan.prepare_request(sender.group_name, load_format="flattened_bucket")
+            )
             assert ready.get("status") == "ready", ready
             transfer = sender.send(plan, tensors, load_format="flattened_bucket").elapsed_s
             done = post(url + "/complete_weights_update", {"group_name": sender.group_name})
@@ -108,14 +117,24 @@ def e2e_section() -> None:
             post(url + "/flush_cache", method="GET")
             transfer = 0.0
             for layout in plan.buckets:
-                body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes,
-                        "group_name": sender.group_name, "flush_cache": False}
-                box: dict[str, Any] = {}
-                call = threading.Thread(target=lambda: box.update(r=post(url + "/update_weights_from_distributed", body)))
-                call.start()
-                transfer += sender.send(BucketPlan((layout,), BUCKET_BYTES), tensors).elapsed_s
-                call.join(300)
-                assert box.get("r", {}).get("success"), box
+                body = {
+                    "names": layout.names,
+                    "dtypes": layout.dtypes,
+                    "shapes": layout.shapes,
+                    "group_name": sender.group_name,
+                    "flush_cache": False,
+                }
+                sent: list[float] = []
+                answer = alongside(
+                    lambda body=body: post(url + "/update_weights_from_distributed", body),
+                    lambda layout=layout, sent=sent: sent.append(
+                        sender.send(BucketPlan((layout,), BUCKET_BYTES), tensors).elapsed_s
+                    ),
+                    timeout_s=300,
+                    what="update_weights_from_distributed",
+                )
+                assert answer.get("success"), answer
+                transfer += sent[0]
             post(url + "/continue_generation", {})
             return transfer
 
@@ -125,8 +144,10 @@ def e2e_section() -> None:
         sender.close()
         os.killpg(proc.pid, signal.SIGTERM)
         proc.wait(30)
-    print(f"\n== end to end through one omni-worker: {plan.total_bytes / 2**20:.0f} MiB, {plan.num_tensors} tensors, "
-          f"{len(plan.buckets)} buckets ==")
+    print(
+        f"\n== end to end through one omni-worker: {plan.total_bytes / 2**20:.0f} MiB, {plan.num_tensors} tensors, "
+        f"{len(plan.buckets)} buckets =="
+    )
     print(f"{'path':36s} {'pause->resume s':>16s} {'broadcast s':>12s} {'window/broadcast':>17s}")
     for name, window, transfer in rows:
         print(f"{name:36s} {window:16.3f} {transfer:12.3f} {window / transfer:16.2f}x")

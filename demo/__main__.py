@@ -13,23 +13,27 @@ import secrets
 import signal
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from router.trainer import SyncError
-from demo.launch import free_port
 from demo.fleet import Fleet
+from demo.launch import free_port
 from demo.policy import TrainablePolicy
 from demo.table import HASH_CHARS, StepTable, shown
 from demo.trainer import DemoError, Trainer
+from router.trainer import SyncError
 from worker.model import write_tiny_checkpoint
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)  # fmt: skip
+    p = argparse.ArgumentParser(
+        prog="python -m demo",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--steps", type=int, default=4, help="training steps (each ends with a weight sync)")
     p.add_argument("--workers", type=int, default=2, help="omni-worker processes behind the router")
     p.add_argument("--prompt", default="The policy says:", help="the fixed prompt of every rollout")
@@ -59,8 +63,10 @@ def run(args: argparse.Namespace, fleet: Fleet, trainer: Trainer) -> None:
     print(f"router   {fleet.router_url}  (admin key required, round-robin routing)")
     for w in listing:
         print(f"{names[w.id]:<8} {w.url}  ({w.id})")
-    print(f"trainer  pid {os.getpid()}: {args.steps} steps of {args.updates_per_step} Adam updates (lr {args.lr:g}); "
-          f"{len(trainer.plan.buckets)} buckets, {trainer.plan.total_bytes / 1024:.0f} KiB per sync")  # fmt: skip
+    print(
+        f"trainer  pid {os.getpid()}: {args.steps} steps of {args.updates_per_step} Adam updates (lr {args.lr:g}); "
+        f"{len(trainer.plan.buckets)} buckets, {trainer.plan.total_bytes / 1024:.0f} KiB per sync"
+    )
     print(f"goal     {shown(args.prompt)} -> {shown(args.target)}\n")
 
     checked = client.weights_checker("checksum")
@@ -83,12 +89,16 @@ def run(args: argparse.Namespace, fleet: Fleet, trainer: Trainer) -> None:
     assert first is not None
     assigned = first.sync.group_init.ranks if first.sync.group_init is not None else []
     ranks = ", ".join(f"{names.get(r.worker, r.worker)}={r.rank_offset}" for r in assigned)
-    print(f"\nweight-update group: world size {first.sync.world_size}, trainer rank 0, ranks given by the router: {ranks}")
+    print(
+        f"\nweight-update group: world size {first.sync.world_size}, trainer rank 0, ranks given by the router: {ranks}"
+    )
     version = client.get_weight_version().weight_version
     if version != f"step-{args.steps}":
         raise DemoError(f"the fleet reports weight_version {version!r}, expected 'step-{args.steps}'")
     learned = final[0].output_ids == trainer.target_ids
-    print(f"fleet weight_version: {version}; {args.steps} of {args.steps} syncs verified against the trainer's checksum")
+    print(
+        f"fleet weight_version: {version}; {args.steps} of {args.steps} syncs verified against the trainer's checksum"
+    )
     print(f"final rollout {'matches' if learned else 'does not yet match'} the target {shown(args.target)}")
 
 
@@ -100,17 +110,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     ok, interrupted = False, False
     with tempfile.TemporaryDirectory(prefix="omni-demo-") as tmp:
         model_dir = write_tiny_checkpoint(Path(tmp) / "model", "llama", seed=args.seed)
-        fleet = Fleet(model_dir, workers=args.workers, admin_key=secrets.token_urlsafe(24), state_dir=Path(tmp) / "router-state")
+        fleet = Fleet(
+            model_dir, workers=args.workers, admin_key=secrets.token_urlsafe(24), state_dir=Path(tmp) / "router-state"
+        )
         trainer: Trainer | None = None
         try:
             print(f"starting {args.workers} omni-workers and an omni-router on a tiny random llama ({model_dir})")
             fleet.start_workers()
-            policy = TrainablePolicy(model_dir, lr=args.lr, updates_per_step=args.updates_per_step)  # while the workers boot
+            policy = TrainablePolicy(
+                model_dir, lr=args.lr, updates_per_step=args.updates_per_step
+            )  # while the workers boot
             fleet.start_router()
             trainer = Trainer(
-                fleet.router_url, fleet.admin_key, policy, prompt=args.prompt, target=args.target,
-                group_port=free_port(), bucket_bytes=args.bucket_kib * 1024,
-            )  # fmt: skip
+                fleet.router_url,
+                fleet.admin_key,
+                policy,
+                prompt=args.prompt,
+                target=args.target,
+                group_port=free_port(),
+                bucket_bytes=args.bucket_kib * 1024,
+            )
             run(args, fleet, trainer)
             ok = True
         except SyncError as exc:

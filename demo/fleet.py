@@ -23,7 +23,9 @@ class Fleet:
     it does not show in a process listing).
     """
 
-    def __init__(self, model_dir: Path, *, workers: int, admin_key: str, state_dir: Path, ready_timeout_s: float = 120.0):
+    def __init__(
+        self, model_dir: Path, *, workers: int, admin_key: str, state_dir: Path, ready_timeout_s: float = 120.0
+    ):
         self.model_dir = model_dir
         self.num_workers = workers
         self.admin_key = admin_key
@@ -48,24 +50,39 @@ class Fleet:
 
     def start_router(self) -> None:
         """Wait for the workers, start the router over them, wait until it routes to all of them."""
-        for proc, url in zip(self.procs, self.worker_urls):
+        for proc, url in zip(self.procs, self.worker_urls, strict=True):
             proc.wait_http_ready(url + "/health", timeout=self.ready_timeout_s)
         port = free_port()
         argv = [
-            cli("omni-router"), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *self.worker_urls,
-            "--policy", "round_robin", "--state-dir", str(self.state_dir), "--health-check-interval-s", "0.5",
-        ]  # fmt: skip
+            cli("omni-router"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--worker-urls",
+            *self.worker_urls,
+            "--policy",
+            "round_robin",
+            "--state-dir",
+            str(self.state_dir),
+            "--health-check-interval-s",
+            "0.5",
+        ]
         router = self._spawn("router", argv)
         self.router_url = f"http://127.0.0.1:{port}"
         router.wait_http_ready(self.router_url + "/liveness", timeout=self.ready_timeout_s)
         deadline = time.monotonic() + self.ready_timeout_s
         while self.healthy_workers() < self.num_workers:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the router saw {self.healthy_workers()}/{self.num_workers} healthy workers:\n{router.log_text()}")
+                raise TimeoutError(
+                    f"the router saw {self.healthy_workers()}/{self.num_workers} healthy workers:\n{router.log_text()}"
+                )
             time.sleep(0.1)
 
     def healthy_workers(self) -> int:
-        status, body = http_json("GET", self.router_url + "/workers", headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=5)
+        status, body = http_json(
+            "GET", self.router_url + "/workers", headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=5
+        )
         if status != 200:
             return 0
         return sum(w["health"] == "healthy" and not w["disabled"] for w in body["workers"])
@@ -75,7 +92,7 @@ class Fleet:
         for proc in reversed(self.procs):
             try:
                 proc.stop(timeout=10)
-            except Exception as exc:  # noqa: BLE001 - keep stopping the others
+            except Exception as exc:
                 print(f"could not stop {proc.name} (pid {proc.proc.pid if proc.proc else '?'}): {exc}")
 
     def log_paths(self) -> list[Path]:

@@ -17,8 +17,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from router.contract.base import WireRequest
 
@@ -76,12 +77,11 @@ class ManagedProcess:
         self.log_path = Path(tempfile.mkstemp(prefix=f"omni-{name}-", suffix=".log")[1])
         self.proc: subprocess.Popen[bytes] | None = None
 
-    def start(self) -> "ManagedProcess":
-        log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(
-            self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
-        )
-        log.close()
+    def start(self) -> ManagedProcess:
+        with open(self.log_path, "wb") as log:  # the child keeps its own copy of the descriptor
+            self.proc = subprocess.Popen(
+                self.argv, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+            )
         return self
 
     def log_text(self, tail: int = 6000) -> str:

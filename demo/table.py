@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from demo.trainer import Rollout, StepResult
 
@@ -21,7 +21,7 @@ def shown_tokens(ids: list[int], decode: Callable[[list[int]], str]) -> str:
 
 
 def matched(rollout: Rollout, target_ids: list[int]) -> str:
-    hits = sum(a == b for a, b in zip(rollout.output_ids, target_ids))
+    hits = sum(a == b for a, b in zip(rollout.output_ids, target_ids, strict=False))
     return f"{hits}/{len(target_ids)}"
 
 
@@ -39,24 +39,42 @@ class StepTable:
         text_width = len(shown_tokens(target_ids, decode))
         served_width = len(" ".join(worker_names.values()))
         self.columns = [  # (title, width, alignment)
-            ("step", 5, ">"), ("rollout (greedy)", text_width, "<"), ("served by", served_width, "<"),
-            ("weight_version", 0, "<"), ("match", 5, ">"), ("loss", 6, ">"), ("synced as", 9, "<"), ("sync", 8, ">"),
+            ("step", 5, ">"),
+            ("rollout (greedy)", text_width, "<"),
+            ("served by", served_width, "<"),
+            ("weight_version", 0, "<"),
+            ("match", 5, ">"),
+            ("loss", 6, ">"),
+            ("synced as", 9, "<"),
+            ("sync", 8, ">"),
             ("checksums: trainer = " + " = ".join(worker_names.values()), 0, "<"),
-        ]  # fmt: skip
+        ]
 
     def _line(self, *cells: str) -> str:
-        return "  ".join(f"{cell:{align}{max(width, len(title))}}" for cell, (title, width, align) in zip(cells, self.columns)).rstrip()
+        return "  ".join(
+            f"{cell:{align}{max(width, len(title))}}"
+            # The final row has no sync cells: it fills the first columns only.
+            for cell, (title, width, align) in zip(cells, self.columns, strict=False)
+        ).rstrip()
 
     def _rollout_cells(self, label: str, rollouts: list[Rollout]) -> list[str]:
         first = rollouts[0]
         served = " ".join(self.names.get(r.worker, r.worker) for r in rollouts)
-        return [label, shown_tokens(first.output_ids, self.decode), served, first.weight_version, matched(first, self.target_ids)]
+        return [
+            label,
+            shown_tokens(first.output_ids, self.decode),
+            served,
+            first.weight_version,
+            matched(first, self.target_ids),
+        ]
 
     def _disagreements(self, rollouts: list[Rollout]) -> None:
         first = rollouts[0]
         for r in rollouts[1:]:
             if r.output_ids != first.output_ids:
-                note = f"{self.names.get(r.worker, r.worker)} DISAGREES with {self.names.get(first.worker, first.worker)}"
+                note = (
+                    f"{self.names.get(r.worker, r.worker)} DISAGREES with {self.names.get(first.worker, first.worker)}"
+                )
                 print(self._line("", shown_tokens(r.output_ids, self.decode), note))
 
     def header(self) -> None:

@@ -48,9 +48,15 @@ class StepResult:
 
 def generate(router_url: str, prompt: str, max_new_tokens: int, timeout_s: float) -> Rollout:
     """One greedy rollout through the router, with the id of the worker that served it."""
-    body = {"text": prompt, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
     req = urllib.request.Request(
-        router_url + "/generate", data=json.dumps(body).encode(), method="POST", headers={"Content-Type": "application/json"}
+        router_url + "/generate",
+        data=json.dumps(body).encode(),
+        method="POST",
+        headers={"Content-Type": "application/json"},
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
@@ -97,9 +103,12 @@ class Trainer:
         # a failed sync that tore the group down.
         self._leave()
         self.sender = TrainerWeightSender(
-            master_address=self.group.master_address, master_port=self.group.master_port,
-            world_size=world_size, group_name=self.group.group_name, timeout_s=self.timeout_s,
-        )  # fmt: skip
+            master_address=self.group.master_address,
+            master_port=self.group.master_port,
+            world_size=world_size,
+            group_name=self.group.group_name,
+            timeout_s=self.timeout_s,
+        )
         self.sender.join()
 
     def _leave(self) -> None:
@@ -122,9 +131,15 @@ class Trainer:
         loss = self.policy.train_step(self.prompt_ids, self.target_ids)
         expected = self.policy.checksum()
         report = self.client.sync_weights(
-            buckets=self.plan.metadata(), broadcast=self._broadcast, group=self.group, load_format=LOAD_FORMAT,
-            weight_version=f"step-{step}", expected_checksum=expected, timeout_s=self.timeout_s, progress=_quiet,
-        )  # fmt: skip
+            buckets=self.plan.metadata(),
+            broadcast=self._broadcast,
+            group=self.group,
+            load_format=LOAD_FORMAT,
+            weight_version=f"step-{step}",
+            expected_checksum=expected,
+            timeout_s=self.timeout_s,
+            progress=_quiet,
+        )
         # sync_weights raises when verification fails; check again so a silently
         # skipped verification cannot pass for a matching fleet.
         ranks = [c for per_worker in report.rank_checksums.values() for c in per_worker]

@@ -12,8 +12,9 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from tests.procs import ManagedProcess, cli, free_port, http_json, start_worker
 
@@ -25,7 +26,12 @@ def auth(key: str | None = ADMIN_KEY) -> dict[str, str]:
 
 
 def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
-    subprocess.run([cli("omni-worker"), "make-tiny", str(out_dir), "--seed", str(seed)], check=True, timeout=120, capture_output=True)
+    subprocess.run(
+        [cli("omni-worker"), "make-tiny", str(out_dir), "--seed", str(seed)],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
     return out_dir
 
 
@@ -34,11 +40,20 @@ def start_workers(model_dir: Path, n: int, *, extra_args: Sequence[str] = ()) ->
     ports = [free_port() for _ in range(n)]
     procs = []
     for port in ports:
-        argv = [cli("omni-worker"), "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra_args]
+        argv = [
+            cli("omni-worker"),
+            "--model-path",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            *extra_args,
+        ]
         procs.append(ManagedProcess(f"worker-{port}", argv).start())
     out = []
     try:
-        for proc, port in zip(procs, ports):
+        for proc, port in zip(procs, ports, strict=True):
             url = f"http://127.0.0.1:{port}"
             proc.wait_http_ready(url + "/health", timeout=120)
             out.append((proc, url))
@@ -60,7 +75,17 @@ def start_router(
 ) -> tuple[ManagedProcess, str]:
     """Start ``omni-router`` and wait for ``/liveness`` (and ``wait_healthy`` healthy workers)."""
     port = port or free_port()
-    argv = [cli("omni-router"), "--host", "127.0.0.1", "--port", str(port), "--health-check-interval-s", "0.5", "--log-level", "debug"]
+    argv = [
+        cli("omni-router"),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--health-check-interval-s",
+        "0.5",
+        "--log-level",
+        "debug",
+    ]
     if worker_urls:
         argv += ["--worker-urls", *worker_urls]
     if admin_key:
@@ -73,7 +98,9 @@ def start_router(
     proc.wait_http_ready(url + "/liveness", timeout=60)
     n = len(worker_urls) if wait_healthy is None else wait_healthy
     if n:
-        wait_for(lambda: sum(w["health"] == "healthy" for w in workers(url, admin_key)) >= n, 30, proc, "workers healthy")
+        wait_for(
+            lambda: sum(w["health"] == "healthy" for w in workers(url, admin_key)) >= n, 30, proc, "workers healthy"
+        )
     return proc, url
 
 
@@ -91,7 +118,9 @@ def escaped(url: str) -> str:
     return urllib.parse.quote(url, safe="")
 
 
-def wait_for(cond: Callable[[], bool], timeout: float, proc: ManagedProcess | None = None, what: str = "condition") -> None:
+def wait_for(
+    cond: Callable[[], bool], timeout: float, proc: ManagedProcess | None = None, what: str = "condition"
+) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -101,10 +130,16 @@ def wait_for(cond: Callable[[], bool], timeout: float, proc: ManagedProcess | No
     raise TimeoutError(f"{what} not reached within {timeout}s\n{log}")
 
 
-def generate_via(router_url: str, text: str = "hello", max_new_tokens: int = 4, timeout: float = 60) -> tuple[int, Any, str | None]:
+def generate_via(
+    router_url: str, text: str = "hello", max_new_tokens: int = 4, timeout: float = 60
+) -> tuple[int, Any, str | None]:
     """POST /generate through the router; returns (status, body, id of the worker that served it)."""
-    body = json.dumps({"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}).encode()
-    req = urllib.request.Request(router_url + "/generate", data=body, method="POST", headers={"Content-Type": "application/json"})
+    body = json.dumps(
+        {"text": text, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0}}
+    ).encode()
+    req = urllib.request.Request(
+        router_url + "/generate", data=body, method="POST", headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read()), resp.headers.get("X-Omni-Worker")
@@ -117,5 +152,17 @@ def generate(url: str, text: str = "hello", max_new_tokens: int = 4, **extra: An
     return http_json("POST", url + "/generate", body, timeout=60)
 
 
-__all__ = ["ADMIN_KEY", "auth", "by_url", "escaped", "generate", "generate_via", "make_tiny_checkpoint", "start_router", "start_worker",
-           "start_workers", "wait_for", "workers"]  # fmt: skip
+__all__ = [
+    "ADMIN_KEY",
+    "auth",
+    "by_url",
+    "escaped",
+    "generate",
+    "generate_via",
+    "make_tiny_checkpoint",
+    "start_router",
+    "start_worker",
+    "start_workers",
+    "wait_for",
+    "workers",
+]

@@ -27,9 +27,16 @@ import traceback
 import torch
 
 from router.trainer import (
-    AsyncRouterClient, BucketPlan, GroupSpec, RouterCallError, RouterClient, SyncError, SyncReport, TrainerWeightSender,
+    AsyncRouterClient,
+    BucketPlan,
+    GroupSpec,
+    RouterCallError,
+    RouterClient,
+    SyncError,
+    SyncReport,
+    TrainerWeightSender,
     sent_checksum,
-)  # fmt: skip
+)
 from worker.model.checkpoint import read_checkpoint
 
 #: The router's admin-lock wait as the tests configure it: a router still holding its
@@ -72,7 +79,11 @@ def main(cfg: dict) -> dict:
     world = client.get_world_size().world_size + 1
     sender = TrainerWeightSender(master_port=cfg["port"], world_size=world, timeout_s=60)
     group = GroupSpec(
-        master_address="127.0.0.1", master_port=cfg["port"], join=lambda _world: sender.join(), leave=sender.close, timeout_s=60
+        master_address="127.0.0.1",
+        master_port=cfg["port"],
+        join=lambda _world: sender.join(),
+        leave=sender.close,
+        timeout_s=60,
     )
     report: dict = {"world_size": world, "num_buckets": len(plan.buckets), "steps": []}
     syncing: RouterClient | AsyncRouterClient = client
@@ -95,18 +106,36 @@ def main(cfg: dict) -> dict:
             stages: list[str] = []
             try:
                 result = sync(
-                    syncing, buckets=plan.metadata(), broadcast=broadcast, group=group, protocol=protocol, load_format=fmt,
-                    weight_version=f"step-{step}", expected_checksum=expected, timeout_s=60, atomic=options.get("atomic"),
-                    progress=lambda stage, info: stages.append(stage) if info.get("state") == "done" else None,
-                )  # fmt: skip
+                    syncing,
+                    buckets=plan.metadata(),
+                    broadcast=broadcast,
+                    group=group,
+                    protocol=protocol,
+                    load_format=fmt,
+                    weight_version=f"step-{step}",
+                    expected_checksum=expected,
+                    timeout_s=60,
+                    atomic=options.get("atomic"),
+                    progress=lambda stage, info, stages=stages: (
+                        stages.append(stage) if info.get("state") == "done" else None
+                    ),
+                )
             except SyncError as exc:
                 if fail_at is None:
                     raise
-                report["steps"].append({
-                    "failed": {"stage": exc.stage, "weights_uncertain": exc.weights_uncertain, "message": str(exc),
-                               "cause": type(exc.cause).__name__, "recovery": exc.recovery},
-                    "stages": stages, "after_failure": after_failure(syncing),
-                })  # fmt: skip
+                report["steps"].append(
+                    {
+                        "failed": {
+                            "stage": exc.stage,
+                            "weights_uncertain": exc.weights_uncertain,
+                            "message": str(exc),
+                            "cause": type(exc.cause).__name__,
+                            "recovery": exc.recovery,
+                        },
+                        "stages": stages,
+                        "after_failure": after_failure(syncing),
+                    }
+                )
                 continue
             entry = result.model_dump(mode="json")
             entry.update(expected=expected, stages=stages)
@@ -115,7 +144,7 @@ def main(cfg: dict) -> dict:
     except SyncError as exc:
         results = [r.model_dump(mode="json") for r in exc.results]
         report["error"] = {"stage": exc.stage, "message": str(exc), "results": results, "recovery": exc.recovery}
-    except Exception:  # noqa: BLE001 - reported to the test
+    except Exception:
         report["error"] = {"stage": "?", "message": traceback.format_exc()}
     finally:
         sender.close()

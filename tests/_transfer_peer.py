@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from router.dataplane.group import GroupError, init_weight_update_group
 from router.dataplane.formats import get_format
-from worker.transfer.receiver import BucketReceiver
+from router.dataplane.group import GroupError, init_weight_update_group
 from router.trainer.sender import BucketPlan, TrainerWeightSender
+from worker.transfer.receiver import BucketReceiver
 
 # One bucket's tensors: mixed dtypes and odd sizes, so a naive order would be unaligned.
 BUCKET_TEMPLATE = [
@@ -42,7 +42,9 @@ BUCKET_TEMPLATE = [
 
 def make_plan(num_buckets: int) -> BucketPlan:
     spec = [(f"layers.{b}.{n}", d, s) for b in range(num_buckets) for n, d, s in BUCKET_TEMPLATE]
-    per_bucket = BucketPlan.from_spec([(f"x.{n}", d, s) for n, d, s in BUCKET_TEMPLATE], budget_bytes=1 << 30).total_bytes
+    per_bucket = BucketPlan.from_spec(
+        [(f"x.{n}", d, s) for n, d, s in BUCKET_TEMPLATE], budget_bytes=1 << 30
+    ).total_bytes
     plan = BucketPlan.from_spec(spec, budget_bytes=per_bucket)
     assert len(plan.buckets) == num_buckets, (len(plan.buckets), num_buckets)
     return plan
@@ -90,7 +92,7 @@ def run_trainer(cfg: dict[str, Any]) -> dict[str, Any]:
         kill_after = rnd.get("kill_after")
         stall_after = rnd.get("stall_after")
 
-        def progress(done: int, total: int, nbytes: int) -> None:
+        def progress(done: int, total: int, nbytes: int, kill_after=kill_after, stall_after=stall_after) -> None:
             if kill_after is not None and done == kill_after:
                 os.kill(os.getpid(), signal.SIGKILL)  # a crash, as far as the peers can tell
             if stall_after is not None and done == stall_after:
@@ -112,8 +114,12 @@ def run_receiver(cfg: dict[str, Any]) -> dict[str, Any]:
     report: dict[str, Any] = {"rounds": []}
     try:
         group = init_weight_update_group(
-            master_address="127.0.0.1", master_port=cfg["port"], rank=cfg["rank"], world_size=cfg["world_size"],
-            group_name=cfg["group"], timeout_s=cfg["timeout_s"],
+            master_address="127.0.0.1",
+            master_port=cfg["port"],
+            rank=cfg["rank"],
+            world_size=cfg["world_size"],
+            group_name=cfg["group"],
+            timeout_s=cfg["timeout_s"],
         )
     except GroupError as exc:
         report["init"] = f"error: {exc}"
@@ -125,7 +131,7 @@ def run_receiver(cfg: dict[str, Any]) -> dict[str, Any]:
         digests: dict[int, str] = {}
         fail_at = rnd.get("fail_apply_at")
 
-        def apply_one(index: int, named: list[tuple[str, torch.Tensor]]) -> None:
+        def apply_one(index: int, named: list[tuple[str, torch.Tensor]], fail_at=fail_at, digests=digests) -> None:
             if fail_at is not None and index == fail_at:
                 raise ValueError(f"refusing bucket {index}")
             digests[index] = bucket_digest(named)

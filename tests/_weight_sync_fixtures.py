@@ -6,14 +6,14 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-from tests.procs import ManagedProcess, free_port, http_json, start_worker
+from tests.procs import ManagedProcess, free_port, http_json
 
 NUM_BUCKETS = 73
-#: 8 layers → 75 checkpoint tensors, enough for the 73 buckets of the specification's case.
+#: 8 layers → 75 checkpoint tensors, enough for 73 buckets (one or two tensors each).
 LAYERS = 8
 TRAINER_EXIT_S = 150  # a hang guard only
 #: One torch thread: on a small shared machine, idle OpenMP threads spinning after each
@@ -21,33 +21,17 @@ TRAINER_EXIT_S = 150  # a hang guard only
 WORKER_ARGS = ["--num-threads", "1"]
 
 
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """Three tiny checkpoints of one architecture with different weights."""
-    from worker.model import write_tiny_checkpoint
-
-    root = tmp_path_factory.mktemp("ckpts")
-    return {name: str(write_tiny_checkpoint(root / name, "llama", seed, num_hidden_layers=LAYERS))
-            for name, seed in (("a", 1), ("b", 2), ("c", 3))}
-
-
-@pytest.fixture(scope="module")
-def workers(ckpts: dict[str, str]) -> Iterator[list[str]]:
-    """Two omni-worker processes serving checkpoint ``a``."""
-    procs = []
-    try:
-        for _ in range(2):
-            procs.append(start_worker(ckpts["a"], extra_args=WORKER_ARGS))
-        yield [url for _, url in procs]
-    finally:
-        for proc, _ in procs:
-            proc.stop()
-
-
 def run_trainer(tmp: Path, workers: list[str], *, wait: bool = True, **cfg: Any) -> tuple[dict, ManagedProcess]:
     out = tmp / f"trainer-{free_port()}.json"
-    full = {"workers": workers, "port": free_port(), "group": "weight_update_group", "timeout_s": 30,
-            "num_buckets": NUM_BUCKETS, "out": str(out), **cfg}
+    full = {
+        "workers": workers,
+        "port": free_port(),
+        "group": "weight_update_group",
+        "timeout_s": 30,
+        "num_buckets": NUM_BUCKETS,
+        "out": str(out),
+        **cfg,
+    }
     proc = ManagedProcess("trainer", [sys.executable, "-m", "tests._weight_sync_trainer", json.dumps(full)]).start()
     if wait:
         try:
@@ -81,7 +65,8 @@ PROMPTS = [[1, 2, 3, 4, 5], [72, 101, 108, 108, 111], [200, 17, 3]]
 
 def greedy(url: str, prompt: list[int], n: int = 12) -> list[int]:
     status, body = http_json(
-        "POST", url + "/generate",
+        "POST",
+        url + "/generate",
         {"input_ids": prompt, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}},
         timeout=60,
     )

@@ -19,8 +19,9 @@ import os
 import signal
 import sys
 import traceback
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -45,8 +46,10 @@ class Trainer:
         self.report: dict[str, Any] = {"steps": []}
         self.pool = ThreadPoolExecutor(max_workers=max(2, len(self.workers)))
         self.sender = TrainerWeightSender(
-            master_port=cfg["port"], world_size=cfg.get("world_size", 1 + len(self.workers)),
-            group_name=cfg["group"], timeout_s=cfg["timeout_s"],
+            master_port=cfg["port"],
+            world_size=cfg.get("world_size", 1 + len(self.workers)),
+            group_name=cfg["group"],
+            timeout_s=cfg["timeout_s"],
         )
 
     def log(self, step: str, **data: Any) -> None:
@@ -60,8 +63,10 @@ class Trainer:
     def fanout(self, method: str, path: str, bodies: list[Any] | Any) -> list[tuple[int, Any]]:
         if not isinstance(bodies, list):
             bodies = [bodies] * len(self.workers)
-        futures = [self.pool.submit(http_json, method, url + path, body, timeout=HTTP_TIMEOUT_S)
-                   for url, body in zip(self.workers, bodies)]
+        futures = [
+            self.pool.submit(http_json, method, url + path, body, timeout=HTTP_TIMEOUT_S)
+            for url, body in zip(self.workers, bodies, strict=True)
+        ]
         return [f.result() for f in futures]
 
     # -- steps --------------------------------------------------------------------------------
@@ -71,9 +76,11 @@ class Trainer:
         bodies = [self.sender.init_request(i + 1, world_size=w) for i, w in enumerate(sizes)]
         try:
             answers = alongside(
-                lambda: self.fanout("POST", "/init_weights_update_group", bodies), self.sender.join,
-                timeout_s=HTTP_TIMEOUT_S, what="init",
-            )  # fmt: skip
+                lambda: self.fanout("POST", "/init_weights_update_group", bodies),
+                self.sender.join,
+                timeout_s=HTTP_TIMEOUT_S,
+                what="init",
+            )
         except GroupError as exc:
             self.log("connect", ok=False, error=str(exc))
             return False
@@ -85,12 +92,23 @@ class Trainer:
         self.sender.close()
         self.log("disconnect", answers=answers)
 
-    def two_phase(self, plan: BucketPlan, tensors: dict[str, torch.Tensor], *, load_format: str | None,
-                  atomic: list[bool], version: str, progress: Callable | None = None) -> None:
+    def two_phase(
+        self,
+        plan: BucketPlan,
+        tensors: dict[str, torch.Tensor],
+        *,
+        load_format: str | None,
+        atomic: list[bool],
+        version: str,
+        progress: Callable | None = None,
+    ) -> None:
         """prepare on every worker -> broadcast every bucket -> complete on every worker."""
-        body = plan.prepare_request(self.cfg["group"], load_format=load_format, weight_version=version,
-                                    timeout_s=self.cfg["timeout_s"])
-        answers = self.fanout("POST", "/prepare_weights_update", [body.model_copy(update={"atomic": a}) for a in atomic])
+        body = plan.prepare_request(
+            self.cfg["group"], load_format=load_format, weight_version=version, timeout_s=self.cfg["timeout_s"]
+        )
+        answers = self.fanout(
+            "POST", "/prepare_weights_update", [body.model_copy(update={"atomic": a}) for a in atomic]
+        )
         self.log("prepare", answers=answers)
         if not all(status == 200 and ans.get("status") == "ready" for status, ans in answers):
             self.log("update", ok=False, error=f"prepare_weights_update refused: {answers}")
@@ -100,8 +118,12 @@ class Trainer:
             self.sender.send(plan, tensors, load_format=load_format, progress=progress)
         except Exception as exc:  # still call complete: it reports the receivers' view
             send_error = exc
-        complete = {"group_name": self.cfg["group"], "weight_version": version, "return_checksum": True,
-                    "timeout_s": self.cfg["timeout_s"]}
+        complete = {
+            "group_name": self.cfg["group"],
+            "weight_version": version,
+            "return_checksum": True,
+            "timeout_s": self.cfg["timeout_s"],
+        }
         answers = self.fanout("POST", "/complete_weights_update", complete)
         self.log("complete", answers=answers)
         if send_error is not None:
@@ -111,21 +133,33 @@ class Trainer:
         else:
             self.log("update", ok=True, sent_checksum=sent_checksum(tensors.items()))
 
-    def single_phase(self, plan: BucketPlan, tensors: dict[str, torch.Tensor], *, load_format: str | None,
-                     version: str) -> None:
+    def single_phase(
+        self, plan: BucketPlan, tensors: dict[str, torch.Tensor], *, load_format: str | None, version: str
+    ) -> None:
         """slime's sequence (reference §3.1): pause (abort mode), flush, then per bucket
         fire the HTTP call and broadcast at once; continue at the end."""
         self.log("pause", answers=self.fanout("POST", "/pause_generation", {}))
         self.log("flush", answers=self.fanout("GET", "/flush_cache", None))
         try:
             for layout in plan.buckets:
-                body = {"names": layout.names, "dtypes": layout.dtypes, "shapes": layout.shapes, "group_name": self.cfg["group"],
-                        "flush_cache": False, "weight_version": version, "load_format": load_format}
+                body = {
+                    "names": layout.names,
+                    "dtypes": layout.dtypes,
+                    "shapes": layout.shapes,
+                    "group_name": self.cfg["group"],
+                    "flush_cache": False,
+                    "weight_version": version,
+                    "load_format": load_format,
+                }
                 answers = alongside(
                     lambda b=body: self.fanout("POST", "/update_weights_from_distributed", b),
-                    lambda layout=layout: self.sender.send(BucketPlan((layout,), plan.budget_bytes), tensors, load_format=load_format),
-                    timeout_s=HTTP_TIMEOUT_S, what="update_weights_from_distributed", settle_on_failure=False,
-                )  # fmt: skip
+                    lambda layout=layout: self.sender.send(
+                        BucketPlan((layout,), plan.budget_bytes), tensors, load_format=load_format
+                    ),
+                    timeout_s=HTTP_TIMEOUT_S,
+                    what="update_weights_from_distributed",
+                    settle_on_failure=False,
+                )
                 if not all(a.get("success") for _, a in answers):
                     raise WeightSyncError(f"update_weights_from_distributed failed: {answers}")
             self.log("update", ok=True, buckets=len(plan.buckets), sent_checksum=sent_checksum(tensors.items()))
@@ -135,8 +169,11 @@ class Trainer:
 
     def checksums(self, label: str) -> None:
         answers = self.fanout("POST", "/weights_checker", {"action": "checksum"})
-        self.log(label, checksums=[a.get("per_gpu_checksum") for _, a in answers],
-                 versions=[http_json("GET", u + "/model_info")[1]["weight_version"] for u in self.workers])
+        self.log(
+            label,
+            checksums=[a.get("per_gpu_checksum") for _, a in answers],
+            versions=[http_json("GET", u + "/model_info")[1]["weight_version"] for u in self.workers],
+        )
 
 
 def load_weights(path: str) -> dict[str, torch.Tensor]:
@@ -168,20 +205,30 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
             # Announce one tensor with a wrong shape: prepare must refuse and nothing is broadcast.
             name = plan.buckets[3].names[0]
             tensors[name] = torch.zeros(3, 5)
-            plan = BucketPlan(buckets=plan.buckets[:3] + (BucketLayout.from_meta([name], ["float32"], [[3, 5]]),)
-                              + plan.buckets[4:], budget_bytes=plan.budget_bytes)
+            plan = BucketPlan(
+                buckets=(*plan.buckets[:3], BucketLayout.from_meta([name], ["float32"], [[3, 5]]), *plan.buckets[4:]),
+                budget_bytes=plan.budget_bytes,
+            )
         fmt = rnd.get("format")
         if scenario == "two_phase":
             if cfg.get("pause", True):
                 t.log("pause", answers=t.fanout("POST", "/pause_generation", {"mode": "retract"}))
             progress = None
             if rnd.get("kill_after") is not None:
+
                 def progress(done: int, total: int, nbytes: int, k: int = rnd["kill_after"]) -> None:
                     if done == k:
                         t.log("killing", buckets_sent=done)
                         os.kill(os.getpid(), signal.SIGKILL)
-            t.two_phase(plan, tensors, load_format=fmt, atomic=rnd.get("atomic", [False] * len(t.workers)),
-                        version=rnd["version"], progress=progress)
+
+            t.two_phase(
+                plan,
+                tensors,
+                load_format=fmt,
+                atomic=rnd.get("atomic", [False] * len(t.workers)),
+                version=rnd["version"],
+                progress=progress,
+            )
             if cfg.get("pause", True):
                 t.log("continue", answers=t.fanout("POST", "/continue_generation", {}))
         else:

@@ -7,10 +7,11 @@ import socket
 import time
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 from tests.procs import ManagedProcess, http_json
 
@@ -22,7 +23,7 @@ class Worker:
     proc: ManagedProcess
     url: str
     model_dir: Path
-    headers: Optional[dict[str, str]] = None
+    headers: dict[str, str] | None = None
 
     def call(self, method: str, path: str, body: Any = None, *, timeout: float = 60.0, **kw: Any) -> tuple[int, Any]:
         headers = kw.pop("headers", self.headers)
@@ -42,9 +43,16 @@ class Worker:
     def generate(self, prompt: Any = "hello", max_new_tokens: int = 16, **fields: Any) -> dict:
         timeout = fields.pop("timeout", 120)
         headers = fields.pop("headers", self.headers)
-        sampling = {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True, **fields.pop("sampling", {})}
+        sampling = {
+            "max_new_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            **fields.pop("sampling", {}),
+        }
         key = "input_ids" if isinstance(prompt, list) else "text"
-        return self.ok("POST", "/generate", {key: prompt, "sampling_params": sampling, **fields}, timeout=timeout, headers=headers)
+        return self.ok(
+            "POST", "/generate", {key: prompt, "sampling_params": sampling, **fields}, timeout=timeout, headers=headers
+        )
 
     def state(self) -> dict:
         """Rank 0's scheduler counters from ``/server_info``."""
@@ -79,7 +87,7 @@ def result(fut: Future, timeout: float = 60.0) -> Any:
     return fut.result(timeout=timeout)
 
 
-def sse_events(url: str, body: dict, headers: Optional[dict[str, str]] = None, timeout: float = 60.0) -> list[Any]:
+def sse_events(url: str, body: dict, headers: dict[str, str] | None = None, timeout: float = 60.0) -> list[Any]:
     """POST a streaming /generate and return the parsed ``data:`` payloads (``"[DONE]"`` kept as a string)."""
     req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
     req.add_header("Content-Type", "application/json")

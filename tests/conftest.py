@@ -7,12 +7,13 @@ state in ways others would notice starts its own through ``worker_factory``.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Iterator, Optional
 
 import pytest
 
+from tests._weight_sync_fixtures import LAYERS, WORKER_ARGS
 from tests._worker_helpers import Worker
 from tests.procs import start_worker
 
@@ -35,7 +36,9 @@ def worker_factory() -> Iterator[Callable[..., Worker]]:
     """Start workers for this module; all are stopped at module teardown."""
     started: list[Worker] = []
 
-    def start(model_dir: Path, *args: str, env: Optional[dict[str, str]] = None, headers: Optional[dict[str, str]] = None) -> Worker:
+    def start(
+        model_dir: Path, *args: str, env: dict[str, str] | None = None, headers: dict[str, str] | None = None
+    ) -> Worker:
         proc, url = start_worker(model_dir, extra_args=list(args), env=env)
         w = Worker(proc, url, Path(model_dir), headers)
         started.append(w)
@@ -57,3 +60,28 @@ def pool() -> Iterator[ThreadPoolExecutor]:
     """Threads for requests that must be in flight while the test acts."""
     with ThreadPoolExecutor(max_workers=8) as executor:
         yield executor
+
+
+@pytest.fixture(scope="module")
+def sync_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """Three tiny checkpoints of one architecture with different weights."""
+    from worker.model import write_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("ckpts")
+    return {
+        name: str(write_tiny_checkpoint(root / name, "llama", seed, num_hidden_layers=LAYERS))
+        for name, seed in (("a", 1), ("b", 2), ("c", 3))
+    }
+
+
+@pytest.fixture(scope="module")
+def sync_workers(sync_ckpts: dict[str, str]) -> Iterator[list[str]]:
+    """Two omni-worker processes serving checkpoint ``a``."""
+    procs = []
+    try:
+        for _ in range(2):
+            procs.append(start_worker(sync_ckpts["a"], extra_args=WORKER_ARGS))
+        yield [url for _, url in procs]
+    finally:
+        for proc, _ in procs:
+            proc.stop()

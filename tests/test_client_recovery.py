@@ -1,4 +1,4 @@
-"""The trainer client after a failed sync: the router's update session ends at
+"""The trainer client after a failed sync: the router's prepared update ends at
 once, the group is torn down on every side, and the next ``sync_weights`` of
 the same client rebuilds it and succeeds.
 
@@ -20,7 +20,7 @@ from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import free_port, http_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: The router's admin-lock wait: a pause arriving while an update session still
+#: The router's admin-lock wait: a pause arriving while a prepared update still
 #: holds the lock is answered 503 after this long (rather than queued).
 LOCK_TIMEOUT_S = 3
 
@@ -29,21 +29,37 @@ def test_failed_broadcast_ends_the_session_and_the_next_sync_rebuilds_the_group(
     pair = start_workers(checkpoints["llama"], 2, extra_args=["--admin-api-key", ADMIN_KEY, *WORKER_ARGS])
     urls = [url for _, url in pair]
     router, url = start_router(
-        urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state", extra_args=["--admin-lock-timeout-s", str(LOCK_TIMEOUT_S)]
+        urls,
+        admin_key=ADMIN_KEY,
+        state_dir=tmp_path / "state",
+        extra_args=["--admin-lock-timeout-s", str(LOCK_TIMEOUT_S)],
     )
     try:
         out = tmp_path / "report.json"
         cfg = {
-            "router": url, "admin_key": ADMIN_KEY, "model": str(checkpoints["llama"]), "port": free_port(),
-            "out": str(out), "bucket_bytes": 64 * 1024, "client": "async",
+            "router": url,
+            "admin_key": ADMIN_KEY,
+            "model": str(checkpoints["llama"]),
+            "port": free_port(),
+            "out": str(out),
+            "bucket_bytes": 64 * 1024,
+            "client": "async",
             # Every sync uses the same GroupSpec, hence the same master_port.
-            "steps": [["two_phase", "flattened_bucket", {"atomic": True, "fail_at_bucket": 1}],
-                      ["two_phase", "flattened_bucket", {"atomic": True}],
-                      ["two_phase", "flattened_bucket", {"atomic": True}]],
-        }  # fmt: skip
-        before = http_json("POST", url + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["rank_checksums"]
+            "steps": [
+                ["two_phase", "flattened_bucket", {"atomic": True, "fail_at_bucket": 1}],
+                ["two_phase", "flattened_bucket", {"atomic": True}],
+                ["two_phase", "flattened_bucket", {"atomic": True}],
+            ],
+        }
+        before = http_json("POST", url + "/weights_checker", {"action": "checksum"}, headers=auth())[1][
+            "rank_checksums"
+        ]
         done = subprocess.run(
-            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(out.read_text())
@@ -60,7 +76,7 @@ def test_failed_broadcast_ends_the_session_and_the_next_sync_rebuilds_the_group(
         assert all(v.startswith("ok") for v in recovery.values()), recovery
         seen = failed["after_failure"]
         assert seen["joined_groups"] == []  # forgotten: the next sync initializes the group again
-        # The session was ended at once: the admin lock is free (no 503 after the lock timeout).
+        # The prepared update was ended at once: the admin lock is free (no 503 after the lock timeout).
         assert seen["pause"] == {"status": 200}, seen["pause"]
         # Atomic: the dropped receive applied nothing, so nobody is fenced and the weights are the old ones.
         assert seen["journal_pending"] is None and seen["disabled"] == []

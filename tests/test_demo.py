@@ -20,14 +20,20 @@ from urllib.parse import urlsplit
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TIMEOUT_S = 180
 
-STEP_ROW = re.compile(r"^\s+(\d+)\s+'.*'\s.*\s(\S+)\s+\d+/\d+\s+[\d.]+\s+(step-\d+)\s+[\d.]+s\*?\s+([0-9a-f= ]+?)\s+(ok|MISMATCH)$")
+STEP_ROW = re.compile(
+    r"^\s+(\d+)\s+'.*'\s.*\s(\S+)\s+\d+/\d+\s+[\d.]+\s+(step-\d+)\s+[\d.]+s\*?\s+([0-9a-f= ]+?)\s+(ok|MISMATCH)$"
+)
 AFTER_ROW = re.compile(r"^after\s+'.*'\s.*\s(\S+)\s+\d+/\d+$")
 URL_LINE = re.compile(r"^(router|worker\d+)\s+(http://\S+)")
 
 
 def start_demo(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "demo", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        [sys.executable, "-m", "demo", *args],
+        cwd=REPO_ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 

@@ -20,8 +20,8 @@ from worker.model import (
 transformers = pytest.importorskip("transformers")
 
 ARCHS = {
-    "llama": dict(cls="LlamaForCausalLM", cfg="LlamaConfig", extra=dict(tie_word_embeddings=False)),
-    "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config", extra=dict(tie_word_embeddings=True)),
+    "llama": {"cls": "LlamaForCausalLM", "cfg": "LlamaConfig", "extra": {"tie_word_embeddings": False}},
+    "qwen2": {"cls": "Qwen2ForCausalLM", "cfg": "Qwen2Config", "extra": {"tie_word_embeddings": True}},
 }
 
 
@@ -43,7 +43,7 @@ def _hf_model(arch: str, seed: int = 0):
     model = getattr(transformers, spec["cls"])(config).eval()
     with torch.no_grad():  # non-trivial norms and biases, so a mix-up would show
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("bias"):
+            if name.endswith(("norm.weight", "bias")):
                 param.add_(torch.randn_like(param) * 0.1)
     return model
 
@@ -134,7 +134,10 @@ def test_load_weights_rejects_before_modifying(tiny, bad, message):
 def test_load_weights_maps_onto_fused_shards(tiny):
     k = torch.full((32, 64), 0.5)
     up = torch.full((128, 64), -0.25)
-    assert tiny.load_weights([("model.layers.1.self_attn.k_proj.weight", k), ("model.layers.1.mlp.up_proj.weight", up)]) == 2
+    assert (
+        tiny.load_weights([("model.layers.1.self_attn.k_proj.weight", k), ("model.layers.1.mlp.up_proj.weight", up)])
+        == 2
+    )
     layer = tiny.model.layers[1]
     assert torch.equal(layer.self_attn.qkv_proj.weight[64:96], k)  # q rows 0..63, k rows 64..95
     assert not torch.equal(layer.self_attn.qkv_proj.weight[:64], torch.full((64, 64), 0.5))
@@ -166,7 +169,7 @@ def test_corrupt_or_missing_checkpoint_is_a_clear_error(tmp_path):
     (path / "model.safetensors").write_bytes(data[: len(data) // 2])
     with pytest.raises(WeightLoadError, match="cannot read"):
         load_model(path)
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         load_model(tmp_path / "nope")
     with pytest.raises(WeightLoadError, match="not a directory"):
         list(read_checkpoint(tmp_path / "nope", torch.float32))
@@ -183,7 +186,7 @@ def test_byte_tokenizer_round_trip(tmp_path):
     tok = load_tokenizer(write_tiny_checkpoint(tmp_path / "t", "llama"))
     ids = tok.encode("héllo")
     assert ids == list("héllo".encode())
-    assert tok.decode(ids + [257]) == "héllo"
+    assert tok.decode([*ids, 257]) == "héllo"
 
 
 def test_forward_logits_is_the_serving_math_and_differentiable(tiny):

@@ -10,8 +10,16 @@ import pytest
 
 from router.gateway.admin.operations import OPERATIONS
 from tests._router_fixtures import (
-    ADMIN_KEY, auth, by_url, generate_via, make_tiny_checkpoint, start_router, start_workers, wait_for, workers,
-)  # fmt: skip
+    ADMIN_KEY,
+    auth,
+    by_url,
+    generate_via,
+    make_tiny_checkpoint,
+    start_router,
+    start_workers,
+    wait_for,
+    workers,
+)
 from tests.procs import free_port, http_json
 
 
@@ -29,7 +37,9 @@ def fleet(tmp_path_factory):
 @pytest.fixture
 def router(fleet, tmp_path):
     urls, _, _ = fleet
-    proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state", extra_args=["--admin-lock-timeout-s", "1"])
+    proc, url = start_router(
+        urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state", extra_args=["--admin-lock-timeout-s", "1"]
+    )
     yield url, proc
     proc.stop()
 
@@ -40,10 +50,20 @@ def post(url: str, path: str, body=None, key: str | None = ADMIN_KEY, timeout: f
 
 ADMIN_PATHS = sorted(
     {(m, p) for p, op in OPERATIONS.items() for m in op.endpoint.methods}
-    | {("GET", "/workers"), ("POST", "/workers"), ("GET", "/workers/x"), ("PUT", "/workers/x"), ("DELETE", "/workers/x"),
-       ("POST", "/add_worker"), ("POST", "/remove_worker"), ("GET", "/list_workers"), ("GET", "/get_world_size"),
-       ("GET", "/weight_update_journal"), ("POST", "/weight_update_journal/resolve")}
-)  # fmt: skip
+    | {
+        ("GET", "/workers"),
+        ("POST", "/workers"),
+        ("GET", "/workers/x"),
+        ("PUT", "/workers/x"),
+        ("DELETE", "/workers/x"),
+        ("POST", "/add_worker"),
+        ("POST", "/remove_worker"),
+        ("GET", "/list_workers"),
+        ("GET", "/get_world_size"),
+        ("GET", "/weight_update_journal"),
+        ("POST", "/weight_update_journal/resolve"),
+    }
+)
 
 
 def test_every_admin_route_needs_the_key_and_the_key_reaches_workers(router, fleet):
@@ -127,7 +147,9 @@ def test_update_lock_contention_registry_409_and_failed_init_fences(router, flee
     # A group init whose trainer never shows up holds the update lock until the workers give up.
     init = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 3, "timeout_s": 6}
     answer: dict = {}
-    thread = threading.Thread(target=lambda: answer.update(r=post(url, "/init_weights_update_group", init, timeout=120)))
+    thread = threading.Thread(
+        target=lambda: answer.update(r=post(url, "/init_weights_update_group", init, timeout=120))
+    )
     thread.start()
     try:
         wait_for(lambda: all(w["disabled"] for w in workers(url, ADMIN_KEY)), 10, proc, "targets disabled")

@@ -9,8 +9,16 @@ import threading
 import pytest
 
 from tests._router_fixtures import (
-    ADMIN_KEY, auth, by_url, generate_via, make_tiny_checkpoint, start_router, start_workers, wait_for, workers,
-)  # fmt: skip
+    ADMIN_KEY,
+    auth,
+    by_url,
+    generate_via,
+    make_tiny_checkpoint,
+    start_router,
+    start_workers,
+    wait_for,
+    workers,
+)
 from tests.procs import free_port, http_json
 
 
@@ -29,7 +37,9 @@ def hanging_init(router_url: str, answer: dict, timeout_s: float = 6.0) -> threa
 
     def call() -> None:
         try:
-            answer["r"] = http_json("POST", router_url + "/init_weights_update_group", body, headers=auth(), timeout=120)
+            answer["r"] = http_json(
+                "POST", router_url + "/init_weights_update_group", body, headers=auth(), timeout=120
+            )
         except OSError as exc:  # the router was killed under us
             answer["error"] = exc
 
@@ -76,9 +86,11 @@ def test_router_killed_mid_update_restarts_with_targets_disabled(trio, tmp_path)
 def test_worker_killed_mid_broadcast_is_502_with_every_result_and_fenced(trio, tmp_path):
     (_, survivor_url), (victim, victim_url) = trio[1], trio[2]
     proc, url = start_router(
-        [survivor_url, victim_url], admin_key=ADMIN_KEY, state_dir=tmp_path / "state",
+        [survivor_url, victim_url],
+        admin_key=ADMIN_KEY,
+        state_dir=tmp_path / "state",
         extra_args=["--health-failure-threshold", "1", "--health-dead-threshold", "2"],
-    )  # fmt: skip
+    )
     try:
         answer: dict = {}
         thread = hanging_init(url, answer)
@@ -93,7 +105,9 @@ def test_worker_killed_mid_broadcast_is_502_with_every_result_and_fenced(trio, t
         results = {r["worker"]: r for r in body["results"]}
         assert set(results) == {ids[survivor_url], ids[victim_url]}
         assert results[ids[victim_url]]["error"] and results[ids[victim_url]]["status_code"] is None
-        assert results[ids[survivor_url]]["status_code"] == 400 and results[ids[survivor_url]]["body"]["success"] is False
+        assert (
+            results[ids[survivor_url]]["status_code"] == 400 and results[ids[survivor_url]]["body"]["success"] is False
+        )
         assert all(r["elapsed_ms"] > 0 for r in body["results"])
         # Fail closed: both stay disabled; the dead one is eventually marked dead.
         wait_for(lambda: by_url(url, ADMIN_KEY)[victim_url]["health"] == "dead", 20, proc, "victim dead")

@@ -11,8 +11,15 @@ import urllib.request
 import pytest
 
 from tests._router_fixtures import (
-    by_url, escaped, generate_via, make_tiny_checkpoint, start_router, start_workers, wait_for, workers,
-)  # fmt: skip
+    by_url,
+    escaped,
+    generate_via,
+    make_tiny_checkpoint,
+    start_router,
+    start_workers,
+    wait_for,
+    workers,
+)
 from tests.procs import free_port, http_json
 
 
@@ -45,7 +52,7 @@ def test_generate_spreads_over_routable_workers_and_passes_body_through(router, 
 
 
 def test_disabled_worker_gets_no_traffic_and_none_routable_is_503(router, fleet):
-    url, proc = router
+    url, _proc = router
     first, second = workers(url)
     status, body = http_json("PUT", f"{url}/workers/{first['id']}", {"disabled": True})
     assert status == 200 and body["disabled"] is True
@@ -93,7 +100,9 @@ def test_dead_url_is_skipped_by_retry_and_marked_dead(fleet):
     urls, _ = fleet
     closed = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     proc, url = start_router(
-        [closed, *urls], wait_healthy=2, extra_args=["--policy", "round_robin", "--health-failure-threshold", "1", "--health-dead-threshold", "2"]
+        [closed, *urls],
+        wait_healthy=2,
+        extra_args=["--policy", "round_robin", "--health-failure-threshold", "1", "--health-dead-threshold", "2"],
     )
     try:
         wait_for(lambda: by_url(url)[closed]["health"] == "dead", 20, proc, "closed url dead")
@@ -114,7 +123,10 @@ def test_model_info_reports_common_version_or_409_when_mixed(router, fleet):
     status, body = http_json("GET", url + "/model_info")
     assert status == 200 and body["weight_version"] == "default" and body["worker_count"] == 2
     # One worker moves on behind the router's back: the fleet is mixed.
-    assert http_json("POST", urls[0] + "/update_weight_version", {"new_version": "v7", "abort_all_requests": False})[0] == 200
+    assert (
+        http_json("POST", urls[0] + "/update_weight_version", {"new_version": "v7", "abort_all_requests": False})[0]
+        == 200
+    )
     try:
         status, body = http_json("GET", url + "/model_info")
         assert status == 409
@@ -123,7 +135,12 @@ def test_model_info_reports_common_version_or_409_when_mixed(router, fleet):
         assert http_json("GET", url + "/get_weight_version")[0] == 409
         assert sorted(w["weight_version"] for w in workers(url)) == ["default", "v7"]
     finally:
-        assert http_json("POST", urls[0] + "/update_weight_version", {"new_version": "default", "abort_all_requests": False})[0] == 200
+        assert (
+            http_json(
+                "POST", urls[0] + "/update_weight_version", {"new_version": "default", "abort_all_requests": False}
+            )[0]
+            == 200
+        )
     assert http_json("GET", url + "/get_weight_version")[1]["weight_version"] == "default"
 
 
@@ -140,9 +157,13 @@ def test_stream_and_client_disconnect_aborts_on_worker(router, fleet):
     urls, _ = fleet
     # Streaming passes through as SSE.
     req = urllib.request.Request(
-        url + "/generate", method="POST", headers={"Content-Type": "application/json"},
-        data=json.dumps({"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}).encode(),
-    )  # fmt: skip
+        url + "/generate",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+        data=json.dumps(
+            {"text": "hi", "stream": True, "sampling_params": {"max_new_tokens": 3, "temperature": 0}}
+        ).encode(),
+    )
     with urllib.request.urlopen(req, timeout=30) as resp:
         assert resp.headers["Content-Type"].startswith("text/event-stream")
         text = resp.read().decode()
@@ -158,8 +179,9 @@ def test_stream_and_client_disconnect_aborts_on_worker(router, fleet):
     with socket.create_connection((host, int(port)), timeout=10) as sock:
         sock.sendall(
             b"POST /generate HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
-        )  # fmt: skip
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         time.sleep(1.0)
     wait_for(lambda: aborted() > before, 15, what="request aborted on the worker")
     running = [http_json("GET", u + "/server_info")[1]["internal_states"][0]["num_running_reqs"] for u in urls]
@@ -171,7 +193,12 @@ def test_metrics_exposes_routing_and_fleet_series(router):
     generate_via(url)
     status, text = http_json("GET", url + "/metrics")
     assert status == 200
-    for name in ("omni_router_requests_total", "omni_router_worker_health", "omni_router_worker_disabled",
-                 "omni_router_worker_inflight_requests", "omni_router_worker_weight_version_info"):  # fmt: skip
+    for name in (
+        "omni_router_requests_total",
+        "omni_router_worker_health",
+        "omni_router_worker_disabled",
+        "omni_router_worker_inflight_requests",
+        "omni_router_worker_weight_version_info",
+    ):
         assert name in text
     assert 'route="/generate"' in text

@@ -12,8 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests._router_fixtures import (
-    ADMIN_KEY, auth, generate_via, make_tiny_checkpoint, start_router, start_workers, workers,
-)  # fmt: skip
+    ADMIN_KEY,
+    auth,
+    generate_via,
+    make_tiny_checkpoint,
+    start_router,
+    start_workers,
+    workers,
+)
 from tests.procs import free_port, http_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -34,12 +40,25 @@ def test_full_sync_cycle_through_one_url(fleet, tmp_path):
     try:
         out = tmp_path / "report.json"
         cfg = {
-            "router": url, "admin_key": ADMIN_KEY, "model": str(model), "port": free_port(), "out": str(out),
+            "router": url,
+            "admin_key": ADMIN_KEY,
+            "model": str(model),
+            "port": free_port(),
+            "out": str(out),
             "bucket_bytes": 64 * 1024,
-            "steps": [["two_phase", "flattened_bucket"], ["two_phase", None], ["single_phase", None], ["single_phase", "flattened_bucket"]],
-        }  # fmt: skip
+            "steps": [
+                ["two_phase", "flattened_bucket"],
+                ["two_phase", None],
+                ["single_phase", None],
+                ["single_phase", "flattened_bucket"],
+            ],
+        }
         done = subprocess.run(
-            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)], cwd=REPO_ROOT, capture_output=True, text=True, timeout=240
+            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
         )
         assert done.returncode == 0, done.stderr[-3000:]
         report = json.loads(out.read_text())
@@ -67,8 +86,15 @@ def mixed_fleet(tmp_path):
     """One llama worker and one qwen2 worker: qwen2's metadata (with qkv biases) suits only the qwen2 worker."""
     llama = make_tiny_checkpoint(tmp_path / "llama")
     qwen = tmp_path / "qwen"
-    subprocess.run([sys.executable, "-m", "worker.cli", "make-tiny", str(qwen), "--arch", "qwen2"], check=True, timeout=120, capture_output=True)
-    procs = start_workers(llama, 1, extra_args=["--admin-api-key", ADMIN_KEY]) + start_workers(qwen, 1, extra_args=["--admin-api-key", ADMIN_KEY])
+    subprocess.run(
+        [sys.executable, "-m", "worker.cli", "make-tiny", str(qwen), "--arch", "qwen2"],
+        check=True,
+        timeout=120,
+        capture_output=True,
+    )
+    procs = start_workers(llama, 1, extra_args=["--admin-api-key", ADMIN_KEY]) + start_workers(
+        qwen, 1, extra_args=["--admin-api-key", ADMIN_KEY]
+    )
     yield [u for _, u in procs], qwen
     for p, _ in procs:
         p.stop()
@@ -77,26 +103,35 @@ def mixed_fleet(tmp_path):
 def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
     import torch
 
-    from worker.model.checkpoint import read_checkpoint
     from router.trainer import BucketPlan, TrainerWeightSender
     from router.trainer.rendezvous import alongside
+    from worker.model.checkpoint import read_checkpoint
 
     urls, qwen = mixed_fleet
-    status, body = http_json("POST", urls[1] + "/abort_weights_update", {"group_name": "weight_update_group"}, headers=auth())
+    status, body = http_json(
+        "POST", urls[1] + "/abort_weights_update", {"group_name": "weight_update_group"}, headers=auth()
+    )
     assert status == 400 and "no prepared weight update" in body["message"]  # nothing to abort yet
-    before = [http_json("POST", u + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["per_gpu_checksum"] for u in urls]
+    before = [
+        http_json("POST", u + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["per_gpu_checksum"]
+        for u in urls
+    ]
     proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     sender = TrainerWeightSender(master_port=free_port(), world_size=3, timeout_s=30)
     try:
         init = sender.init_request(1)
         answer = alongside(
-            lambda: http_json("POST", url + "/init_weights_update_group", init, headers=auth(), timeout=90), sender.join,
-            timeout_s=120, what="init",
-        )  # fmt: skip
+            lambda: http_json("POST", url + "/init_weights_update_group", init, headers=auth(), timeout=90),
+            sender.join,
+            timeout_s=120,
+            what="init",
+        )
         assert answer[0] == 200, answer
         tensors = dict(read_checkpoint(qwen, torch.float32))
         plan = BucketPlan.from_named_tensors(tensors, budget_bytes=64 * 1024)
-        status, body = http_json("POST", url + "/prepare_weights_update", plan.prepare_request(timeout_s=20), headers=auth())
+        status, body = http_json(
+            "POST", url + "/prepare_weights_update", plan.prepare_request(timeout_s=20), headers=auth()
+        )
         assert status == 502 and body["status"] == "error"
         ok = {r["url"]: r["success"] for r in body["results"]}
         assert ok == {urls[0]: False, urls[1]: True}
@@ -105,7 +140,10 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
         # Nothing was received anywhere, so nobody is fenced and the lock is free again.
         assert not any(w["disabled"] for w in workers(url, ADMIN_KEY))
         assert http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"] is None
-        after = [http_json("POST", u + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["per_gpu_checksum"] for u in urls]
+        after = [
+            http_json("POST", u + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["per_gpu_checksum"]
+            for u in urls
+        ]
         assert after == before
         for u in urls:
             info = http_json("GET", u + "/model_info", headers=auth())[1]
@@ -118,7 +156,13 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
         assert status == 502
         refused = {r["url"]: r["body"]["message"] for r in body["results"]}
         assert "a prepared receive was aborted" in refused[urls[1]] and "re-initialize" in refused[urls[1]]
-        status, body = http_json("POST", url + "/destroy_weights_update_group", {"group_name": "weight_update_group"}, headers=auth(), timeout=20)
+        status, body = http_json(
+            "POST",
+            url + "/destroy_weights_update_group",
+            {"group_name": "weight_update_group"},
+            headers=auth(),
+            timeout=20,
+        )
         assert status == 200, body
     finally:
         sender.close()

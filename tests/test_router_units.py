@@ -51,7 +51,16 @@ class TestUrls:
 
     @pytest.mark.parametrize(
         "bad",
-        ["ftp://h:1", "http://user:pw@h:1", "http://h:1/path", "http://h:1?x=1", "http://169.254.169.254", "http://[fe80::1]:80", "nonsense", "http://h:99999"],
+        [
+            "ftp://h:1",
+            "http://user:pw@h:1",
+            "http://h:1/path",
+            "http://h:1?x=1",
+            "http://169.254.169.254",
+            "http://[fe80::1]:80",
+            "nonsense",
+            "http://h:99999",
+        ],
     )
     def test_rejects(self, bad):
         with pytest.raises(BadRequest):
@@ -225,12 +234,21 @@ class TestRanks:
 class TestWire:
     def test_operations_table_and_budgets(self):
         locked = {p for p, op in OPERATIONS.items() if op.locked}
-        assert {"/pause_generation", "/init_weights_update_group", "/destroy_weights_update_group",
-                "/update_weights_from_disk", "/update_weights_from_distributed", "/prepare_weights_update"} <= locked  # fmt: skip
+        assert {
+            "/pause_generation",
+            "/init_weights_update_group",
+            "/destroy_weights_update_group",
+            "/update_weights_from_disk",
+            "/update_weights_from_distributed",
+            "/prepare_weights_update",
+        } <= locked
         # complete and abort run inside the update a ready prepare holds the lock for.
         assert not OPERATIONS["/complete_weights_update"].locked and not OPERATIONS["/abort_weights_update"].locked
         disk = OPERATIONS["/update_weights_from_disk"]
-        assert disk.router_wait(UpdateWeightsFromDiskRequest(model_path="/m")) == ep.UPDATE_WEIGHTS_FROM_DISK.budget.work_s + HOP_MARGIN_S
+        assert (
+            disk.router_wait(UpdateWeightsFromDiskRequest(model_path="/m"))
+            == ep.UPDATE_WEIGHTS_FROM_DISK.budget.work_s + HOP_MARGIN_S
+        )
         # A caller's timeout_s bounds a join: each layer adds one margin on top of the worker's bound.
         init = InitWeightsUpdateGroupRequest(master_address="127.0.0.1", master_port=1, world_size=3, timeout_s=2000)
         bound = ep.INIT_WEIGHTS_UPDATE_GROUP.worker_bound(init)
@@ -238,10 +256,23 @@ class TestWire:
         assert OPERATIONS["/init_weights_update_group"].router_wait(init) == bound + HOP_MARGIN_S
         assert ep.INIT_WEIGHTS_UPDATE_GROUP.budget.client_wait(2000, lock_wait_s=7) == bound + 7 + 2 * HOP_MARGIN_S
         # A timeout_s that a route does not declare changes nothing (prepare's bounds its receive, not the call).
-        assert ep.PAUSE_GENERATION.worker_bound(PauseRequest.model_validate({"timeout_s": 1})) == ep.PAUSE_GENERATION.budget.work_s
-        assert ep.PREPARE_WEIGHTS_UPDATE.timeout_of(PrepareWeightsUpdateRequest.model_validate(
-            {"num_buckets": 1, "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}], "group_name": "g", "timeout_s": 5}
-        )) is None  # fmt: skip
+        assert (
+            ep.PAUSE_GENERATION.worker_bound(PauseRequest.model_validate({"timeout_s": 1}))
+            == ep.PAUSE_GENERATION.budget.work_s
+        )
+        assert (
+            ep.PREPARE_WEIGHTS_UPDATE.timeout_of(
+                PrepareWeightsUpdateRequest.model_validate(
+                    {
+                        "num_buckets": 1,
+                        "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}],
+                        "group_name": "g",
+                        "timeout_s": 5,
+                    }
+                )
+            )
+            is None
+        )
 
     def test_requests_forward_what_the_caller_set_and_unknown_fields(self):
         req = PauseRequest.model_validate({"mode": "in_place", "from_a_newer_sglang": {"x": [1]}})
@@ -260,26 +291,39 @@ class TestWire:
 
         def result(worker: str, n: int) -> WorkerResult:
             body = CompleteWeightsUpdateResponse(success=True, num_buckets_received=n, weight_version="v1")
-            return WorkerResult[CompleteWeightsUpdateResponse](worker=worker, url=f"http://{worker}", success=True, body=body, elapsed_ms=1.0)
+            return WorkerResult[CompleteWeightsUpdateResponse](
+                worker=worker, url=f"http://{worker}", success=True, body=body, elapsed_ms=1.0
+            )
 
         agreed = fleet_answer(complete, [result("a", 3), result("b", 3)], "ok", checksums={"a": None, "b": None})
         parsed = CompleteFleetAnswer.model_validate_json(agreed.model_dump_json())
         assert parsed.num_buckets_received == 3 and parsed.weight_version == "v1" and parsed.success
-        assert isinstance(parsed.results[0].body, CompleteWeightsUpdateResponse) and parsed.results[1].body.num_buckets_received == 3
+        assert (
+            isinstance(parsed.results[0].body, CompleteWeightsUpdateResponse)
+            and parsed.results[1].body.num_buckets_received == 3
+        )
         split = fleet_answer(complete, [result("a", 3), result("b", 2)], "no")
         assert split.num_buckets_received == 0 and [r.body.num_buckets_received for r in split.results] == [3, 2]
         # A plain broadcast lifts the fields every worker agrees on beside the envelope.
-        pause = fleet_answer(OPERATIONS["/pause_generation"], [
-            WorkerResult[PauseResult](worker=w, url="u", success=True, body=PauseResult(pause_mode="retract", num_frozen=0), elapsed_ms=1)
-            for w in ("a", "b")
-        ], "ok")  # fmt: skip
+        pause = fleet_answer(
+            OPERATIONS["/pause_generation"],
+            [
+                WorkerResult[PauseResult](
+                    worker=w, url="u", success=True, body=PauseResult(pause_mode="retract", num_frozen=0), elapsed_ms=1
+                )
+                for w in ("a", "b")
+            ],
+            "ok",
+        )
         dumped = json.loads(pause.model_dump_json())
         assert dumped["pause_mode"] == "retract" and dumped["results"][0]["body"]["pause_mode"] == "retract"
 
     def test_worker_answers_decode_into_their_models_or_a_clear_failure(self):
         ok, error = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": 2}')
         assert error is None and isinstance(ok, CompleteWeightsUpdateResponse) and ok.num_buckets_received == 2
-        body, error = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": {"a": 1}}')
+        body, error = decode_answer(
+            CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": {"a": 1}}'
+        )
         assert body is None and "not a valid CompleteWeightsUpdateResponse" in error and "num_buckets_received" in error
         body, error = decode_answer(CompleteWeightsUpdateResponse, 200, b"")
         assert body is None and "empty body" in error
@@ -309,7 +353,9 @@ class TestAdminHttp:
         from aiohttp import web
 
         async def sized(request):
-            return web.json_response({"echo": (await request.read()).decode(), "auth": request.headers.get("Authorization")})
+            return web.json_response(
+                {"echo": (await request.read()).decode(), "auth": request.headers.get("Authorization")}
+            )
 
         async def chunked(request):
             resp = web.StreamResponse()
@@ -327,7 +373,14 @@ class TestAdminHttp:
             return web.Response(text="late")
 
         app = web.Application()
-        app.router.add_routes([web.post("/sized", sized), web.get("/chunked", chunked), web.get("/close", closing), web.get("/slow", slow)])
+        app.router.add_routes(
+            [
+                web.post("/sized", sized),
+                web.get("/chunked", chunked),
+                web.get("/close", closing),
+                web.get("/slow", slow),
+            ]
+        )
         return await aiohttp_server(app)
 
     async def test_framings_keepalive_and_timeout(self, aiohttp_server):
@@ -336,8 +389,10 @@ class TestAdminHttp:
         server = await self._server(aiohttp_server)
         base = f"http://127.0.0.1:{server.port}"
         client = AdminHttpClient()
-        kw = dict(timeout_s=5.0, connect_timeout_s=2.0)
-        status, body = await client.request("POST", base, "/sized", body=b"hi", headers={"Authorization": "Bearer k"}, **kw)
+        kw = {"timeout_s": 5.0, "connect_timeout_s": 2.0}
+        status, body = await client.request(
+            "POST", base, "/sized", body=b"hi", headers={"Authorization": "Bearer k"}, **kw
+        )
         assert status == 200 and json.loads(body) == {"echo": "hi", "auth": "Bearer k"}
         # The connection went back to the pool and is reused.
         assert len(client._idle[("127.0.0.1", server.port)]) == 1

@@ -21,11 +21,25 @@ NUM_BUCKETS = 73
 PEER_EXIT_TIMEOUT_S = 90  # a hang guard only: far above every timeout the peers are given
 
 
-def run_peers(tmp: Path, *, world_size: int, trainer_rounds: list[dict], receiver_rounds: list[list[dict]],
-              timeout_s: float, start_trainer: bool = True, wait_trainer: bool = True) -> tuple[dict | None, list[dict]]:
+def run_peers(
+    tmp: Path,
+    *,
+    world_size: int,
+    trainer_rounds: list[dict],
+    receiver_rounds: list[list[dict]],
+    timeout_s: float,
+    start_trainer: bool = True,
+    wait_trainer: bool = True,
+) -> tuple[dict | None, list[dict]]:
     port = free_port()
-    base = {"port": port, "world_size": world_size, "group": "test_group", "num_buckets": NUM_BUCKETS,
-            "seed": 7, "timeout_s": timeout_s}
+    base = {
+        "port": port,
+        "world_size": world_size,
+        "group": "test_group",
+        "num_buckets": NUM_BUCKETS,
+        "seed": 7,
+        "timeout_s": timeout_s,
+    }
     procs: list[tuple[ManagedProcess, Path]] = []
     try:
         if start_trainer:
@@ -80,14 +94,17 @@ class TestBytesArrive:
             {"format": "flattened_bucket"},
         ]
         trainer, receivers = run_peers(
-            tmp_path, world_size=3, timeout_s=60, trainer_rounds=[{"format": r["format"]} for r in rounds],
+            tmp_path,
+            world_size=3,
+            timeout_s=60,
+            trainer_rounds=[{"format": r["format"]} for r in rounds],
             receiver_rounds=[rounds, rounds],
         )
         assert trainer["init"] == "ok"
         assert all(r["ok"] for r in trainer["rounds"]), trainer["rounds"]
         for rep in receivers:
             assert rep["init"] == "ok"
-            for index, (sent, got) in enumerate(zip(trainer["rounds"], rep["rounds"])):
+            for index, (sent, got) in enumerate(zip(trainer["rounds"], rep["rounds"], strict=True)):
                 if index == 4:
                     assert got["state"] == "failed"
                     assert "refusing bucket 5" in got["error"]
@@ -106,8 +123,12 @@ class TestFailures:
         rounds_stream = [{"format": "flattened_bucket"}]
         rounds_atomic = [{"format": "flattened_bucket", "atomic": True}]
         _, receivers = run_peers(
-            tmp_path, world_size=3, timeout_s=30, trainer_rounds=[{"format": "flattened_bucket", "kill_after": 10}],
-            receiver_rounds=[rounds_stream, rounds_atomic], wait_trainer=False,
+            tmp_path,
+            world_size=3,
+            timeout_s=30,
+            trainer_rounds=[{"format": "flattened_bucket", "kill_after": 10}],
+            receiver_rounds=[rounds_stream, rounds_atomic],
+            wait_trainer=False,
         )
         for rep in receivers:
             (got,) = rep["rounds"]
@@ -120,8 +141,12 @@ class TestFailures:
 
     def test_stalled_trainer_hits_receive_deadline(self, tmp_path: Path) -> None:
         _, receivers = run_peers(
-            tmp_path, world_size=2, timeout_s=4, trainer_rounds=[{"format": "per_tensor", "stall_after": 3}],
-            receiver_rounds=[[{"format": "per_tensor"}]], wait_trainer=False,
+            tmp_path,
+            world_size=2,
+            timeout_s=4,
+            trainer_rounds=[{"format": "per_tensor", "stall_after": 3}],
+            receiver_rounds=[[{"format": "per_tensor"}]],
+            wait_trainer=False,
         )
         (got,) = receivers[0]["rounds"]
         assert got["state"] == "failed"
@@ -130,13 +155,18 @@ class TestFailures:
 
     def test_missing_peer_fails_init(self, tmp_path: Path) -> None:
         trainer, receivers = run_peers(
-            tmp_path, world_size=3, timeout_s=3, trainer_rounds=[], receiver_rounds=[[]],
+            tmp_path,
+            world_size=3,
+            timeout_s=3,
+            trainer_rounds=[],
+            receiver_rounds=[[]],
         )
         assert trainer["init"].startswith("error:"), trainer
         assert receivers[0]["init"].startswith("error:"), receivers[0]
         assert "rank 1 of 3" in receivers[0]["init"]
 
     def test_no_trainer_fails_init(self, tmp_path: Path) -> None:
-        _, receivers = run_peers(tmp_path, world_size=2, timeout_s=2, trainer_rounds=[], receiver_rounds=[[]],
-                                 start_trainer=False)
+        _, receivers = run_peers(
+            tmp_path, world_size=2, timeout_s=2, trainer_rounds=[], receiver_rounds=[[]], start_trainer=False
+        )
         assert "nothing listens" in receivers[0]["init"]

@@ -29,16 +29,21 @@ class TestBucketLayout:
         assert layout.dtypes == ["float32", "bfloat16", "int8"]
 
     def test_unaligned_offset_is_rejected_before_any_receive(self) -> None:
-        with pytest.raises(LayoutError, match="unaligned tensor 'b'.*byte offset 6.*float32"):
+        with pytest.raises(LayoutError, match=r"unaligned tensor 'b'.*byte offset 6.*float32"):
             BucketLayout.from_meta(["a", "b"], ["bfloat16", "float32"], [[3], [2]])
         # The same tensors are fine when the check is not required (per-tensor format).
-        assert BucketLayout.from_meta(["a", "b"], ["bfloat16", "float32"], [[3], [2]], require_aligned=False).total_bytes == 14
+        assert (
+            BucketLayout.from_meta(["a", "b"], ["bfloat16", "float32"], [[3], [2]], require_aligned=False).total_bytes
+            == 14
+        )
 
     def test_aligned_order_makes_any_mix_aligned(self) -> None:
         dtypes = ["int8", "bfloat16", "float64", "bool", "float32", "float16", "int64", "float8_e4m3fn"]
         shapes = [[3], [5], [1], [1], [3], [1], [1], [7]]
         order = aligned_order(dtypes)
-        layout = BucketLayout.from_meta([f"t{i}" for i in order], [dtypes[i] for i in order], [shapes[i] for i in order])
+        layout = BucketLayout.from_meta(
+            [f"t{i}" for i in order], [dtypes[i] for i in order], [shapes[i] for i in order]
+        )
         assert all(slot.aligned for slot in layout.slots)
 
     @pytest.mark.parametrize(
@@ -55,7 +60,9 @@ class TestBucketLayout:
             BucketLayout.from_meta(names, dtypes, shapes)
 
     def test_protocol_does_not_import_torch(self) -> None:
-        code = "import sys, router.contract.weight_sync, router.contract.bucket_layout; assert 'torch' not in sys.modules"
+        code = (
+            "import sys, router.contract.weight_sync, router.contract.bucket_layout; assert 'torch' not in sys.modules"
+        )
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 
 
@@ -65,15 +72,26 @@ class TestWireModels:
             {"names": ["w"], "dtypes": ["torch.bfloat16"], "shapes": [[2]], "weight_version": 3, "selector": "all"}
         )
         assert (req.group_name, req.flush_cache, req.abort_all_requests, req.load_format) == (
-            "weight_update_group", True, False, None)
+            "weight_update_group",
+            True,
+            False,
+            None,
+        )
         assert req.dtypes == ["bfloat16"] and req.weight_version == "3"
 
     def test_length_mismatch_is_a_validation_error(self) -> None:
         with pytest.raises(ValidationError, match="equal lengths"):
-            UpdateWeightsFromDistributedRequest.model_validate({"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1]]})
+            UpdateWeightsFromDistributedRequest.model_validate(
+                {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1]]}
+            )
 
     def test_flattened_unaligned_is_a_validation_error(self) -> None:
-        body = {"names": ["a", "b"], "dtypes": ["int8", "float32"], "shapes": [[1], [1]], "load_format": "flattened_bucket"}
+        body = {
+            "names": ["a", "b"],
+            "dtypes": ["int8", "float32"],
+            "shapes": [[1], [1]],
+            "load_format": "flattened_bucket",
+        }
         with pytest.raises(ValidationError, match="unaligned"):
             UpdateWeightsFromDistributedRequest.model_validate(body)
         body["load_format"] = None
@@ -81,18 +99,24 @@ class TestWireModels:
 
     def test_unknown_load_format_rejected(self) -> None:
         with pytest.raises(ValidationError):
-            UpdateWeightsFromDistributedRequest.model_validate({"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "load_format": "direct"})
+            UpdateWeightsFromDistributedRequest.model_validate(
+                {"names": ["a"], "dtypes": ["float32"], "shapes": [[1]], "load_format": "direct"}
+            )
 
     def test_prepare_seed_fields_and_checks(self) -> None:
         bucket = {"names": ["a"], "dtypes": ["bfloat16"], "shapes": [[4, 4]]}
-        req = PrepareWeightsUpdateRequest.model_validate({"num_buckets": 1, "buckets": [bucket], "group_name": "weight_sync_group"})
+        req = PrepareWeightsUpdateRequest.model_validate(
+            {"num_buckets": 1, "buckets": [bucket], "group_name": "weight_sync_group"}
+        )
         assert (req.atomic, req.load_format, req.timeout_s) == (False, None, None)
         with pytest.raises(ValidationError, match="num_buckets is 2 but 1"):
             PrepareWeightsUpdateRequest.model_validate({"num_buckets": 2, "buckets": [bucket], "group_name": "g"})
         with pytest.raises(ValidationError, match="group_name"):
             PrepareWeightsUpdateRequest.model_validate({"num_buckets": 1, "buckets": [bucket]})
         with pytest.raises(ValidationError, match="bucket 1 and bucket 2"):
-            PrepareWeightsUpdateRequest.model_validate({"num_buckets": 2, "buckets": [bucket, bucket], "group_name": "g"})
+            PrepareWeightsUpdateRequest.model_validate(
+                {"num_buckets": 2, "buckets": [bucket, bucket], "group_name": "g"}
+            )
 
     def test_complete_and_response_defaults(self) -> None:
         req = CompleteWeightsUpdateRequest.model_validate({"group_name": "g"})
@@ -101,7 +125,13 @@ class TestWireModels:
 
     @pytest.mark.parametrize(
         "patch",
-        [{"rank_offset": 0}, {"rank_offset": 2, "world_size": 2}, {"master_port": 0}, {"backend": "mpi"}, {"timeout_s": -1}],
+        [
+            {"rank_offset": 0},
+            {"rank_offset": 2, "world_size": 2},
+            {"master_port": 0},
+            {"backend": "mpi"},
+            {"timeout_s": -1},
+        ],
     )
     def test_init_group_rejects(self, patch: dict) -> None:
         body = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 2, **patch}
@@ -111,11 +141,15 @@ class TestWireModels:
 
 class TestFlatBucketAndPlan:
     def test_pack_unpack_round_trip_zero_copy(self) -> None:
-        named = [("f", torch.randn(3, 5)), ("h", torch.randn(7).to(torch.bfloat16)), ("i", torch.arange(3, dtype=torch.int8))]
+        named = [
+            ("f", torch.randn(3, 5)),
+            ("h", torch.randn(7).to(torch.bfloat16)),
+            ("i", torch.arange(3, dtype=torch.int8)),
+        ]
         layout = layout_of(named)
         buffer = pack(named, layout)
         views = unpack(buffer, layout)
-        for (name, want), (got_name, got) in zip(named, views):
+        for (name, want), (got_name, got) in zip(named, views, strict=True):
             assert got_name == name and got.dtype == want.dtype and torch.equal(got, want)
             assert got.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()  # a view, not a copy
 
@@ -125,7 +159,9 @@ class TestFlatBucketAndPlan:
             pack([("f", torch.zeros(3))], layout)
 
     def test_plan_respects_budget_order_and_alignment(self) -> None:
-        named = [(f"t{i}", torch.zeros(i + 1, dtype=[torch.int8, torch.bfloat16, torch.float32][i % 3])) for i in range(30)]
+        named = [
+            (f"t{i}", torch.zeros(i + 1, dtype=[torch.int8, torch.bfloat16, torch.float32][i % 3])) for i in range(30)
+        ]
         plan = BucketPlan.from_named_tensors(named, budget_bytes=64)
         assert plan.num_tensors == 30 and plan.total_bytes == sum(t.numel() * t.element_size() for _, t in named)
         assert all(b.total_bytes <= 64 or len(b) == 1 for b in plan.buckets)

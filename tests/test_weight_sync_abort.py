@@ -7,20 +7,20 @@ drives the worker's HTTP routes. Every test reads the state it starts from.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
 
-from tests._router_fixtures import wait_for
-from tests._weight_sync_fixtures import WORKER_ARGS, ckpts  # noqa: F401
-from tests._worker_helpers import Worker
-from tests.procs import free_port, http_json, start_worker
-from worker.model import read_checkpoint
 from router.trainer.rendezvous import alongside
 from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
+from tests._router_fixtures import wait_for
+from tests._weight_sync_fixtures import WORKER_ARGS
+from tests._worker_helpers import Worker
+from tests.procs import free_port, start_worker
+from worker.model import read_checkpoint
 
 GROUP = "weight_update_group"
 BROKEN = f"group {GROUP!r} is broken (a prepared receive was aborted); destroy and re-initialize it"
@@ -31,10 +31,10 @@ BUCKET_BYTES = 64 * 1024
 
 
 @pytest.fixture(scope="module")
-def worker(ckpts: dict[str, str]) -> Iterator[Worker]:  # noqa: F811
-    proc, url = start_worker(ckpts["a"], extra_args=[*WORKER_ARGS, "--step-delay-ms", "20"])
+def worker(sync_ckpts: dict[str, str]) -> Iterator[Worker]:
+    proc, url = start_worker(sync_ckpts["a"], extra_args=[*WORKER_ARGS, "--step-delay-ms", "20"])
     try:
-        yield Worker(proc, url, Path(ckpts["a"]))
+        yield Worker(proc, url, Path(sync_ckpts["a"]))
     finally:
         proc.stop()
 
@@ -68,7 +68,9 @@ def weights(path: str) -> tuple[dict[str, torch.Tensor], BucketPlan]:
 def two_phase(worker: Worker, sender: TrainerWeightSender, path: str, version: str, **prepare: object) -> str:
     """A whole update of ``path``'s tensors (prepare, broadcast, complete); returns the checksum the trainer sent."""
     tensors, plan = weights(path)
-    status, ready = worker.post("/prepare_weights_update", plan.prepare_request(GROUP, weight_version=version, timeout_s=30, **prepare))
+    status, ready = worker.post(
+        "/prepare_weights_update", plan.prepare_request(GROUP, weight_version=version, timeout_s=30, **prepare)
+    )
     assert status == 200 and ready["status"] == "ready", ready
     sender.send(plan, tensors)
     complete = {"group_name": GROUP, "weight_version": version, "return_checksum": True, "timeout_s": 30}
@@ -91,11 +93,13 @@ class TestAbort:
         assert status == 400 and "group_name" in body["error"]["message"]
 
     def test_before_any_broadcast_drops_the_receive_and_breaks_the_group(
-        self, worker: Worker, sender: TrainerWeightSender, ckpts: dict[str, str]  # noqa: F811
+        self, worker: Worker, sender: TrainerWeightSender, sync_ckpts: dict[str, str]
     ) -> None:
         before, version = worker.checksum(), worker.info()["weight_version"]
-        _, plan = weights(ckpts["c"])
-        status, body = worker.post("/prepare_weights_update", plan.prepare_request(GROUP, weight_version="never", timeout_s=30))
+        _, plan = weights(sync_ckpts["c"])
+        status, body = worker.post(
+            "/prepare_weights_update", plan.prepare_request(GROUP, weight_version="never", timeout_s=30)
+        )
         assert status == 200 and body["status"] == "ready", body
         assert worker.info()["is_paused"]  # a streaming update holds generation
 
@@ -117,10 +121,10 @@ class TestAbort:
         assert abort(worker)[0] == 400  # dropped already
 
     def test_a_bucket_broadcast_after_the_abort_is_dropped(
-        self, worker: Worker, sender: TrainerWeightSender, ckpts: dict[str, str]  # noqa: F811
+        self, worker: Worker, sender: TrainerWeightSender, sync_ckpts: dict[str, str]
     ) -> None:
         before = worker.checksum()
-        tensors, plan = weights(ckpts["c"])
+        tensors, plan = weights(sync_ckpts["c"])
         body = plan.prepare_request(GROUP, load_format="flattened_bucket", timeout_s=30)
         assert worker.post("/prepare_weights_update", body)[1]["status"] == "ready"
         assert abort(worker)[1]["success"] is True
@@ -131,34 +135,38 @@ class TestAbort:
         assert not info["weights_partial"] and not info["is_paused"]
 
     def test_destroy_with_a_pending_receive_returns_and_a_new_group_works(
-        self, worker: Worker, ckpts: dict[str, str]  # noqa: F811
+        self, worker: Worker, sync_ckpts: dict[str, str]
     ) -> None:
         old = join(worker)
         try:
-            _, plan = weights(ckpts["c"])
-            assert worker.post("/prepare_weights_update", plan.prepare_request(GROUP, timeout_s=45))[1]["status"] == "ready"
+            _, plan = weights(sync_ckpts["c"])
+            assert (
+                worker.post("/prepare_weights_update", plan.prepare_request(GROUP, timeout_s=45))[1]["status"]
+                == "ready"
+            )
             assert abort(worker)[0] == 200
             # The trainer still holds its side, so the worker's receive stays posted; leaving
             # the group must not wait for it (the call's timeout is well below the group's).
-            status, body = worker.post("/destroy_weights_update_group", {"group_name": GROUP},
-                                       timeout=PROMPT_CALL_TIMEOUT_S)
+            status, body = worker.post(
+                "/destroy_weights_update_group", {"group_name": GROUP}, timeout=PROMPT_CALL_TIMEOUT_S
+            )
             assert status == 200 and body["success"], body
             assert worker.get("/health")[0] == 200
         finally:
             old.close()
         new = join(worker)
         try:
-            sent = two_phase(worker, new, ckpts["b"], "after-abort")
+            sent = two_phase(worker, new, sync_ckpts["b"], "after-abort")
             assert worker.checksum() == sent and worker.info()["weight_version"] == "after-abort"
         finally:
             worker.post("/destroy_weights_update_group", {"group_name": GROUP})
             new.close()
 
     def test_after_buckets_were_applied_the_worker_stays_fenced(
-        self, worker: Worker, sender: TrainerWeightSender, ckpts: dict[str, str]  # noqa: F811
+        self, worker: Worker, sender: TrainerWeightSender, sync_ckpts: dict[str, str]
     ) -> None:
         before, version = worker.checksum(), worker.info()["weight_version"]
-        tensors, plan = weights(ckpts["c"])
+        tensors, plan = weights(sync_ckpts["c"])
         assert worker.post("/prepare_weights_update", plan.prepare_request(GROUP, timeout_s=30))[1]["status"] == "ready"
         sender.send(BucketPlan(plan.buckets[:3], plan.budget_bytes), tensors)  # the trainer had started
         wait_for(lambda: worker.info()["weights_partial"], 30, worker.proc, "a streamed bucket applied")
@@ -174,11 +182,13 @@ class TestAbort:
         assert status == 400 and body["message"] == BROKEN
 
         # Repair: a new group and a full update, then continue.
-        assert worker.post("/destroy_weights_update_group", {"group_name": GROUP}, timeout=PROMPT_CALL_TIMEOUT_S)[0] == 200
+        assert (
+            worker.post("/destroy_weights_update_group", {"group_name": GROUP}, timeout=PROMPT_CALL_TIMEOUT_S)[0] == 200
+        )
         sender.close()
         repaired = join(worker)
         try:
-            sent = two_phase(worker, repaired, ckpts["a"], "repaired")
+            sent = two_phase(worker, repaired, sync_ckpts["a"], "repaired")
         finally:
             worker.post("/destroy_weights_update_group", {"group_name": GROUP})
             repaired.close()
@@ -201,10 +211,10 @@ class TestActiveRequests:
             future.result(timeout=60)
 
     def test_prepare_refused_then_proceeds_with_abort_all_requests(
-        self, worker: Worker, sender: TrainerWeightSender, in_flight, ckpts: dict[str, str]  # noqa: F811
+        self, worker: Worker, sender: TrainerWeightSender, in_flight, sync_ckpts: dict[str, str]
     ) -> None:
         before, version = worker.checksum(), worker.info()["weight_version"]
-        _, plan = weights(ckpts["c"])
+        _, plan = weights(sync_ckpts["c"])
         status, body = worker.post("/prepare_weights_update", plan.prepare_request(GROUP))
         assert status == 400 and body["status"] == "error", body
         assert "cannot update weights: 1 active request(s) hold KV cache" in body["message"]
@@ -212,27 +222,36 @@ class TestActiveRequests:
         assert worker.checksum() == before and worker.info()["weight_version"] == version
         assert worker.state()["num_running_reqs"] == 1 and not worker.info()["is_paused"]
 
-        sent = two_phase(worker, sender, ckpts["c"], "forced", abort_all_requests=True)
+        sent = two_phase(worker, sender, sync_ckpts["c"], "forced", abort_all_requests=True)
         assert in_flight.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
         assert worker.checksum() == sent != before and worker.info()["weight_version"] == "forced"
 
     def test_single_phase_refused_then_proceeds_with_abort_all_requests(
-        self, worker: Worker, sender: TrainerWeightSender, in_flight, ckpts: dict[str, str]  # noqa: F811
+        self, worker: Worker, sender: TrainerWeightSender, in_flight, sync_ckpts: dict[str, str]
     ) -> None:
         before = worker.checksum()
-        tensors, plan = weights(ckpts["b"])
+        tensors, plan = weights(sync_ckpts["b"])
         single = {**plan.metadata()[0].model_dump(), "group_name": GROUP}
         status, body = worker.post("/update_weights_from_distributed", single)
         assert status == 400 and body["success"] is False
-        assert body["message"].startswith("Failed to update parameter online: cannot update weights: 1 active request(s)")
+        assert body["message"].startswith(
+            "Failed to update parameter online: cannot update weights: 1 active request(s)"
+        )
         assert worker.checksum() == before and worker.state()["num_running_reqs"] == 1
 
         for i, meta in enumerate(plan.metadata()):  # slime's sequence: per bucket, the call and its broadcast at once
-            forced = {**meta.model_dump(), "group_name": GROUP, "abort_all_requests": True, "weight_version": "forced-single"}
+            forced = {
+                **meta.model_dump(),
+                "group_name": GROUP,
+                "abort_all_requests": True,
+                "weight_version": "forced-single",
+            }
             status, body = alongside(
                 lambda forced=forced: worker.post("/update_weights_from_distributed", forced),
-                lambda i=i: sender.send_bucket(plan, i, tensors), timeout_s=120, what="update_weights_from_distributed",
-            )  # fmt: skip
+                lambda i=i: sender.send_bucket(plan, i, tensors),
+                timeout_s=120,
+                what="update_weights_from_distributed",
+            )
             assert status == 200 and body["success"], body
         assert in_flight.result(timeout=60)["meta_info"]["finish_reason"]["type"] == "abort"
         assert worker.checksum() == sent_checksum(tensors.items()) != before

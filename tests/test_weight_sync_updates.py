@@ -7,19 +7,19 @@ served at start; the updates push the tensors of checkpoints ``c`` and ``b``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
-from tests._weight_sync_fixtures import NUM_BUCKETS, PROMPTS, checksum, ckpts, greedy, model_info, run_trainer, steps, workers  # noqa: F401
+from tests._weight_sync_fixtures import NUM_BUCKETS, PROMPTS, checksum, greedy, model_info, run_trainer, steps
 from tests.procs import start_worker
 
 
 @pytest.fixture(scope="module")
-def reference(ckpts: dict[str, str]) -> Iterator[str]:
+def reference(sync_ckpts: dict[str, str]) -> Iterator[str]:
     """A fresh worker started from checkpoint ``b``: what an updated worker must equal."""
-    proc, url = start_worker(ckpts["b"])
+    proc, url = start_worker(sync_ckpts["b"])
     try:
         yield url
     finally:
@@ -27,16 +27,20 @@ def reference(ckpts: dict[str, str]) -> Iterator[str]:
 
 
 @pytest.fixture(scope="module")
-def two_phase_run(ckpts: dict[str, str], workers: list[str], tmp_path_factory: pytest.TempPathFactory) -> dict:
+def two_phase_run(
+    sync_ckpts: dict[str, str], sync_workers: list[str], tmp_path_factory: pytest.TempPathFactory
+) -> dict:
     """One trainer session: a refused prepare, then per-tensor streaming (→ c), then
     flattened with worker 1 atomic and worker 2 streaming (→ b)."""
-    before = [checksum(u) for u in workers]
+    before = [checksum(u) for u in sync_workers]
     report, _ = run_trainer(
-        tmp_path_factory.mktemp("two-phase"), workers, scenario="two_phase",
+        tmp_path_factory.mktemp("two-phase"),
+        sync_workers,
+        scenario="two_phase",
         rounds=[
-            {"ckpt": ckpts["a"], "bad_shape": True, "version": "bad"},
-            {"ckpt": ckpts["c"], "format": None, "version": "v1"},
-            {"ckpt": ckpts["b"], "format": "flattened_bucket", "atomic": [True, False], "version": "v2"},
+            {"ckpt": sync_ckpts["a"], "bad_shape": True, "version": "bad"},
+            {"ckpt": sync_ckpts["c"], "format": None, "version": "v1"},
+            {"ckpt": sync_ckpts["b"], "format": "flattened_bucket", "atomic": [True, False], "version": "v2"},
         ],
     )
     return {"report": report, "before": before}
@@ -55,8 +59,9 @@ class TestTwoPhase:
         assert after["versions"] == ["default", "default"]
 
     @pytest.mark.parametrize(("round_index", "version"), [(1, "v1"), (2, "v2")])
-    def test_73_buckets_arrive_and_checksums_match_the_trainer(self, two_phase_run: dict, round_index: int,
-                                                               version: str) -> None:
+    def test_73_buckets_arrive_and_checksums_match_the_trainer(
+        self, two_phase_run: dict, round_index: int, version: str
+    ) -> None:
         report = two_phase_run["report"]
         ready = steps(report, "prepare")[round_index]["answers"]
         assert all(status == 200 and body["status"] == "ready" for status, body in ready), ready
@@ -77,10 +82,10 @@ class TestTwoPhase:
         assert len({*sums, two_phase_run["before"][0]}) == 3
 
     def test_generation_equals_a_worker_started_from_the_new_checkpoint(
-        self, two_phase_run: dict, workers: list[str], reference: str
+        self, two_phase_run: dict, sync_workers: list[str], reference: str
     ) -> None:
         assert checksum(reference) == steps(two_phase_run["report"], "update")[2]["sent_checksum"]
-        for url in workers:
+        for url in sync_workers:
             info = model_info(url)
             assert not info["is_paused"] and not info["weights_partial"]
             for prompt in PROMPTS:
@@ -88,14 +93,19 @@ class TestTwoPhase:
 
 
 class TestSinglePhase:
-    def test_slime_sequence_both_formats(self, ckpts: dict[str, str], workers: list[str], two_phase_run: dict,
-                                         tmp_path: Path) -> None:
+    def test_slime_sequence_both_formats(
+        self, sync_ckpts: dict[str, str], sync_workers: list[str], two_phase_run: dict, tmp_path: Path
+    ) -> None:
         """slime (reference §3.1): pause, flush, then per bucket the HTTP call fired first
         and the broadcast right after, ``flush_cache=false``, ``weight_version`` a string."""
         report, _ = run_trainer(
-            tmp_path, workers, scenario="single_phase",
-            rounds=[{"ckpt": ckpts["c"], "format": None, "version": "s1"},
-                    {"ckpt": ckpts["a"], "format": "flattened_bucket", "version": "s2"}],
+            tmp_path,
+            sync_workers,
+            scenario="single_phase",
+            rounds=[
+                {"ckpt": sync_ckpts["c"], "format": None, "version": "s1"},
+                {"ckpt": sync_ckpts["a"], "format": "flattened_bucket", "version": "s2"},
+            ],
         )
         for index, version in enumerate(("s1", "s2")):
             update = steps(report, "update")[index]

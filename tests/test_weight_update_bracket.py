@@ -29,7 +29,7 @@ def test_bracket_on_one_worker(fleet):
     assert status == 400 and "already open" in body["message"] and "already open" in body["error"]["message"]
     assert _post(url, "/end_weight_update")[0] == 200
     status, body = _post(url, "/end_weight_update")
-    assert status == 200 and "no weight-update session was open" in body["message"]
+    assert status == 200 and "no weight-update bracket was open" in body["message"]
     # Caller mistakes are 400 and open nothing.
     assert _post(url, "/begin_weight_update", {"selector": "sideways"})[0] == 400
     status, body = _post(url, "/begin_weight_update", {"selector": "draft"})

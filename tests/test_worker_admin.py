@@ -107,7 +107,10 @@ def test_release_and_resume_memory_restore_weights(aw, pool, expected):
     waiting = pool.submit(aw.generate, "memory", 12, headers=headers)
     aw.wait_state(lambda s: s["num_waiting_reqs"] == 1, what="the request to queue")
     assert not waiting.done()
-    assert sorted(aw.ok("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})["resumed"]) == ["kv_cache", "weights"]
+    assert sorted(aw.ok("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})["resumed"]) == [
+        "kv_cache",
+        "weights",
+    ]
     assert result(waiting)["output_ids"] == before
     assert aw.checksum() == expected[1]
     assert aw.generate("memory", 12, headers=headers)["output_ids"] == before

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import urllib.error
 import urllib.request
 
@@ -16,7 +17,9 @@ OPEN = {"/health", "/health_generate"}
 
 @pytest.fixture(scope="module")
 def kw(worker_factory, checkpoints):
-    return worker_factory(checkpoints["llama"], "--admin-api-key", "admin-secret", "--api-key", "gen-secret", headers=ADMIN)
+    return worker_factory(
+        checkpoints["llama"], "--admin-api-key", "admin-secret", "--api-key", "gen-secret", headers=ADMIN
+    )
 
 
 @pytest.fixture(scope="module")
@@ -113,6 +116,10 @@ def test_admin_key_from_environment(worker_factory, checkpoints):
     assert ew.get("/model_info")[0] == 401
     assert ew.get("/model_info", headers={"Authorization": "Bearer env-key"})[0] == 200
     assert ew.post("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 1}})[0] == 200
+    # The key in force is reported as set, whichever way it was given (and never shown).
+    status, info = ew.get("/server_info", headers={"Authorization": "Bearer env-key"})
+    assert status == 200 and info["admin_api_key_set"] is True and info["admin_api_key"] is None
+    assert "env-key" not in json.dumps(info)
 
 
 BAD_BODIES = {
@@ -169,7 +176,10 @@ def test_bad_input_is_400_json_and_changes_nothing(kw, checkpoints):
                 body = {**body, "model_path": str(checkpoints["llama"])}
             status, data = kw.call("POST", path, body, raw=raw)
             assert status == 400, (path, label, status, data)
-            assert isinstance(data, dict) and isinstance(data["error"]["message"], str) and data["error"]["message"], (path, label)
+            assert isinstance(data, dict) and isinstance(data["error"]["message"], str) and data["error"]["message"], (
+                path,
+                label,
+            )
             assert "Traceback" not in str(data)
     status, data = kw.get("/flush_cache?timeout=abc")
     assert status == 400 and "timeout" in data["error"]["message"]

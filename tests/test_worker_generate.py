@@ -3,6 +3,7 @@ stop conditions, continuous batching and client disconnects."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import subprocess
 
@@ -35,7 +36,7 @@ def test_greedy_is_deterministic_and_text_decodes_output_ids(gw, checkpoints):
     assert first["text"] == load_tokenizer(checkpoints["llama"]).decode(first["output_ids"])
     meta = first["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 24}
-    assert meta["prompt_tokens"] == len("The policy says:".encode())
+    assert meta["prompt_tokens"] == len(b"The policy says:")
     assert meta["completion_tokens"] == 24
     assert meta["cached_tokens"] == 0
     assert meta["weight_version"] == "default"
@@ -51,7 +52,11 @@ def test_input_ids_equal_text_and_batch_matches_singles(gw):
     batch = gw.ok(
         "POST",
         "/generate",
-        {"text": ["abc", "xyz!"], "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, "rid": ["b-1", "b-2"]},
+        {
+            "text": ["abc", "xyz!"],
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+            "rid": ["b-1", "b-2"],
+        },
     )
     assert isinstance(batch, list) and len(batch) == 2
     assert [b["output_ids"] for b in batch] == [single["output_ids"], other["output_ids"]]
@@ -59,7 +64,13 @@ def test_input_ids_equal_text_and_batch_matches_singles(gw):
     ids_batch = gw.ok(
         "POST",
         "/generate",
-        {"input_ids": [list(b"abc"), list(b"xyz!")], "sampling_params": [{"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}, {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}]},
+        {
+            "input_ids": [list(b"abc"), list(b"xyz!")],
+            "sampling_params": [
+                {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True},
+                {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True},
+            ],
+        },
     )
     assert ids_batch[0]["output_ids"] == single["output_ids"]
     assert ids_batch[1]["output_ids"] == other["output_ids"][:3]
@@ -67,13 +78,20 @@ def test_input_ids_equal_text_and_batch_matches_singles(gw):
 
 def test_streaming_is_cumulative_and_ends_with_done(gw):
     reference = gw.generate("stream me", 20)
-    events = sse_events(gw.url + "/generate", {"text": "stream me", "stream": True, "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True}})
+    events = sse_events(
+        gw.url + "/generate",
+        {
+            "text": "stream me",
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 20, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
     assert len(chunks) >= 2
     lengths = [len(c["output_ids"]) for c in chunks]
     assert lengths == sorted(lengths)
-    for earlier, later in zip(chunks, chunks[1:]):
+    for earlier, later in itertools.pairwise(chunks):
         assert later["output_ids"][: len(earlier["output_ids"])] == earlier["output_ids"]
     assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
     assert chunks[-1]["output_ids"] == reference["output_ids"]
@@ -82,7 +100,14 @@ def test_streaming_is_cumulative_and_ends_with_done(gw):
 
 
 def test_streaming_batch_carries_index(gw):
-    events = sse_events(gw.url + "/generate", {"text": ["a", "b"], "stream": True, "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}})
+    events = sse_events(
+        gw.url + "/generate",
+        {
+            "text": ["a", "b"],
+            "stream": True,
+            "sampling_params": {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True},
+        },
+    )
     assert events[-1] == "[DONE]"
     finals = {c["index"]: c for c in events[:-1] if c["meta_info"]["finish_reason"]}
     assert set(finals) == {0, 1}
@@ -96,7 +121,7 @@ def test_logprobs_are_triples_and_greedy_picks_the_best(gw):
     assert [t[1] for t in triples] == out["output_ids"]
     assert all(t[2] is None and t[0] <= 0.0 and math.isfinite(t[0]) for t in triples)
     assert meta["input_token_logprobs"] == []
-    for (lp, tok, _), top in zip(triples, meta["output_top_logprobs"]):
+    for (lp, tok, _), top in zip(triples, meta["output_top_logprobs"], strict=True):
         assert len(top) == 3 and top[0][1] == tok and top[0][0] == pytest.approx(lp)
 
 
@@ -139,7 +164,11 @@ def test_concurrent_requests_are_batched(gw, pool):
 @pytest.mark.parametrize("stream", [False, True])
 def test_client_disconnect_aborts_its_request(gw, stream):
     aborted_before = gw.state()["aborted_requests"]
-    body = {"text": "going away", "stream": stream, "sampling_params": {"max_new_tokens": 800, "ignore_eos": True, "temperature": 0}}
+    body = {
+        "text": "going away",
+        "stream": stream,
+        "sampling_params": {"max_new_tokens": 800, "ignore_eos": True, "temperature": 0},
+    }
     sock = open_raw_request(gw.url, "/generate", body)
     try:
         gw.wait_running(1, min_steps=2)
@@ -160,7 +189,12 @@ def test_context_limits_are_400(gw):
 
 def test_qwen2_bfloat16_worker_on_a_cli_made_checkpoint(worker_factory, tmp_path):
     out_dir = tmp_path / "qwen2-cli"
-    made = subprocess.run([cli("omni-worker"), "make-tiny", str(out_dir), "--arch", "qwen2", "--seed", "3"], capture_output=True, text=True, timeout=120)
+    made = subprocess.run(
+        [cli("omni-worker"), "make-tiny", str(out_dir), "--arch", "qwen2", "--seed", "3"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert made.returncode == 0, made.stderr
     assert (out_dir / "config.json").is_file() and (out_dir / "model.safetensors").is_file()
     qw = worker_factory(out_dir, "--dtype", "bfloat16")

@@ -26,14 +26,19 @@ def uw(worker_factory, checkpoints):
 
 @pytest.fixture(scope="module")
 def expected_checksums(checkpoints):
-    return {key: digest_named_tensors(load_model(path).iter_checkpoint_tensors())[1] for key, path in checkpoints.items()}
+    return {
+        key: digest_named_tensors(load_model(path).iter_checkpoint_tensors())[1] for key, path in checkpoints.items()
+    }
 
 
 @pytest.fixture(autouse=True)
 def _back_to_a(uw, checkpoints):
     yield
     uw.post("/continue_generation", {})
-    uw.post("/update_weights_from_disk", {"model_path": str(checkpoints["llama"]), "weight_version": "default", "abort_all_requests": True})
+    uw.post(
+        "/update_weights_from_disk",
+        {"model_path": str(checkpoints["llama"]), "weight_version": "default", "abort_all_requests": True},
+    )
 
 
 def _variant(tmp_path, src, name, mutate=None, config=None):
@@ -56,12 +61,20 @@ def test_update_changes_outputs_version_and_checksum(uw, checkpoints, expected_c
     assert uw.checksum() == expected_checksums["llama"]
     uw.ok("POST", "/weights_checker", {"action": "snapshot"})
 
-    body = uw.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama_b"]), "weight_version": "step-1", "token_step": 7})
+    body = uw.ok(
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": str(checkpoints["llama_b"]), "weight_version": "step-1", "token_step": 7},
+    )
     parsed = UpdateWeightsFromDiskResult.model_validate(body)
     assert parsed.success is True and parsed.num_paused_requests == 0
     assert body["rank_results"][0]["success"] is True
     info = uw.info()
-    assert info["weight_version"] == "step-1" and info["model_path"] == str(checkpoints["llama_b"]) and info["is_paused"] is False
+    assert (
+        info["weight_version"] == "step-1"
+        and info["model_path"] == str(checkpoints["llama_b"])
+        and info["is_paused"] is False
+    )
     assert uw.ok("GET", "/get_weight_version") == {"weight_version": "step-1"}
 
     after = uw.generate("update me", 16)
@@ -121,13 +134,19 @@ def test_failed_updates_leave_weights_bit_for_bit(uw, checkpoints, tmp_path, exp
         assert status == 400, (label, body)
         assert body["success"] is False and body["error"]["message"] == body["message"], label
         assert hint.lower() in body["message"].lower(), (label, body["message"])
-    status, body = uw.post("/update_weights_from_disk", {"model_path": str(checkpoints["llama_b"]), "load_format": "gguf"})
+    status, body = uw.post(
+        "/update_weights_from_disk", {"model_path": str(checkpoints["llama_b"]), "load_format": "gguf"}
+    )
     assert status == 400 and "load_format" in body["message"]
 
     assert uw.checksum() == expected_checksums["llama"]
     assert uw.generate("stable", 16)["output_ids"] == before
     info = uw.info()
-    assert info["weight_version"] == "v-stable" and info["model_path"] == str(checkpoints["llama"]) and not info["weights_partial"]
+    assert (
+        info["weight_version"] == "v-stable"
+        and info["model_path"] == str(checkpoints["llama"])
+        and not info["weights_partial"]
+    )
 
 
 def test_update_refused_while_active_unless_aborting(uw, pool, checkpoints, expected_checksums):
@@ -138,7 +157,11 @@ def test_update_refused_while_active_unless_aborting(uw, pool, checkpoints, expe
     assert uw.checksum() == expected_checksums["llama"]
     assert uw.state()["num_running_reqs"] == 1  # still running
 
-    body = uw.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama_b"]), "abort_all_requests": True, "weight_version": "w2"})
+    body = uw.ok(
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": str(checkpoints["llama_b"]), "abort_all_requests": True, "weight_version": "w2"},
+    )
     assert body["num_aborted"] == 1
     out = result(fut)
     assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["completion_tokens"] < 500
@@ -151,7 +174,9 @@ def test_update_while_retract_paused_keeps_pause_and_requests_finish(uw, pool, c
     futures = [pool.submit(uw.generate, f"q{i}", 30) for i in range(2)]
     uw.wait_running(2)
     uw.ok("POST", "/pause_generation", {"mode": "retract"})
-    body = uw.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama_b"]), "weight_version": "w3"})
+    body = uw.ok(
+        "POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama_b"]), "weight_version": "w3"}
+    )
     assert body["num_paused_requests"] == 2
     info = uw.info()
     assert info["is_paused"] is True and info["pause_mode"] == "retract"
@@ -164,7 +189,11 @@ def test_update_while_retract_paused_keeps_pause_and_requests_finish(uw, pool, c
 
 
 def test_keep_pause_leaves_generation_paused(uw, pool, checkpoints):
-    body = uw.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama_b"]), "keep_pause": True, "flush_cache": False})
+    body = uw.ok(
+        "POST",
+        "/update_weights_from_disk",
+        {"model_path": str(checkpoints["llama_b"]), "keep_pause": True, "flush_cache": False},
+    )
     assert body["is_paused"] is True
     info = uw.info()
     assert info["is_paused"] is True and info["pause_mode"] == "in_place"

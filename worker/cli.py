@@ -4,6 +4,10 @@
                 [--admin-api-key K] [--api-key K] [--max-running-requests N] [--num-threads N] [--log-level L]
     omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N]
 
+The admin key falls back to ``SGLANG_OMNI_ADMIN_KEY`` here, when the flags are
+read, exactly as in ``omni-router``: a :class:`WorkerConfig` built in code holds
+the key it was given.
+
 Logs exactly one "omni-worker ready on http://HOST:PORT ..." line once it accepts requests.
 """
 
@@ -14,32 +18,59 @@ import asyncio
 import logging
 import signal
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
+from router import __version__
+from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
 from worker.config import WorkerConfig
 
 log = logging.getLogger("omni-worker")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="omni-worker", description="Serve a Llama/Qwen2 model with the SGLang-compatible RL admin API.")
-    p.add_argument("--model-path", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000, help="0 picks a free port")
-    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
-    p.add_argument("--admin-api-key", default=None, help="Bearer key for admin routes (default: $SGLANG_OMNI_ADMIN_KEY)")
-    p.add_argument("--api-key", default=None, help="Bearer key for /generate")
-    p.add_argument("--max-running-requests", type=int, default=32)
-    p.add_argument(
-        "--num-threads", type=int, default=None,
-        help="torch intra-op CPU threads (torch.set_num_threads; default: torch's choice, one per core). On a small "
-             "CPU machine shared with a trainer or other workers, 1 keeps PyTorch's spinning OpenMP threads from "
-             "starving the gloo transport of weight sync",
+    d = WorkerConfig(model_path="")
+    p = argparse.ArgumentParser(
+        prog="omni-worker",
+        description="Serve a Llama/Qwen2 model with the SGLang-compatible RL admin API.",
+        epilog="omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N] writes a tiny random checkpoint.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--served-model-name", default=None)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--step-delay-ms", type=float, default=0.0, help="testing aid: sleep after every forward step")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--model-path", required=True, help="Hugging Face model directory (config.json + *.safetensors)")
+    p.add_argument("--host", default=d.host, help="address to listen on")
+    p.add_argument("--port", type=int, default=d.port, help="TCP port to listen on; 0 picks a free one")
+    p.add_argument("--device", default=d.device, help="cpu, cuda or cuda:N")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype, help="dtype the weights are served in")
+    p.add_argument(
+        "--admin-api-key", default=None, help=f"bearer key for admin routes; when unset, ${ADMIN_KEY_ENV} is used"
+    )
+    p.add_argument("--api-key", default=None, help="bearer key for /generate (the admin key is accepted too)")
+    p.add_argument(
+        "--max-running-requests",
+        type=int,
+        default=d.max_running_requests,
+        help="requests decoded together in one batch; more wait in the queue",
+    )
+    p.add_argument(
+        "--num-threads",
+        type=int,
+        default=None,
+        help="torch intra-op CPU threads (torch.set_num_threads); default: torch's choice, one per core. On a small "
+        "CPU machine shared with a trainer or other workers, 1 keeps PyTorch's spinning OpenMP threads from "
+        "starving the gloo transport of weight sync",
+    )
+    p.add_argument(
+        "--served-model-name", default=None, help="model name reported by /model_info; default: the model path"
+    )
+    p.add_argument(
+        "--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"], help="log verbosity"
+    )
+    p.add_argument(
+        "--step-delay-ms",
+        type=float,
+        default=0.0,
+        help="testing aid: milliseconds to sleep after every forward step, so requests stay in flight",
+    )
     return p
 
 
@@ -50,8 +81,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         port=args.port,
         device=args.device,
         dtype=args.dtype,
-        admin_api_key=args.admin_api_key,
-        api_key=args.api_key,
+        admin_api_key=resolve_admin_key(args.admin_api_key),
+        api_key=args.api_key or None,
         max_running_requests=args.max_running_requests,
         served_model_name=args.served_model_name,
         log_level=args.log_level,
@@ -91,7 +122,12 @@ async def serve(config: WorkerConfig) -> int:
         worker = app[COORDINATOR].worker
         log.info(
             "omni-worker ready on http://%s:%d (model %s, %s %s, weight_version %s)",
-            host, port, worker.model_path, worker.device, worker.dtype_name, worker.weight_version,
+            host,
+            port,
+            worker.model_path,
+            worker.device,
+            worker.dtype_name,
+            worker.weight_version,
         )
         await stop.wait()
     finally:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass(kw_only=True)
@@ -16,15 +16,15 @@ class WorkerConfig:
     device: str = "cpu"
     """``cpu``, ``cuda`` or ``cuda:N``."""
     dtype: str = "float32"
-    admin_api_key: Optional[str] = None
-    """Bearer key for admin routes; ``SGLANG_OMNI_ADMIN_KEY`` is used when unset."""
-    api_key: Optional[str] = None
+    admin_api_key: str | None = None
+    """Bearer key for admin routes (the CLI falls back to ``SGLANG_OMNI_ADMIN_KEY``)."""
+    api_key: str | None = None
     """Bearer key for ``/generate`` (the admin key is accepted too)."""
     max_running_requests: int = 32
     log_level: str = "info"
-    served_model_name: Optional[str] = None
+    served_model_name: str | None = None
     health_check_timeout_s: float = 20.0
-    num_threads: Optional[int] = None
+    num_threads: int | None = None
     """torch intra-op threads (``torch.set_num_threads``); ``None`` keeps torch's default."""
     step_delay_s: float = 0.0
     """Testing aid: sleep this long after each forward step, to make a tiny

@@ -16,17 +16,18 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from functools import partial
-from typing import Any, AsyncIterator, Callable, Optional
+from typing import Any
 
 from router.contract import endpoints as ep
 from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
 from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpdateError
-from worker.engine.weight_ops import CommitOptions
 from worker.engine.request import GenerationParams, OutputChannel, Request
 from worker.engine.scheduler import Scheduler
+from worker.engine.weight_ops import CommitOptions
 from worker.generation import GenerationHandle
 from worker.stage import AdminTimeout, RankOp, SchedulerUnavailable, Stage, StageResult, held
 from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
@@ -66,7 +67,7 @@ class Coordinator:
         return self.scheduler.is_paused
 
     @property
-    def generation_blocked(self) -> Optional[str]:
+    def generation_blocked(self) -> str | None:
         """Why generation cannot make progress right now, or None."""
         s = self.scheduler
         if s.is_paused:
@@ -96,7 +97,7 @@ class Coordinator:
         fut = self.scheduler.submit_admin(fn)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             fut.cancel()
             raise AdminTimeout(action, timeout_s) from None
 
@@ -109,10 +110,10 @@ class Coordinator:
         prompt_ids: list[int],
         params: GenerationParams,
         *,
-        rid: Optional[str] = None,
+        rid: str | None = None,
         stream: bool = False,
         return_text_in_logprobs: bool = False,
-        wakeup: Optional[asyncio.Event] = None,
+        wakeup: asyncio.Event | None = None,
     ) -> GenerationHandle:
         """Queue one prompt; the caller must :meth:`release` the handle when done."""
         rid = rid or uuid.uuid4().hex
@@ -133,7 +134,7 @@ class Coordinator:
             del self._inflight[handle.rid]
         handle.returned.set()
 
-    async def abort(self, rid: Optional[str], *, abort_all: bool = False, message: str = "Aborted") -> list[str]:
+    async def abort(self, rid: str | None, *, abort_all: bool = False, message: str = "Aborted") -> list[str]:
         fut = self.scheduler.submit_abort(rid, abort_all=abort_all, message=message)
         return await asyncio.wait_for(asyncio.wrap_future(fut), ABORT_WAIT_S)
 
@@ -144,7 +145,7 @@ class Coordinator:
             return
         try:
             await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("aborted requests did not all return within %.1fs", timeout_s)
 
     # -- composite admin operations -------------------------------------------------------
@@ -162,8 +163,9 @@ class Coordinator:
         thread (inference keeps running), abort requests if asked, write it in one step."""
         action = "update_weights_from_disk"
         try:
-            txn = await self.updates.begin(action, abort_all=req.abort_all_requests, streaming=False, timeout_s=timeout_s,
-                                           after_deadline_s=0.0)  # fmt: skip
+            txn = await self.updates.begin(
+                action, abort_all=req.abort_all_requests, streaming=False, timeout_s=timeout_s, after_deadline_s=0.0
+            )
         except UpdateRefused as exc:
             return self._answer(action, False, str(exc))
         try:
@@ -174,16 +176,27 @@ class Coordinator:
             await self.updates.fail(txn)
             prefix = "" if isinstance(exc, UpdateRefused) else "Failed to update weights: "
             return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             await self.updates.fail(txn)
             raise AdminTimeout(action, timeout_s) from None
         names = tuple(name for name, _ in staged.tensors)
-        result = await self.updates.commit(txn, CommitOptions(
-            names=names, whole=True, weight_version=req.weight_version, flush_cache=req.flush_cache,
-            keep_pause=req.keep_pause, empty_cache=req.torch_empty_cache, token_step=req.token_step,
-            model_path=staged.path, load_format=staged.load_format,
-        ))  # fmt: skip
-        result.message = "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
+        result = await self.updates.commit(
+            txn,
+            CommitOptions(
+                names=names,
+                whole=True,
+                weight_version=req.weight_version,
+                flush_cache=req.flush_cache,
+                keep_pause=req.keep_pause,
+                empty_cache=req.torch_empty_cache,
+                token_step=req.token_step,
+                model_path=staged.path,
+                load_format=staged.load_format,
+            ),
+        )
+        result.message = (
+            "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
+        )
         result.data.update(num_aborted=txn.num_aborted, model_path=self.worker.model_path)
         return result
 

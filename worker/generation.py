@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from worker.engine.request import OutputChannel, Request, RequestEvent
 from worker.engine.sampling import trim_stop_string
@@ -27,10 +28,10 @@ class GenerationHandle:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[float, int]]] = []
-        self.finish_reason: Optional[dict[str, Any]] = None
+        self.finish_reason: dict[str, Any] | None = None
         self.retractions = 0
         self.created = time.monotonic()
-        self.finished_at: Optional[float] = None
+        self.finished_at: float | None = None
         # Set once the HTTP handler has produced this request's final response.
         self.returned = asyncio.Event()
 
@@ -38,11 +39,12 @@ class GenerationHandle:
     def finished(self) -> bool:
         return self.finish_reason is not None
 
-    async def next_event(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` for the next event; True if one arrived."""
+    async def next_event(self, wait_s: float) -> bool:
+        """Wait up to ``wait_s`` for the next event; True if one arrived."""
         try:
-            event = await asyncio.wait_for(self.channel.queue.get(), timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(wait_s):
+                event = await self.channel.queue.get()
+        except TimeoutError:
             return False
         self._apply(event)
         return True
@@ -67,7 +69,9 @@ class GenerationHandle:
             self.finish_reason = event.finish_reason
             self.finished_at = time.monotonic()
 
-    def build(self, decode: Callable[[list[int]], str], weight_version: str, index: Optional[int] = None) -> dict[str, Any]:
+    def build(
+        self, decode: Callable[[list[int]], str], weight_version: str, index: int | None = None
+    ) -> dict[str, Any]:
         """The SGLang-shaped ``{"text", "output_ids", "meta_info"}`` for what was received so far.
 
         ``weight_version`` is read when the response is built (SGLang v0.5.9
@@ -93,7 +97,9 @@ class GenerationHandle:
                 return [lp, tok, decode([tok]) if self.return_text_in_logprobs else None]
 
             meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [entry(lp, tok) for lp, tok in zip(self.logprobs, self.output_ids)]
+            meta["output_token_logprobs"] = [
+                entry(lp, tok) for lp, tok in zip(self.logprobs, self.output_ids, strict=False)
+            ]
             if self.params.top_logprobs_num:
                 meta["output_top_logprobs"] = [[entry(lp, tok) for lp, tok in row] for row in self.top_logprobs]
         out: dict[str, Any] = {"text": text, "output_ids": list(self.output_ids), "meta_info": meta}

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 from worker.engine.admin_ops import OpResult
 from worker.engine.scheduler import Scheduler
@@ -26,7 +28,9 @@ class AdminTimeout(Exception):
     """An admin operation did not finish in time (it may still complete later)."""
 
     def __init__(self, action: str, timeout_s: float):
-        super().__init__(f"{action} did not complete within {timeout_s:g}s; it may still finish on the scheduler thread")
+        super().__init__(
+            f"{action} did not complete within {timeout_s:g}s; it may still finish on the scheduler thread"
+        )
         self.action = action
         self.timeout_s = timeout_s
 
@@ -45,7 +49,7 @@ async def held(lock: asyncio.Lock, wait_s: float, busy_message: str) -> AsyncIte
     operation gets :class:`AdminBusy` (a 503) instead of hanging."""
     try:
         await asyncio.wait_for(lock.acquire(), wait_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         raise AdminBusy(busy_message) from None
     try:
         yield
@@ -67,13 +71,27 @@ class StageResult:
 
     def body(self, **extra: Any) -> dict[str, Any]:
         """The JSON response body: ``{success, message, <leader's data>, rank_results}``."""
-        return {"success": self.success, "message": self.message, **self.data, **extra, "rank_results": self.rank_results}
+        return {
+            "success": self.success,
+            "message": self.message,
+            **self.data,
+            **extra,
+            "rank_results": self.rank_results,
+        }
 
 
 def _rank_result(rank: int, tp_size: int, result: OpResult) -> dict[str, Any]:
     # Scalars only: bulky per-rank payloads (checksums) are reported once, by the caller.
     scalars = {k: v for k, v in result.data.items() if isinstance(v, (str, int, float, bool)) or v is None}
-    return {"rank": rank, "role": "tp", "tp_rank": rank, "tp_size": tp_size, "success": result.success, "message": result.message, **scalars}
+    return {
+        "rank": rank,
+        "role": "tp",
+        "tp_rank": rank,
+        "tp_size": tp_size,
+        "success": result.success,
+        "message": result.message,
+        **scalars,
+    }
 
 
 def aggregate(action: str, results: list[OpResult]) -> StageResult:
@@ -123,11 +141,11 @@ class Stage:
         :class:`AdminTimeout`, or :class:`SchedulerUnavailable` when a rank's thread is gone."""
         if not self.alive:
             raise SchedulerUnavailable(f"{action}: the scheduler thread is not running")
-        futures = [rank.submit_admin(lambda rank=rank: op(rank)) for rank in self.ranks]
+        futures = [rank.submit_admin(functools.partial(op, rank)) for rank in self.ranks]
         waiters = [asyncio.wrap_future(f) for f in futures]
         try:
             outcomes = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             for f in futures:
                 f.cancel()  # only stops ops that have not started yet
             raise AdminTimeout(action, timeout_s) from None

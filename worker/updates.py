@@ -30,7 +30,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any
 
 from router.contract.budget import APPLY_S
 from router.contract.budget import HOP_MARGIN_S as WRITER_WAIT_S
@@ -90,13 +90,14 @@ class UpdateTransaction:
 class UpdatePipeline:
     """Runs :class:`UpdateTransaction` s on one worker's ranks (see the module docstring)."""
 
-    def __init__(self, coordinator: "Coordinator"):
+    def __init__(self, coordinator: Coordinator):
         self._coord = coordinator
         self._writer = asyncio.Lock()
-        self._holder: Optional[UpdateTransaction] = None
+        self._holder: UpdateTransaction | None = None
 
-    async def begin(self, action: str, *, abort_all: bool, streaming: bool, timeout_s: float,
-                    after_deadline_s: float = APPLY_S) -> UpdateTransaction:  # fmt: skip
+    async def begin(
+        self, action: str, *, abort_all: bool, streaming: bool, timeout_s: float, after_deadline_s: float = APPLY_S
+    ) -> UpdateTransaction:
         """Take the writer lock and check every rank; the update's own work must end within ``timeout_s``.
 
         Raises :class:`UpdateRefused` (nothing changed, lock released) or
@@ -108,9 +109,11 @@ class UpdatePipeline:
         wait_s = min(timeout_s, WRITER_WAIT_S)
         try:
             await asyncio.wait_for(self._writer.acquire(), wait_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             holder = self._holder.action if self._holder is not None else "another weight update"
-            raise AdminBusy(f"{action}: the weights are being updated by {holder}; it did not end within {wait_s:g}s") from None
+            raise AdminBusy(
+                f"{action}: the weights are being updated by {holder}; it did not end within {wait_s:g}s"
+            ) from None
         txn = UpdateTransaction(action, abort_all, streaming, deadline, after_deadline_s, self._writer)
         self._holder = txn
         try:
@@ -128,15 +131,18 @@ class UpdatePipeline:
         """Atomic updates, right before the write: abort requests (if asked) and wait for their answers."""
         await self._take(txn, hold=False)
 
-    def apply_streamed(self, txn: UpdateTransaction, named: NamedTensors) -> "Future[Any]":
+    def apply_streamed(self, txn: UpdateTransaction, named: NamedTensors) -> Future[Any]:
         """From the receive thread: write one bucket on the scheduler thread between steps."""
         txn.buckets_applied += 1
-        return self._coord.scheduler.submit_admin(partial(weight_ops.apply_streamed, self._coord.scheduler, named, txn.failed))
+        return self._coord.scheduler.submit_admin(
+            partial(weight_ops.apply_streamed, self._coord.scheduler, named, txn.failed)
+        )
 
     async def apply(self, txn: UpdateTransaction, named: NamedTensors, *, require_complete: bool) -> None:
         """Write ``named`` in one scheduler step, or raise :class:`UpdateFailed` (weights intact unless a rollback failed)."""
         result = await self._step(
-            txn, partial(weight_ops.apply_atomic, named=named, abort_all=txn.abort_all, require_complete=require_complete)
+            txn,
+            partial(weight_ops.apply_atomic, named=named, abort_all=txn.abort_all, require_complete=require_complete),
         )
         txn.num_aborted += sum(int(d.get("num_aborted", 0)) for d in result.rank_data[:1])
         if not result.success:

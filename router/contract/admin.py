@@ -9,7 +9,7 @@ action's own fields; a failure also carries ``error.message`` and answers 400.
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
@@ -44,10 +44,10 @@ class ContinueRequest(WireRequest):
 class AbortRequest(WireRequest):
     """``POST /abort_request``: abort requests whose rid starts with ``rid``, or all."""
 
-    rid: Optional[Union[str, list[str]]] = None
+    rid: str | list[str] | None = None
     abort_all: bool = False
-    finished_reason: Optional[dict[str, Any]] = None
-    abort_message: Optional[str] = None
+    finished_reason: dict[str, Any] | None = None
+    abort_message: str | None = None
 
 
 class FlushCacheRequest(WireRequest):
@@ -68,16 +68,16 @@ class UpdateWeightsFromDiskRequest(WireRequest):
     """``POST /update_weights_from_disk`` — every field of SGLang's ``UpdateWeightFromDiskReqInput``."""
 
     model_path: str = Field(min_length=1)
-    load_format: Optional[str] = None
+    load_format: str | None = None
     abort_all_requests: bool = False
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
     is_async: bool = False
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
     token_step: int = 0
     flush_cache: bool = True
-    manifest: Optional[dict[str, Any]] = None
+    manifest: dict[str, Any] | None = None
 
 
 class WeightsCheckerRequest(WireRequest):
@@ -85,7 +85,7 @@ class WeightsCheckerRequest(WireRequest):
 
     action: CheckerAction = "checksum"
     allow_quant_error: bool = False
-    skip_tensor_list: Optional[list[str]] = None
+    skip_tensor_list: list[str] | None = None
     selector: str = "all"
 
 
@@ -94,11 +94,11 @@ class MemoryOccupationRequest(WireRequest):
 
     ``tags`` None or empty means every tag."""
 
-    tags: Optional[list[MemoryTag]] = None
+    tags: list[MemoryTag] | None = None
 
     @field_validator("tags")
     @classmethod
-    def _dedupe(cls, tags: Optional[list[str]]) -> Optional[list[str]]:
+    def _dedupe(cls, tags: list[str] | None) -> list[str] | None:
         return list(dict.fromkeys(tags)) if tags else None
 
 
@@ -121,7 +121,7 @@ class AdminResult(WireResponse):
 
     success: bool
     message: str = ""
-    rank_results: Optional[list[RankResult]] = None
+    rank_results: list[RankResult] | None = None
 
     @property
     def ok(self) -> bool:
@@ -134,7 +134,7 @@ class PauseResult(AdminResult):
 
     success: bool = True
     status: str = "ok"
-    pause_mode: Optional[PauseMode] = None
+    pause_mode: PauseMode | None = None
     num_aborted: int = 0
     aborted_rids: list[str] = Field(default_factory=list)
     num_retracted: int = 0
@@ -159,20 +159,20 @@ class FlushCacheResult(AdminResult):
 
 
 class MemoryOccupationResult(AdminResult):
-    released: Optional[list[str]] = None
-    resumed: Optional[list[str]] = None
+    released: list[str] | None = None
+    resumed: list[str] | None = None
 
 
 class UpdateWeightsFromDiskResult(AdminResult):
     num_paused_requests: int = 0
     num_aborted: int = 0
-    weight_version: Optional[str] = None
-    model_path: Optional[str] = None
-    is_paused: Optional[bool] = None
+    weight_version: str | None = None
+    model_path: str | None = None
+    is_paused: bool | None = None
 
 
 class UpdateWeightVersionResult(AdminResult):
-    new_version: Optional[str] = None
+    new_version: str | None = None
     num_aborted: int = 0
 
 
@@ -196,18 +196,18 @@ class WeightsCheckerResult(AdminResult):
     ``per_gpu_checksum`` is rank 0's checksum; ``per_engine_checksum`` covers every
     rank and ``ranks`` holds each rank's digests (SGLang 0.5.23's scheme)."""
 
-    action: Optional[str] = None
+    action: str | None = None
     tensor_count: int = 0
-    per_gpu_checksum: Optional[str] = None
-    per_engine_checksum: Optional[str] = None
-    checksums: Optional[dict[str, str]] = None
-    tensor_metadata: Optional[dict[str, dict[str, Any]]] = None
-    ranks: Optional[list[CheckerRank]] = None
+    per_gpu_checksum: str | None = None
+    per_engine_checksum: str | None = None
+    checksums: dict[str, str] | None = None
+    tensor_metadata: dict[str, dict[str, Any]] | None = None
+    ranks: list[CheckerRank] | None = None
     elapsed_s: float = 0.0
-    matched: Optional[list[str]] = None
-    missing: Optional[list[str]] = None
-    unexpected: Optional[list[str]] = None
-    changed: Optional[list[str]] = None
+    matched: list[str] | None = None
+    missing: list[str] | None = None
+    unexpected: list[str] | None = None
+    changed: list[str] | None = None
 
     def checksums_per_rank(self) -> list[str]:
         """Each rank's own checksum (the scheme a trainer recomputes from the tensors it sent)."""
@@ -220,34 +220,34 @@ class ModelInfo(WireResponse):
     """``/model_info``: SGLang's fields plus the sglang-omni admin fields."""
 
     model_path: str
-    tokenizer_path: Optional[str] = None
+    tokenizer_path: str | None = None
     is_generation: bool = True
-    preferred_sampling_params: Optional[dict[str, Any]] = None
+    preferred_sampling_params: dict[str, Any] | None = None
     weight_version: str = "default"
     has_image_understanding: bool = False
     has_audio_understanding: bool = False
-    model_type: Optional[str] = None
+    model_type: str | None = None
     architectures: list[str] = Field(default_factory=list)
-    served_model_name: Optional[str] = None
-    load_format: Optional[str] = None
+    served_model_name: str | None = None
+    load_format: str | None = None
     tp_size: int = 1
     dtype: str = ""
     device: str = ""
-    context_length: Optional[int] = None
+    context_length: int | None = None
     is_paused: bool = False
-    pause_mode: Optional[str] = None
+    pause_mode: str | None = None
     weights_partial: bool = False
     weights_released: bool = False
     token_step: int = 0
     supports_weight_update: bool = True
     supports_weight_checker: bool = True
-    rank_results: Optional[list[RankResult]] = None
+    rank_results: list[RankResult] | None = None
 
 
 class ServerInfo(WireResponse):
     """``/server_info``: the worker's settings (keys blanked) and per-rank scheduler counters."""
 
     tp_size: int = 1
-    weight_version: Optional[str] = None
-    version: Optional[str] = None
+    weight_version: str | None = None
+    version: str | None = None
     internal_states: list[dict[str, Any]] = Field(default_factory=list)

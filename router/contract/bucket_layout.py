@@ -20,8 +20,8 @@ This module never imports torch; the router and the trainer client use it too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 #: Element size in bytes of every dtype a weight update may carry. Names are
 #: torch's without the ``torch.`` prefix, as trainers send them.
@@ -46,7 +46,7 @@ class LayoutError(ValueError):
 
 def normalize_dtype_name(name: str) -> str:
     """``"torch.bfloat16"`` → ``"bfloat16"``; unknown names raise :class:`LayoutError`."""
-    short = name[len("torch."):] if name.startswith("torch.") else name
+    short = name[len("torch.") :] if name.startswith("torch.") else name
     if short not in DTYPE_ITEMSIZE:
         raise LayoutError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPE_ITEMSIZE)}")
     return short
@@ -101,7 +101,7 @@ class BucketLayout:
         shapes: Sequence[Sequence[int]],
         *,
         require_aligned: bool = True,
-    ) -> "BucketLayout":
+    ) -> BucketLayout:
         """Lay the tensors out back to back in list order.
 
         Raises :class:`LayoutError` when the three lists differ in length, a
@@ -116,7 +116,7 @@ class BucketLayout:
         slots: list[TensorSlot] = []
         seen: set[str] = set()
         offset = 0
-        for name, dtype, shape in zip(names, dtypes, shapes):
+        for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
             if name in seen:
                 raise LayoutError(f"tensor {name!r} appears twice in one bucket")
             seen.add(name)
@@ -142,7 +142,7 @@ class BucketLayout:
                     "descending element size (or pad) so every offset is aligned"
                 )
 
-    def padded(self) -> "BucketLayout":
+    def padded(self) -> BucketLayout:
         """The same tensors, each offset rounded up to a multiple of its element size.
 
         A per-tensor receive writes each tensor on its own, so its buffer may pad

@@ -62,4 +62,3 @@ class Budget:
     def client_wait(self, timeout_s: float | None = None, *, lock_wait_s: float = 0.0) -> float:
         """How long a client waits for the router's answer; ``lock_wait_s`` for serialized operations."""
         return self.router_wait(timeout_s) + lock_wait_s + HOP_MARGIN_S
-

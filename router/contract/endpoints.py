@@ -13,7 +13,7 @@ never wait for it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Optional, TypeVar
+from typing import Generic, TypeVar
 
 from router.contract import admin, weight_sync
 from router.contract.base import WireRequest, WireResponse
@@ -40,14 +40,14 @@ class Endpoint(Generic[Req, Resp]):
     """The router runs it under its admin update lock; the caller may first wait for the lock."""
     aliases: tuple[str, ...] = ()
     """Older names of the same route that workers also serve (SGLang's deprecated spellings)."""
-    timeout_field: Optional[str] = "timeout_s"
+    timeout_field: str | None = "timeout_s"
     """The request field that bounds this call's wait (a join, a receive), if the request declares it."""
 
     @property
     def name(self) -> str:
         return self.path.lstrip("/")
 
-    def timeout_of(self, req: Req) -> Optional[float]:
+    def timeout_of(self, req: Req) -> float | None:
         """The request's own bound on its wait, if this route has one and the caller set it."""
         field = self.timeout_field
         if field is None or field not in type(req).model_fields:
@@ -65,15 +65,28 @@ def _receive(work_s: float) -> Budget:
     return Budget(work_s=work_s + APPLY_S, overhead_s=APPLY_S)
 
 
-MODEL_INFO = Endpoint("/model_info", GET_POST, admin.EmptyRequest, admin.ModelInfo, Budget(30.0), aliases=("/get_model_info",))
-GET_WEIGHT_VERSION = Endpoint(
-    "/get_weight_version", GET, admin.EmptyRequest, admin.WeightVersionResult, Budget(30.0), aliases=("/weight_version",)
+MODEL_INFO = Endpoint(
+    "/model_info", GET_POST, admin.EmptyRequest, admin.ModelInfo, Budget(30.0), aliases=("/get_model_info",)
 )
-SERVER_INFO = Endpoint("/server_info", GET, admin.EmptyRequest, admin.ServerInfo, Budget(30.0), aliases=("/get_server_info",))
+GET_WEIGHT_VERSION = Endpoint(
+    "/get_weight_version",
+    GET,
+    admin.EmptyRequest,
+    admin.WeightVersionResult,
+    Budget(30.0),
+    aliases=("/weight_version",),
+)
+SERVER_INFO = Endpoint(
+    "/server_info", GET, admin.EmptyRequest, admin.ServerInfo, Budget(30.0), aliases=("/get_server_info",)
+)
 UPDATE_WEIGHT_VERSION = Endpoint(
-    "/update_weight_version", POST, admin.UpdateWeightVersionRequest, admin.UpdateWeightVersionResult, Budget(60.0),
+    "/update_weight_version",
+    POST,
+    admin.UpdateWeightVersionRequest,
+    admin.UpdateWeightVersionResult,
+    Budget(60.0),
     serialized=True,
-)  # fmt: skip
+)
 PAUSE_GENERATION = Endpoint(
     "/pause_generation", POST, admin.PauseRequest, admin.PauseResult, Budget(60.0), serialized=True
 )
@@ -83,13 +96,21 @@ CONTINUE_GENERATION = Endpoint(
 ABORT_REQUEST = Endpoint("/abort_request", POST, admin.AbortRequest, admin.AbortRequestResult, Budget(30.0))
 #: Flush's ``timeout`` (a query parameter in SGLang) is its wait for the worker to become idle.
 FLUSH_CACHE = Endpoint(
-    "/flush_cache", GET_POST, admin.FlushCacheRequest, admin.FlushCacheResult, Budget(30.0, overhead_s=30.0),
+    "/flush_cache",
+    GET_POST,
+    admin.FlushCacheRequest,
+    admin.FlushCacheResult,
+    Budget(30.0, overhead_s=30.0),
     timeout_field="timeout",
-)  # fmt: skip
+)
 UPDATE_WEIGHTS_FROM_DISK = Endpoint(
-    "/update_weights_from_disk", POST, admin.UpdateWeightsFromDiskRequest, admin.UpdateWeightsFromDiskResult,
-    Budget(600.0), serialized=True,
-)  # fmt: skip
+    "/update_weights_from_disk",
+    POST,
+    admin.UpdateWeightsFromDiskRequest,
+    admin.UpdateWeightsFromDiskResult,
+    Budget(600.0),
+    serialized=True,
+)
 UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
     "/update_weights_from_tensor", POST, admin.EmptyRequest, admin.AdminResult, Budget(600.0), serialized=True
 )
@@ -97,46 +118,85 @@ WEIGHTS_CHECKER = Endpoint(
     "/weights_checker", GET_POST, admin.WeightsCheckerRequest, admin.WeightsCheckerResult, Budget(600.0)
 )
 RELEASE_MEMORY_OCCUPATION = Endpoint(
-    "/release_memory_occupation", GET_POST, admin.MemoryOccupationRequest, admin.MemoryOccupationResult,
-    Budget(300.0), serialized=True,
-)  # fmt: skip
+    "/release_memory_occupation",
+    GET_POST,
+    admin.MemoryOccupationRequest,
+    admin.MemoryOccupationResult,
+    Budget(300.0),
+    serialized=True,
+)
 RESUME_MEMORY_OCCUPATION = Endpoint(
-    "/resume_memory_occupation", GET_POST, admin.MemoryOccupationRequest, admin.MemoryOccupationResult,
-    Budget(300.0), serialized=True,
-)  # fmt: skip
+    "/resume_memory_occupation",
+    GET_POST,
+    admin.MemoryOccupationRequest,
+    admin.MemoryOccupationResult,
+    Budget(300.0),
+    serialized=True,
+)
 INIT_WEIGHTS_UPDATE_GROUP = Endpoint(
-    "/init_weights_update_group", POST, weight_sync.InitWeightsUpdateGroupRequest, weight_sync.WeightSyncResponse,
-    Budget(DEFAULT_GROUP_TIMEOUT_S + 30.0, overhead_s=30.0), serialized=True,
-)  # fmt: skip
+    "/init_weights_update_group",
+    POST,
+    weight_sync.InitWeightsUpdateGroupRequest,
+    weight_sync.WeightSyncResponse,
+    Budget(DEFAULT_GROUP_TIMEOUT_S + 30.0, overhead_s=30.0),
+    serialized=True,
+)
 DESTROY_WEIGHTS_UPDATE_GROUP = Endpoint(
-    "/destroy_weights_update_group", POST, weight_sync.DestroyWeightsUpdateGroupRequest, weight_sync.WeightSyncResponse,
-    Budget(60.0), serialized=True,
-)  # fmt: skip
+    "/destroy_weights_update_group",
+    POST,
+    weight_sync.DestroyWeightsUpdateGroupRequest,
+    weight_sync.WeightSyncResponse,
+    Budget(60.0),
+    serialized=True,
+)
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
-    "/update_weights_from_distributed", POST, weight_sync.UpdateWeightsFromDistributedRequest,
-    weight_sync.WeightSyncResponse, _receive(DEFAULT_RECEIVE_TIMEOUT_S), serialized=True,
-)  # fmt: skip
+    "/update_weights_from_distributed",
+    POST,
+    weight_sync.UpdateWeightsFromDistributedRequest,
+    weight_sync.WeightSyncResponse,
+    _receive(DEFAULT_RECEIVE_TIMEOUT_S),
+    serialized=True,
+)
 #: Prepare answers once the receive runs: its ``timeout_s`` bounds the receive that follows, not this call.
 PREPARE_WEIGHTS_UPDATE = Endpoint(
-    "/prepare_weights_update", POST, weight_sync.PrepareWeightsUpdateRequest, weight_sync.PrepareWeightsUpdateResponse,
-    Budget(120.0), serialized=True, timeout_field=None,
-)  # fmt: skip
+    "/prepare_weights_update",
+    POST,
+    weight_sync.PrepareWeightsUpdateRequest,
+    weight_sync.PrepareWeightsUpdateResponse,
+    Budget(120.0),
+    serialized=True,
+    timeout_field=None,
+)
 COMPLETE_WEIGHTS_UPDATE = Endpoint(
-    "/complete_weights_update", POST, weight_sync.CompleteWeightsUpdateRequest,
-    weight_sync.CompleteWeightsUpdateResponse, _receive(DEFAULT_RECEIVE_TIMEOUT_S),
-)  # fmt: skip
+    "/complete_weights_update",
+    POST,
+    weight_sync.CompleteWeightsUpdateRequest,
+    weight_sync.CompleteWeightsUpdateResponse,
+    _receive(DEFAULT_RECEIVE_TIMEOUT_S),
+)
 ABORT_WEIGHTS_UPDATE = Endpoint(
-    "/abort_weights_update", POST, weight_sync.AbortWeightsUpdateRequest, weight_sync.AbortWeightsUpdateResponse,
+    "/abort_weights_update",
+    POST,
+    weight_sync.AbortWeightsUpdateRequest,
+    weight_sync.AbortWeightsUpdateResponse,
     Budget(60.0),
-)  # fmt: skip
+)
 BEGIN_WEIGHT_UPDATE = Endpoint(
-    "/begin_weight_update", POST, weight_sync.BeginWeightUpdateRequest, weight_sync.WeightSyncResponse, Budget(30.0),
+    "/begin_weight_update",
+    POST,
+    weight_sync.BeginWeightUpdateRequest,
+    weight_sync.WeightSyncResponse,
+    Budget(30.0),
     serialized=True,
-)  # fmt: skip
+)
 END_WEIGHT_UPDATE = Endpoint(
-    "/end_weight_update", POST, weight_sync.EndWeightUpdateRequest, weight_sync.WeightSyncResponse, Budget(30.0),
+    "/end_weight_update",
+    POST,
+    weight_sync.EndWeightUpdateRequest,
+    weight_sync.WeightSyncResponse,
+    Budget(30.0),
     serialized=True,
-)  # fmt: skip
+)
 
 #: Every admin route a worker serves, in the order they are documented.
 WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]

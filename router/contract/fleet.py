@@ -11,7 +11,8 @@ names with the same types through the router; per-worker detail sits beside them
 
 from __future__ import annotations
 
-from typing import Any, Generic, Literal, Optional, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field
 
@@ -39,8 +40,8 @@ class WorkerRecord(WireResponse):
     health: HealthState
     disabled: bool
     inflight: int
-    weight_version: Optional[str] = None
-    tp_size: Optional[int] = None
+    weight_version: str | None = None
+    tp_size: int | None = None
 
 
 class WorkerList(WireResponse):
@@ -83,9 +84,9 @@ class WorkerResult(WireResponse, Generic[R]):
     worker: str
     url: str
     success: bool
-    status_code: Optional[int] = None
-    body: Optional[R] = None
-    error: Optional[str] = None
+    status_code: int | None = None
+    body: R | None = None
+    error: str | None = None
     elapsed_ms: float
 
     def reason(self) -> str:
@@ -116,7 +117,7 @@ class FleetAnswer(WireResponse, Generic[R]):
         return [r.worker for r in self.results if not r.success]
 
 
-def agreed_fields(model: type[WireResponse], answers: Sequence[Optional[WireResponse]]) -> dict[str, Any]:
+def agreed_fields(model: type[WireResponse], answers: Sequence[WireResponse | None]) -> dict[str, Any]:
     """The fields of ``model`` that every answer sets to the same value (per-worker fields left out).
 
     A field on which the answers disagree, or that some worker did not report, is
@@ -154,8 +155,8 @@ class CompleteFleetAnswer(FleetAnswer[CompleteWeightsUpdateResponse], CompleteWe
     ``checksum`` are the fleet's when every worker agrees; ``checksums`` maps each
     worker to the checksum of the weights it applied."""
 
-    checksums: dict[str, Optional[str]] = Field(default_factory=dict)
-    checksums_match: Optional[bool] = None
+    checksums: dict[str, str | None] = Field(default_factory=dict)
+    checksums_match: bool | None = None
     """``None`` when some worker reported no checksum."""
 
 
@@ -188,15 +189,15 @@ class WeightsCheckerFleetAnswer(FleetAnswer[WeightsCheckerResult], WeightsChecke
     engine-level checksum, ``rank_checksums`` to its per-rank checksums, and
     ``identical`` says whether every worker holds the same weights."""
 
-    identical: Optional[bool] = None
-    worker_checksums: dict[str, Optional[str]] = Field(default_factory=dict)
+    identical: bool | None = None
+    worker_checksums: dict[str, str | None] = Field(default_factory=dict)
     rank_checksums: dict[str, list[str]] = Field(default_factory=dict)
 
 
 class WorkerVersion(WireResponse):
     id: str
     url: str
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
 
 
 class FleetModelInfo(ModelInfo):
@@ -236,7 +237,7 @@ class JournalState(WireResponse):
 
 
 class JournalView(WireResponse):
-    pending: Optional[JournalState] = None
+    pending: JournalState | None = None
 
 
 class JournalResolved(WireResponse):

@@ -11,7 +11,7 @@ a different distribution than it asked for.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any
 
 from pydantic import Field, model_validator
 
@@ -45,26 +45,26 @@ class SamplingParams(WireRequest):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = -1
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop: Optional[Union[str, list[str]]] = None
-    stop_token_ids: Optional[list[int]] = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    seed: Optional[int] = None
-    sampling_seed: Optional[int] = None
+    seed: int | None = None
+    sampling_seed: int | None = None
     # Accepted for compatibility; only their neutral values are allowed.
     n: int = 1
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    json_schema: Optional[str] = None
-    regex: Optional[str] = None
-    ebnf: Optional[str] = None
-    structural_tag: Optional[str] = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    structural_tag: str | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "SamplingParams":
+    def _check(self) -> SamplingParams:
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError("top_k must be -1 (disabled) or >= 1")
         if self.min_new_tokens > self.max_new_tokens:
@@ -87,7 +87,7 @@ class SamplingParams(WireRequest):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
-    def effective_seed(self) -> Optional[int]:
+    def effective_seed(self) -> int | None:
         return self.seed if self.seed is not None else self.sampling_seed
 
 
@@ -100,18 +100,18 @@ class GenerateRequest(WireRequest):
     list for a batch, as in SGLang).
     """
 
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[SamplingParams, list[SamplingParams]]] = None
-    return_logprob: Optional[Union[bool, list[bool]]] = None
-    logprob_start_len: Optional[int] = None
-    top_logprobs_num: Optional[int] = Field(None, ge=0, le=64)
+    text: str | list[str] | None = None
+    input_ids: list[int] | list[list[int]] | None = None
+    sampling_params: SamplingParams | list[SamplingParams] | None = None
+    return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | None = None
+    top_logprobs_num: int | None = Field(None, ge=0, le=64)
     return_text_in_logprobs: bool = False
     stream: bool = False
-    rid: Optional[Union[str, list[str]]] = None
+    rid: str | list[str] | None = None
 
     @model_validator(mode="after")
-    def _check(self) -> "GenerateRequest":
+    def _check(self) -> GenerateRequest:
         if (self.text is None) == (self.input_ids is None):
             raise ValueError("give exactly one of 'text' or 'input_ids'")
         n = self.batch_size
@@ -120,7 +120,11 @@ class GenerateRequest(WireRequest):
         for name in ("sampling_params", "return_logprob"):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.is_batch or len(value) != n):
-                raise ValueError(f"{name} is a list of {len(value)} but the request has {n} prompt(s)" if self.is_batch else f"{name} must not be a list for a single prompt")
+                raise ValueError(
+                    f"{name} is a list of {len(value)} but the request has {n} prompt(s)"
+                    if self.is_batch
+                    else f"{name} must not be a list for a single prompt"
+                )
         if self.rid is not None:
             if self.is_batch and not isinstance(self.rid, list):
                 raise ValueError("rid must be a list for a batch request")
@@ -137,7 +141,8 @@ class GenerateRequest(WireRequest):
     def is_batch(self) -> bool:
         if self.text is not None:
             return isinstance(self.text, list)
-        return bool(self.input_ids) and isinstance(self.input_ids[0], list)
+        ids = self.input_ids
+        return ids is not None and len(ids) > 0 and isinstance(ids[0], list)
 
     @property
     def batch_size(self) -> int:
@@ -157,7 +162,7 @@ class GenerateRequest(WireRequest):
             return rl[i]
         return bool(rl)
 
-    def item_rid(self, i: int) -> Optional[str]:
+    def item_rid(self, i: int) -> str | None:
         if self.rid is None:
             return None
         return self.rid[i] if isinstance(self.rid, list) else self.rid
@@ -167,24 +172,24 @@ class FinishReason(WireResponse):
     """``{"type": "stop", "matched": ...}`` | ``{"type": "length", "length": N}`` | ``{"type": "abort", "message": ...}``."""
 
     type: str
-    matched: Optional[Union[int, str]] = None
-    length: Optional[int] = None
-    message: Optional[str] = None
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
 
 
 class GenerateMetaInfo(WireResponse):
     """``meta_info`` of one prompt's response (SGLang field names)."""
 
     id: str
-    finish_reason: Optional[dict[str, Any]] = None
+    finish_reason: dict[str, Any] | None = None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
     weight_version: str
     total_retractions: int = 0
-    e2e_latency: Optional[float] = None
-    output_token_logprobs: Optional[list[list[Any]]] = None
-    input_token_logprobs: Optional[list[list[Any]]] = None
+    e2e_latency: float | None = None
+    output_token_logprobs: list[list[Any]] | None = None
+    input_token_logprobs: list[list[Any]] | None = None
 
 
 class GenerateResponse(WireResponse):

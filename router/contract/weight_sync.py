@@ -10,7 +10,7 @@ Two flows move weights over a distributed group (trainer = rank 0):
   will not broadcast after all, ``/abort_weights_update``.
 
 Field names and defaults follow SGLang's ``io_struct.py`` and the two-phase
-specification exactly; every addition is optional with a default that keeps
+two-phase protocol exactly; every addition is optional with a default that keeps
 the original behaviour. Validation here is purely structural (list lengths,
 dtype names, alignment); checking metadata against the model happens in the
 worker. Requests are strict (a string where a bool belongs is a 400) and
@@ -19,22 +19,22 @@ ignore unknown fields (``selector``, ``torch_empty_cache``, ... from newer SGLan
 
 from __future__ import annotations
 
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from router.contract.admin import AdminResult
 from router.contract.base import WireRequest, WireResponse
+from router.contract.bucket_layout import BucketLayout, LayoutError
 from router.contract.budget import MAX_TIMEOUT_S
-from router.contract.bucket_layout import BucketLayout, LayoutError, normalize_dtype_name
 
 DEFAULT_GROUP_NAME = "weight_update_group"
 #: The trainer holds rank 0; a worker's first rank when the caller names none.
 DEFAULT_RANK_OFFSET = 1
 
-LoadFormat = Optional[Literal["flattened_bucket"]]
-Backend = Optional[Literal["nccl", "gloo"]]
-TimeoutS = Optional[float]
+LoadFormat = Literal["flattened_bucket"] | None
+Backend = Literal["nccl", "gloo"] | None
+TimeoutS = float | None
 
 
 def _check_timeout(value: float | None) -> float | None:
@@ -61,7 +61,7 @@ class TensorListMeta(WireRequest):
     _layout: BucketLayout = PrivateAttr()
 
     @model_validator(mode="after")
-    def _lists_agree(self) -> "TensorListMeta":
+    def _lists_agree(self) -> TensorListMeta:
         if not self.names:
             raise ValueError("at least one tensor is required")
         try:
@@ -102,7 +102,7 @@ class InitWeightsUpdateGroupRequest(WireRequest):
     _timeout = field_validator("timeout_s")(_check_timeout)
 
     @model_validator(mode="after")
-    def _rank_in_world(self) -> "InitWeightsUpdateGroupRequest":
+    def _rank_in_world(self) -> InitWeightsUpdateGroupRequest:
         if self.rank_offset >= self.world_size:
             raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
         return self
@@ -128,7 +128,7 @@ class UpdateWeightsFromDistributedRequest(TensorListMeta):
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
     #: ``None``: one broadcast per tensor in list order; ``"flattened_bucket"``: one uint8 broadcast.
     load_format: LoadFormat = None
     #: Bound on the receive; the worker's default when absent.
@@ -138,7 +138,7 @@ class UpdateWeightsFromDistributedRequest(TensorListMeta):
     _timeout = field_validator("timeout_s")(_check_timeout)
 
     @model_validator(mode="after")
-    def _aligned_if_flat(self) -> "UpdateWeightsFromDistributedRequest":
+    def _aligned_if_flat(self) -> UpdateWeightsFromDistributedRequest:
         if self.load_format == "flattened_bucket":
             try:
                 self.layout.check_aligned()
@@ -160,11 +160,11 @@ class PrepareWeightsUpdateRequest(WireRequest):
     num_buckets: int = Field(ge=1)
     buckets: list[BucketMetadata]
     group_name: str = Field(min_length=1)
-    #: Per bucket: ``None`` = one broadcast per tensor (the specification's pseudocode),
+    #: Per bucket: ``None`` = one broadcast per tensor (SGLang's default),
     #: ``"flattened_bucket"`` = one uint8 broadcast per bucket.
     load_format: LoadFormat = None
     #: Visible ``weight_version`` after a successful complete (complete may also set it).
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
     #: ``False`` (streaming): apply each bucket as it arrives. ``True``: stage all, apply at
     #: complete; on failure the old weights stay, bit for bit.
     atomic: bool = False
@@ -177,7 +177,7 @@ class PrepareWeightsUpdateRequest(WireRequest):
     _timeout = field_validator("timeout_s")(_check_timeout)
 
     @model_validator(mode="after")
-    def _count_and_alignment(self) -> "PrepareWeightsUpdateRequest":
+    def _count_and_alignment(self) -> PrepareWeightsUpdateRequest:
         if self.num_buckets != len(self.buckets):
             raise ValueError(f"num_buckets is {self.num_buckets} but {len(self.buckets)} buckets were described")
         seen: dict[str, int] = {}
@@ -211,7 +211,7 @@ class CompleteWeightsUpdateRequest(WireRequest):
     group_name: str = Field(min_length=1)
     flush_cache: bool = False
     #: Overrides the version given at prepare.
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
     #: Also return the checksum of the weights as applied (weights-checker scheme).
     return_checksum: bool = False
     #: How long complete waits for the receive before failing it.
@@ -257,9 +257,9 @@ class CompleteWeightsUpdateResponse(AdminResult):
 
     num_buckets_received: int = 0
     #: Checksum of rank 0's weights as applied (only when requested and successful).
-    checksum: Optional[str] = None
-    rank_checksums: Optional[list[RankChecksum]] = None
-    weight_version: Optional[str] = None
-    elapsed_s: Optional[float] = None
+    checksum: str | None = None
+    rank_checksums: list[RankChecksum] | None = None
+    weight_version: str | None = None
+    elapsed_s: float | None = None
     #: True when a streaming update failed midway: the worker stays paused.
-    weights_partial: Optional[bool] = None
+    weights_partial: bool | None = None

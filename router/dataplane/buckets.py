@@ -9,7 +9,7 @@ every tensor and then ``torch.cat``s them).
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -84,7 +84,7 @@ def pack(
     else:
         _check_buffer(out, layout, "output buffer")
     count = 0
-    for (name, tensor), slot in zip(named, layout.slots):
+    for (name, tensor), slot in zip(named, layout.slots, strict=False):
         count += 1
         if name != slot.name or dtype_name(tensor.dtype) != slot.dtype or tuple(tensor.shape) != slot.shape:
             raise LayoutError(
@@ -101,6 +101,5 @@ def pack(
 def _check_buffer(buffer: torch.Tensor, layout: BucketLayout, what: str) -> None:
     if buffer.dtype != torch.uint8 or buffer.dim() != 1 or buffer.numel() < layout.total_bytes:
         raise LayoutError(
-            f"{what} must be 1-D uint8 of at least {layout.total_bytes} bytes, "
-            f"got {buffer.dtype} {list(buffer.shape)}"
+            f"{what} must be 1-D uint8 of at least {layout.total_bytes} bytes, got {buffer.dtype} {list(buffer.shape)}"
         )

@@ -9,7 +9,7 @@ them over the tensors it sent, so equal checksums mean bit-identical weights.
 from __future__ import annotations
 
 import hashlib
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

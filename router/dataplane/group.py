@@ -119,11 +119,13 @@ class WeightUpdateGroup:
     def destroy(self) -> None:
         """Leave the group; idempotent, and prompt even while a broadcast is still posted."""
         with self._lock:
-            # Held only through this list, so that the last reference drops where we decide.
-            holder, self.pg = [self.pg], None
+            pg, self.pg = self.pg, None
             posted = self.outstanding > 0
-        if holder[0] is None:
+        if pg is None:
             return
+        # Held only through this list, so that the last reference drops where we decide.
+        holder = [pg]
+        del pg
         try:
             dist.destroy_process_group(holder[0])
         except Exception as exc:  # a broken group may fail to shut down cleanly; it is gone either way
@@ -186,8 +188,16 @@ class _Join:
     """One join attempt on its own thread. If the caller stops waiting, a late
     success is destroyed at once, so an abandoned attempt never leaves a group."""
 
-    def __init__(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
-                 backend: str, timeout_s: float):
+    def __init__(
+        self,
+        master_address: str,
+        master_port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        backend: str,
+        timeout_s: float,
+    ):
         self.args = (master_address, master_port, rank, world_size, group_name, backend, timeout_s)
         self._lock = threading.Lock()
         self._done = False
@@ -200,7 +210,7 @@ class _Join:
             group, error = _join(*self.args), None
         except GroupError as exc:
             group, error = None, exc
-        except Exception as exc:  # noqa: BLE001 - reported to the caller as a GroupError
+        except Exception as exc:
             group, error = None, GroupError(f"joining failed: {_short(exc)}")
         with self._lock:
             self._done = True
@@ -228,8 +238,9 @@ class _Join:
             return self._group
 
 
-def _join(master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str,
-          timeout_s: float) -> WeightUpdateGroup:
+def _join(
+    master_address: str, master_port: int, rank: int, world_size: int, group_name: str, backend: str, timeout_s: float
+) -> WeightUpdateGroup:
     timeout = timedelta(seconds=timeout_s)
     init_method = f"tcp://{_host_for_url(master_address)}:{master_port}"
     try:
@@ -250,7 +261,7 @@ def _join(master_address: str, master_port: int, rank: int, world_size: int, gro
             [],
             c10d.Backend(backend),
             store,
-            group_name=group_name,
+            group_name=c10d.GroupName(group_name),
             backend_options=None,
             timeout=timeout,
         )

@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -107,14 +107,23 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     prober = WorkerProber(session, timeout_s=cfg.health_check_timeout_s, headers=app[keys.SERVICE_HEADERS])
     fanout = FanOut(session, connect_timeout_s=cfg.connect_timeout_s)
     ctx = AdminContext(
-        registry=app[keys.REGISTRY], gate=app[keys.GATE], journal=app[keys.JOURNAL], metrics=app[keys.METRICS],
-        fanout=fanout, prober=prober,
-    )  # fmt: skip
+        registry=app[keys.REGISTRY],
+        gate=app[keys.GATE],
+        journal=app[keys.JOURNAL],
+        metrics=app[keys.METRICS],
+        fanout=fanout,
+        prober=prober,
+    )
     app[keys.ADMIN] = ctx
     app[keys.PROXY] = GenerateProxy(
-        config=cfg, registry=app[keys.REGISTRY], policy=make_policy(cfg.policy), session=session,
-        metrics=app[keys.METRICS], tasks=app[keys.TASKS], service_headers=app[keys.SERVICE_HEADERS],
-    )  # fmt: skip
+        config=cfg,
+        registry=app[keys.REGISTRY],
+        policy=make_policy(cfg.policy),
+        session=session,
+        metrics=app[keys.METRICS],
+        tasks=app[keys.TASKS],
+        service_headers=app[keys.SERVICE_HEADERS],
+    )
     app[keys.GROUP_INIT] = GroupInitializer(ctx)
     app[keys.TWO_PHASE] = TwoPhaseCoordinator(
         ctx, app[keys.TASKS], prepared_life_s=cfg.update_session_timeout_s, service_headers=app[keys.SERVICE_HEADERS]
@@ -145,8 +154,10 @@ def _restore_journal(registry: WorkerRegistry, journal: UpdateJournal) -> None:
             worker.disabled = True
     log.warning(
         "unresolved update journal (%s: %s); keeping %d worker(s) disabled until an operator resolves it",
-        pending.path, pending.reason, len(pending.targets),
-    )  # fmt: skip
+        pending.path,
+        pending.reason,
+        len(pending.targets),
+    )
 
 
 def create_app(config: RouterConfig) -> web.Application:
@@ -167,9 +178,11 @@ def create_app(config: RouterConfig) -> web.Application:
             metrics_middleware,
             error_middleware,
             auth_middleware(
-                admin_key=config.admin_api_key, api_key=config.api_key,
-                open_paths=OPEN_PATHS, generation_paths=GENERATION_PATHS,
-            ),  # fmt: skip
+                admin_key=config.admin_api_key,
+                api_key=config.api_key,
+                open_paths=OPEN_PATHS,
+                generation_paths=GENERATION_PATHS,
+            ),
         ],
         client_max_size=64 * 1024 * 1024,
     )

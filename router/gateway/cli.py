@@ -10,15 +10,16 @@ import logging
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from aiohttp import web
 
+from router import __version__
+from router.contract.errors import ApiError
+from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
 from router.gateway.app import create_app
 from router.gateway.config import POLICY_NAMES, RouterConfig
-from router.contract.web.auth import resolve_admin_key
-from router.contract.errors import ApiError
 
 log = logging.getLogger("router")
 
@@ -55,26 +56,91 @@ def build_parser() -> argparse.ArgumentParser:
         description="One URL in front of N omni workers: routing, admin broadcast, weight sync.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--worker-urls", nargs="*", default=[], metavar="URL", help="workers to register at start-up, in rank order")
-    p.add_argument("--admin-api-key", default=None, help="bearer key for admin routes (else $SGLANG_OMNI_ADMIN_KEY); forwarded to workers")
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=int, default=30000, help="TCP port to listen on")
+    p.add_argument(
+        "--worker-urls", nargs="*", default=[], metavar="URL", help="workers to register at start-up, in rank order"
+    )
+    p.add_argument(
+        "--admin-api-key",
+        default=None,
+        help=f"bearer key for admin and registry routes, forwarded to workers; when unset, ${ADMIN_KEY_ENV} is used",
+    )
     p.add_argument("--api-key", default=None, help="bearer key for /generate (the admin key is accepted too)")
-    p.add_argument("--policy", choices=POLICY_NAMES, default=d.policy)
-    p.add_argument("--admin-lock-timeout-s", type=float, default=d.admin_lock_timeout_s)
-    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s)
-    p.add_argument("--connect-timeout-s", type=float, default=d.connect_timeout_s)
-    p.add_argument("--max-retries", type=int, default=d.max_retries, help="extra /generate attempts on other workers (before the first byte only)")
-    p.add_argument("--health-check-interval-s", type=float, default=d.health_check_interval_s)
-    p.add_argument("--health-check-timeout-s", type=float, default=d.health_check_timeout_s)
-    p.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold)
-    p.add_argument("--health-dead-threshold", type=int, default=None, help="failed probes until dead (default: 2x failure threshold)")
-    p.add_argument("--health-success-threshold", type=int, default=d.health_success_threshold)
-    p.add_argument("--update-session-timeout-s", type=float, default=None)
-    p.add_argument("--state-dir", type=Path, default=None, help="durable update journal directory (crash safety)")
-    p.add_argument("--max-connections", type=int, default=d.max_connections)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    p.add_argument("--log-format", default="text", choices=["text", "json"])
+    p.add_argument(
+        "--policy", choices=POLICY_NAMES, default=d.policy, help="how /generate picks among routable workers"
+    )
+    p.add_argument(
+        "--admin-lock-timeout-s",
+        type=float,
+        default=d.admin_lock_timeout_s,
+        help="seconds an admin update waits for the update lock before answering 503",
+    )
+    p.add_argument(
+        "--request-timeout-s",
+        type=float,
+        default=d.request_timeout_s,
+        help="seconds one proxied /generate may take, streaming included",
+    )
+    p.add_argument(
+        "--connect-timeout-s", type=float, default=d.connect_timeout_s, help="seconds to open a connection to a worker"
+    )
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=d.max_retries,
+        help="extra /generate attempts on other workers (before the first response byte only)",
+    )
+    p.add_argument(
+        "--health-check-interval-s",
+        type=float,
+        default=d.health_check_interval_s,
+        help="seconds between health probes of each worker (with +-20%% jitter)",
+    )
+    p.add_argument(
+        "--health-check-timeout-s",
+        type=float,
+        default=d.health_check_timeout_s,
+        help="seconds one health probe may take",
+    )
+    p.add_argument(
+        "--health-failure-threshold",
+        type=int,
+        default=d.health_failure_threshold,
+        help="consecutive failed probes that take a healthy worker out of routing",
+    )
+    p.add_argument(
+        "--health-dead-threshold",
+        type=int,
+        default=None,
+        help="consecutive failed probes until a worker is dead (no broadcasts either); default: twice the failure threshold",
+    )
+    p.add_argument(
+        "--health-success-threshold",
+        type=int,
+        default=d.health_success_threshold,
+        help="consecutive good probes that bring an unhealthy or dead worker back",
+    )
+    p.add_argument(
+        "--update-session-timeout-s",
+        type=float,
+        default=None,
+        help="seconds a prepared two-phase update may wait for its complete or abort before the router "
+        "fails it closed; default: the prepare's receive window (its timeout_s, else the workers' "
+        "default) plus one margin",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        help="directory of the durable update journal (keeps a failed update's workers fenced across router restarts)",
+    )
+    p.add_argument(
+        "--max-connections", type=int, default=d.max_connections, help="size of the connection pool to workers"
+    )
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
+    p.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     return p
 
 
@@ -107,12 +173,16 @@ async def serve(app: web.Application, host: str, port: int, config: RouterConfig
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
-        bound = [s.getsockname()[1] for s in (site._server.sockets if site._server else [])]  # type: ignore[union-attr]
+        bound = [address[1] for address in runner.addresses]
         log.info(
             "omni-router ready on http://%s:%s workers=%d policy=%s admin_auth=%s state_dir=%s",
-            host, bound[0] if bound else port, len(config.worker_urls), config.policy,
-            "on" if config.admin_api_key else "off", config.state_dir,
-        )  # fmt: skip
+            host,
+            bound[0] if bound else port,
+            len(config.worker_urls),
+            config.policy,
+            "on" if config.admin_api_key else "off",
+            config.state_dir,
+        )
         # Start-up objects never die: keep them out of every later GC pass (shorter pauses).
         gc.freeze()
         stop = asyncio.Event()

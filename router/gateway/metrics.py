@@ -8,7 +8,7 @@ own ``CollectorRegistry``, so several routers can live in one process (tests).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -25,10 +25,20 @@ class _FleetCollector(Collector):
         self._registry = registry
 
     def collect(self) -> Iterator[Metric]:
-        inflight = GaugeMetricFamily("omni_router_worker_inflight_requests", "Requests in flight per worker", labels=["worker", "url"])
-        health = GaugeMetricFamily("omni_router_worker_health", "1 for the worker's current health state", labels=["worker", "state"])
-        disabled = GaugeMetricFamily("omni_router_worker_disabled", "1 while the worker is out of routing", labels=["worker"])
-        version = GaugeMetricFamily("omni_router_worker_weight_version_info", "Last known weight_version per worker", labels=["worker", "weight_version"])
+        inflight = GaugeMetricFamily(
+            "omni_router_worker_inflight_requests", "Requests in flight per worker", labels=["worker", "url"]
+        )
+        health = GaugeMetricFamily(
+            "omni_router_worker_health", "1 for the worker's current health state", labels=["worker", "state"]
+        )
+        disabled = GaugeMetricFamily(
+            "omni_router_worker_disabled", "1 while the worker is out of routing", labels=["worker"]
+        )
+        version = GaugeMetricFamily(
+            "omni_router_worker_weight_version_info",
+            "Last known weight_version per worker",
+            labels=["worker", "weight_version"],
+        )
         routable = GaugeMetricFamily("omni_router_routable_workers", "Workers that may take /generate traffic")
         count = 0
         for w in self._registry:
@@ -48,20 +58,45 @@ class RouterMetrics:
     def __init__(self, workers: WorkerRegistry):
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("omni_router_requests_total", "HTTP requests by route and status", ["route", "method", "status"], registry=r)
-        self.latency = Histogram(
-            "omni_router_request_duration_seconds", "HTTP request latency by route", ["route"], buckets=_LATENCY_BUCKETS, registry=r
+        self.requests = Counter(
+            "omni_router_requests_total", "HTTP requests by route and status", ["route", "method", "status"], registry=r
         )
-        self.admin_ops = Counter("omni_router_admin_operations_total", "Admin broadcasts by operation and outcome", ["operation", "outcome"], registry=r)
+        self.latency = Histogram(
+            "omni_router_request_duration_seconds",
+            "HTTP request latency by route",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.admin_ops = Counter(
+            "omni_router_admin_operations_total",
+            "Admin broadcasts by operation and outcome",
+            ["operation", "outcome"],
+            registry=r,
+        )
         self.admin_duration = Histogram(
-            "omni_router_admin_operation_duration_seconds", "Admin broadcast duration", ["operation", "outcome"], buckets=_LATENCY_BUCKETS, registry=r
+            "omni_router_admin_operation_duration_seconds",
+            "Admin broadcast duration",
+            ["operation", "outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
         self.lock_wait = Histogram(
-            "omni_router_update_lock_wait_seconds", "Time spent waiting for the admin update lock", ["operation", "acquired"], buckets=_LATENCY_BUCKETS, registry=r
+            "omni_router_update_lock_wait_seconds",
+            "Time spent waiting for the admin update lock",
+            ["operation", "acquired"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
         )
-        self.retries = Counter("omni_router_generate_retries_total", "Proxy attempts retried on another worker", ["reason"], registry=r)
-        self.upstream_errors = Counter("omni_router_upstream_errors_total", "Proxy attempts that failed before a response", ["worker"], registry=r)
-        self.client_aborts = Counter("omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r)
+        self.retries = Counter(
+            "omni_router_generate_retries_total", "Proxy attempts retried on another worker", ["reason"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "omni_router_upstream_errors_total", "Proxy attempts that failed before a response", ["worker"], registry=r
+        )
+        self.client_aborts = Counter(
+            "omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r
+        )
         r.register(_FleetCollector(workers))
 
     def observe_lock_wait(self, operation: str, waited_s: float, acquired: bool) -> None:

@@ -7,7 +7,8 @@ caller's ``broadcast`` never runs on the event loop.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Callable, Coroutine, Sequence, TypeVar
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
 
@@ -36,7 +37,7 @@ class AsyncRouterClient(RouterCalls):
         self._blocking = RouterClient(self.url, admin_key=admin_key, lock_wait_s=lock_wait_s)
         self._blocking.joined_groups = self.joined_groups
 
-    async def __aenter__(self) -> "AsyncRouterClient":
+    async def __aenter__(self) -> AsyncRouterClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -63,10 +64,12 @@ class AsyncRouterClient(RouterCalls):
                 call.method, self.url + call.path, data=call.data(), headers=self.headers(), timeout=timeout
             ) as resp:
                 status, raw = resp.status, await resp.read()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise unreachable(call, exc) from exc
         return decode_answer(call, status, raw)
 
-    async def sync_weights(self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Any) -> SyncReport:
+    async def sync_weights(
+        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Any
+    ) -> SyncReport:
         """:meth:`RouterClient.sync_weights` on a thread (``broadcast`` and ``join`` run there too)."""
         return await asyncio.to_thread(self._blocking.sync_weights, buckets=buckets, broadcast=broadcast, **options)

@@ -12,8 +12,9 @@ and, for a failed broadcast, the per-worker results as typed models.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, Optional, Sequence, TypeVar, Union
+from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
 from pydantic import ValidationError
@@ -77,7 +78,7 @@ from router.contract.weight_sync import (
 )
 
 A = TypeVar("A", bound=WireResponse)
-Bucket = Union[BucketMetadata, dict[str, Any]]
+Bucket = BucketMetadata | dict[str, Any]
 #: The HTTP timeout of calls outside the admin table (registry, journal, world size): they answer at once.
 REGISTRY_TIMEOUT_S = 30.0
 
@@ -88,11 +89,11 @@ class Call(Generic[A]):
 
     method: str
     path: str
-    body: Optional[WireRequest]
+    body: WireRequest | None
     answer: type[A]
     timeout_s: float
 
-    def data(self) -> Optional[bytes]:
+    def data(self) -> bytes | None:
         if self.body is None:
             return None
         data = self.body.to_json()
@@ -102,8 +103,16 @@ class Call(Generic[A]):
 class RouterCallError(RuntimeError):
     """A router call answered non-2xx (``status``), or got no answer at all (``status`` is ``None``)."""
 
-    def __init__(self, method: str, path: str, status: Optional[int], message: str,
-                 *, answer: Optional[FleetAnswer[Any]] = None, error: Optional[ErrorBody] = None):  # fmt: skip
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        status: int | None,
+        message: str,
+        *,
+        answer: FleetAnswer[Any] | None = None,
+        error: ErrorBody | None = None,
+    ):
         self.method = method
         self.path = path
         self.status = status
@@ -129,9 +138,11 @@ def decode_answer(call: Call[A], status: int, raw: bytes) -> A:
         try:
             return call.answer.model_validate_json(raw)
         except ValidationError as exc:
-            raise RouterCallError(call.method, call.path, status, f"the router's answer is not a {call.answer.__name__}: {exc}") from None
-    answer: Optional[FleetAnswer[Any]] = None
-    error: Optional[ErrorBody] = None
+            raise RouterCallError(
+                call.method, call.path, status, f"the router's answer is not a {call.answer.__name__}: {exc}"
+            ) from None
+    answer: FleetAnswer[Any] | None = None
+    error: ErrorBody | None = None
     try:
         error = ErrorBody.model_validate_json(raw)
         message = error.error.message
@@ -169,7 +180,7 @@ class RouterCalls:
             call may wait for the router's update lock before its own work starts.
     """
 
-    def __init__(self, url: str, *, admin_key: Optional[str] = None, lock_wait_s: float = DEFAULT_LOCK_WAIT_S):
+    def __init__(self, url: str, *, admin_key: str | None = None, lock_wait_s: float = DEFAULT_LOCK_WAIT_S):
         self.url = url.rstrip("/")
         self.admin_key = admin_key
         self.lock_wait_s = lock_wait_s
@@ -194,7 +205,7 @@ class RouterCalls:
         wait = endpoint.budget.client_wait(endpoint.timeout_of(req), lock_wait_s=lock)
         return self._call(Call(endpoint.methods[-1], endpoint.path, req, answer, wait))
 
-    def _plain(self, method: str, path: str, answer: type[A], body: Optional[WireRequest] = None) -> A:
+    def _plain(self, method: str, path: str, answer: type[A], body: WireRequest | None = None) -> A:
         return self._call(Call(method, path, body, answer, REGISTRY_TIMEOUT_S))
 
     # -- generation control
@@ -204,7 +215,9 @@ class RouterCalls:
     def continue_generation(self) -> FleetAnswer[ContinueResult]:
         return self._admin(ep.CONTINUE_GENERATION, ContinueRequest(), FleetAnswer[ContinueResult])
 
-    def abort_request(self, rid: Union[str, list[str], None] = None, abort_all: bool = False) -> FleetAnswer[AbortRequestResult]:
+    def abort_request(
+        self, rid: str | list[str] | None = None, abort_all: bool = False
+    ) -> FleetAnswer[AbortRequestResult]:
         req = AbortRequest(**_set(rid=rid), abort_all=abort_all)
         return self._admin(ep.ABORT_REQUEST, req, FleetAnswer[AbortRequestResult])
 
@@ -226,14 +239,17 @@ class RouterCalls:
         world_size: int,
         *,
         group_name: str = DEFAULT_GROUP_NAME,
-        backend: Optional[str] = None,
-        rank_offset: Optional[int] = None,
-        timeout_s: Optional[float] = None,
+        backend: str | None = None,
+        rank_offset: int | None = None,
+        timeout_s: float | None = None,
     ) -> GroupInitFleetAnswer:
         req = InitWeightsUpdateGroupRequest(
-            master_address=master_address, master_port=master_port, world_size=world_size, group_name=group_name,
+            master_address=master_address,
+            master_port=master_port,
+            world_size=world_size,
+            group_name=group_name,
             **_set(backend=backend, rank_offset=rank_offset, timeout_s=timeout_s),
-        )  # fmt: skip
+        )
         return self._admin(ep.INIT_WEIGHTS_UPDATE_GROUP, req, GroupInitFleetAnswer)
 
     def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP_NAME) -> FleetAnswer[WeightSyncResponse]:
@@ -248,18 +264,22 @@ class RouterCalls:
         bucket: Bucket,
         *,
         group_name: str = DEFAULT_GROUP_NAME,
-        load_format: Optional[str] = None,
-        weight_version: Optional[str] = None,
+        load_format: str | None = None,
+        weight_version: str | None = None,
         flush_cache: bool = True,
         abort_all_requests: bool = False,
-        timeout_s: Optional[float] = None,
+        timeout_s: float | None = None,
     ) -> FleetAnswer[WeightSyncResponse]:
         meta = _buckets([bucket])[0]
         req = UpdateWeightsFromDistributedRequest(
-            names=meta.names, dtypes=meta.dtypes, shapes=meta.shapes, group_name=group_name, flush_cache=flush_cache,
+            names=meta.names,
+            dtypes=meta.dtypes,
+            shapes=meta.shapes,
+            group_name=group_name,
+            flush_cache=flush_cache,
             abort_all_requests=abort_all_requests,
             **_set(load_format=load_format, weight_version=weight_version, timeout_s=timeout_s),
-        )  # fmt: skip
+        )
         return self._admin(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, FleetAnswer[WeightSyncResponse])
 
     def prepare_weights_update(
@@ -267,41 +287,51 @@ class RouterCalls:
         buckets: Sequence[Bucket],
         *,
         group_name: str = DEFAULT_GROUP_NAME,
-        load_format: Optional[str] = None,
-        weight_version: Optional[str] = None,
-        atomic: Optional[bool] = None,
-        timeout_s: Optional[float] = None,
+        load_format: str | None = None,
+        weight_version: str | None = None,
+        atomic: bool | None = None,
+        timeout_s: float | None = None,
     ) -> PrepareFleetAnswer:
         metas = _buckets(buckets)
         req = PrepareWeightsUpdateRequest(
-            num_buckets=len(metas), buckets=metas, group_name=group_name,
+            num_buckets=len(metas),
+            buckets=metas,
+            group_name=group_name,
             **_set(load_format=load_format, weight_version=weight_version, atomic=atomic, timeout_s=timeout_s),
-        )  # fmt: skip
+        )
         return self._admin(ep.PREPARE_WEIGHTS_UPDATE, req, PrepareFleetAnswer)
 
     def complete_weights_update(
-        self, *, group_name: str = DEFAULT_GROUP_NAME, flush_cache: bool = False, weight_version: Optional[str] = None,
-        return_checksum: Optional[bool] = None, timeout_s: Optional[float] = None,
-    ) -> CompleteFleetAnswer:  # fmt: skip
+        self,
+        *,
+        group_name: str = DEFAULT_GROUP_NAME,
+        flush_cache: bool = False,
+        weight_version: str | None = None,
+        return_checksum: bool | None = None,
+        timeout_s: float | None = None,
+    ) -> CompleteFleetAnswer:
         req = CompleteWeightsUpdateRequest(
-            group_name=group_name, flush_cache=flush_cache,
+            group_name=group_name,
+            flush_cache=flush_cache,
             **_set(weight_version=weight_version, return_checksum=return_checksum, timeout_s=timeout_s),
-        )  # fmt: skip
+        )
         return self._admin(ep.COMPLETE_WEIGHTS_UPDATE, req, CompleteFleetAnswer)
 
     def abort_weights_update(self, group_name: str = DEFAULT_GROUP_NAME) -> FleetAnswer[AbortWeightsUpdateResponse]:
         req = AbortWeightsUpdateRequest(group_name=group_name)
         return self._admin(ep.ABORT_WEIGHTS_UPDATE, req, FleetAnswer[AbortWeightsUpdateResponse])
 
-    def update_weight_version(self, new_version: str, abort_all_requests: bool = False) -> FleetAnswer[UpdateWeightVersionResult]:
+    def update_weight_version(
+        self, new_version: str, abort_all_requests: bool = False
+    ) -> FleetAnswer[UpdateWeightVersionResult]:
         req = UpdateWeightVersionRequest(new_version=new_version, abort_all_requests=abort_all_requests)
         return self._admin(ep.UPDATE_WEIGHT_VERSION, req, FleetAnswer[UpdateWeightVersionResult])
 
-    def release_memory_occupation(self, tags: Optional[list[MemoryTag]] = None) -> FleetAnswer[MemoryOccupationResult]:
+    def release_memory_occupation(self, tags: list[MemoryTag] | None = None) -> FleetAnswer[MemoryOccupationResult]:
         req = MemoryOccupationRequest(**_set(tags=tags))
         return self._admin(ep.RELEASE_MEMORY_OCCUPATION, req, FleetAnswer[MemoryOccupationResult])
 
-    def resume_memory_occupation(self, tags: Optional[list[MemoryTag]] = None) -> FleetAnswer[MemoryOccupationResult]:
+    def resume_memory_occupation(self, tags: list[MemoryTag] | None = None) -> FleetAnswer[MemoryOccupationResult]:
         req = MemoryOccupationRequest(**_set(tags=tags))
         return self._admin(ep.RESUME_MEMORY_OCCUPATION, req, FleetAnswer[MemoryOccupationResult])
 
@@ -330,10 +360,14 @@ class RouterCalls:
         return self._plain("DELETE", f"/workers/{quote(worker, safe='')}", RemovedWorker)
 
     def set_worker_disabled(self, worker: str, disabled: bool) -> WorkerRecord:
-        return self._plain("PUT", f"/workers/{quote(worker, safe='')}", WorkerRecord, UpdateWorkerRequest(disabled=disabled))
+        return self._plain(
+            "PUT", f"/workers/{quote(worker, safe='')}", WorkerRecord, UpdateWorkerRequest(disabled=disabled)
+        )
 
     def update_journal(self) -> JournalView:
         return self._plain("GET", "/weight_update_journal", JournalView)
 
     def resolve_update_journal(self) -> JournalResolved:
-        return self._plain("POST", "/weight_update_journal/resolve", JournalResolved, JournalResolveRequest(acknowledge=True))
+        return self._plain(
+            "POST", "/weight_update_journal/resolve", JournalResolved, JournalResolveRequest(acknowledge=True)
+        )

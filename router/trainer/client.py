@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
 
 from router.contract.base import WireResponse
 from router.trainer.calls import Bucket, Call, RouterCalls, decode_answer, unreachable
@@ -27,6 +28,8 @@ class RouterClient(RouterCalls):
             raise unreachable(call, exc) from exc
         return decode_answer(call, status, raw)
 
-    def sync_weights(self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Any) -> SyncReport:
+    def sync_weights(
+        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Any
+    ) -> SyncReport:
         """Run one whole weight sync through the router; see :class:`WeightSync`."""
         return WeightSync(self, **options).run(buckets, broadcast)

@@ -34,9 +34,10 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Callable, Literal, Optional, Sequence
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
@@ -80,9 +81,9 @@ class GroupSpec:
     master_port: int
     join: Callable[[int], None]
     group_name: str = DEFAULT_GROUP_NAME
-    backend: Optional[str] = None
-    timeout_s: Optional[float] = None
-    leave: Optional[Callable[[], None]] = None
+    backend: str | None = None
+    timeout_s: float | None = None
+    leave: Callable[[], None] | None = None
 
 
 class SyncReport(BaseModel):
@@ -90,17 +91,17 @@ class SyncReport(BaseModel):
 
     protocol: str
     num_buckets: int
-    weight_version: Optional[str]
-    world_size: Optional[int]
+    weight_version: str | None
+    world_size: int | None
     seconds: float = 0.0
     stage_seconds: dict[str, float] = Field(default_factory=dict)
-    checksums: dict[str, Optional[str]] = Field(default_factory=dict)
+    checksums: dict[str, str | None] = Field(default_factory=dict)
     """Each worker's checksum of the weights it holds (engine-level, from the verify step)."""
     rank_checksums: dict[str, list[str]] = Field(default_factory=dict)
     """Each worker's per-rank checksums from the verify step (what ``expected_checksum`` is compared with)."""
-    fleet_identical: Optional[bool] = None
-    matches_expected: Optional[bool] = None
-    group_init: Optional[GroupInitFleetAnswer] = None
+    fleet_identical: bool | None = None
+    matches_expected: bool | None = None
+    group_init: GroupInitFleetAnswer | None = None
     """The router's answer to the group init (per-worker ``ranks``), on the sync that created the group."""
 
 
@@ -108,7 +109,7 @@ def _log_progress(stage: str, info: dict[str, Any]) -> None:
     log.info("weight sync: %s %s", stage, info)
 
 
-def _guard_s(endpoint: ep.Endpoint[Any, Any], timeout_s: Optional[float], lock_wait_s: float) -> float:
+def _guard_s(endpoint: ep.Endpoint[Any, Any], timeout_s: float | None, lock_wait_s: float) -> float:
     """How long to wait for a background call: a guard only, since the call's own HTTP timeout fires first."""
     return endpoint.budget.client_wait(timeout_s, lock_wait_s=lock_wait_s) + HOP_MARGIN_S
 
@@ -123,14 +124,14 @@ class WeightSync:
         *,
         group: GroupSpec,
         protocol: Literal["two_phase", "single_phase"] = "two_phase",
-        load_format: Optional[str] = None,
-        weight_version: Optional[str] = None,
+        load_format: str | None = None,
+        weight_version: str | None = None,
         pause_mode: Literal["abort", "retract", "in_place"] = "retract",
-        atomic: Optional[bool] = None,
-        timeout_s: Optional[float] = None,
+        atomic: bool | None = None,
+        timeout_s: float | None = None,
         verify: bool = True,
-        expected_checksum: Optional[str] = None,
-        progress: Optional[Progress] = None,
+        expected_checksum: str | None = None,
+        progress: Progress | None = None,
     ):
         if protocol not in ("two_phase", "single_phase"):
             raise ValueError(f"protocol must be 'two_phase' or 'single_phase', got {protocol!r}")
@@ -146,7 +147,7 @@ class WeightSync:
         self.expected_checksum = expected_checksum
         self.progress = progress or _log_progress
         self._stages: dict[str, float] = {}
-        self._group_init: Optional[GroupInitFleetAnswer] = None
+        self._group_init: GroupInitFleetAnswer | None = None
         # From a ready prepare until the router has answered complete: the router holds a
         # prepared update (and its admin lock) for this group.
         self._router_holds_update = False
@@ -168,7 +169,7 @@ class WeightSync:
         self.progress(name, {"state": "done", "seconds": self._stages[name]})
         return value
 
-    def ensure_group(self) -> Optional[int]:
+    def ensure_group(self) -> int | None:
         joined = self.client.joined_groups
         if self.group.group_name in joined:
             return None
@@ -176,7 +177,12 @@ class WeightSync:
         g = self.group
         self._group_init = alongside(
             lambda: self.client.init_weights_update_group(
-                g.master_address, g.master_port, world, group_name=g.group_name, backend=g.backend, timeout_s=g.timeout_s
+                g.master_address,
+                g.master_port,
+                world,
+                group_name=g.group_name,
+                backend=g.backend,
+                timeout_s=g.timeout_s,
             ),
             lambda: g.join(world),
             timeout_s=_guard_s(ep.INIT_WEIGHTS_UPDATE_GROUP, g.timeout_s, self.client.lock_wait_s),
@@ -191,13 +197,19 @@ class WeightSync:
             last = i == len(buckets) - 1
             alongside(
                 partial(
-                    self.client.update_weights_from_distributed, bucket, group_name=self.group.group_name,
-                    load_format=self.load_format, weight_version=self.weight_version if last else None,
-                    flush_cache=last, timeout_s=self.timeout_s,
+                    self.client.update_weights_from_distributed,
+                    bucket,
+                    group_name=self.group.group_name,
+                    load_format=self.load_format,
+                    weight_version=self.weight_version if last else None,
+                    flush_cache=last,
+                    timeout_s=self.timeout_s,
                 ),
                 partial(broadcast, i),
-                timeout_s=guard, what=f"update_weights_from_distributed of bucket {i}", settle_on_failure=False,
-            )  # fmt: skip
+                timeout_s=guard,
+                what=f"update_weights_from_distributed of bucket {i}",
+                settle_on_failure=False,
+            )
             self.progress("bucket", {"index": i, "of": len(buckets)})
 
     def _two_phase_send(self, n: int, broadcast: Callable[[int], None]) -> None:
@@ -220,9 +232,13 @@ class WeightSync:
                 self._resume_after_clean_failure()
             raise
         report = SyncReport(
-            protocol=self.protocol, num_buckets=len(metas), weight_version=self.weight_version,
-            world_size=world, stage_seconds=self._stages, group_init=self._group_init,
-        )  # fmt: skip
+            protocol=self.protocol,
+            num_buckets=len(metas),
+            weight_version=self.weight_version,
+            world_size=world,
+            stage_seconds=self._stages,
+            group_init=self._group_init,
+        )
         if complete is not None:
             report.checksums = dict(complete.checksums)
         if self.verify:
@@ -231,22 +247,34 @@ class WeightSync:
         report.seconds = round(time.perf_counter() - start, 4)
         return report
 
-    def _update(self, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None]) -> Optional[CompleteFleetAnswer]:
+    def _update(
+        self, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None]
+    ) -> CompleteFleetAnswer | None:
         """prepare -> broadcast -> complete (two phase; returns complete's answer) or the single-phase calls."""
         if self.protocol == "single_phase":
             self._stage("broadcast", lambda: self._single_phase(buckets, broadcast), uncertain=True)
             return None
         prepare = partial(
-            self.client.prepare_weights_update, buckets, group_name=self.group.group_name,
-            load_format=self.load_format, weight_version=self.weight_version, atomic=self.atomic, timeout_s=self.timeout_s,
-        )  # fmt: skip
+            self.client.prepare_weights_update,
+            buckets,
+            group_name=self.group.group_name,
+            load_format=self.load_format,
+            weight_version=self.weight_version,
+            atomic=self.atomic,
+            timeout_s=self.timeout_s,
+        )
         self._stage("prepare", lambda: self._prepared_call(prepare, holds=True), uncertain=False)
         self._stage("broadcast", lambda: self._two_phase_send(len(buckets), broadcast), uncertain=True)
         complete = partial(
-            self.client.complete_weights_update, group_name=self.group.group_name,
-            weight_version=self.weight_version, return_checksum=self.verify or None, timeout_s=self.timeout_s,
-        )  # fmt: skip
-        answer: CompleteFleetAnswer = self._stage("complete", lambda: self._prepared_call(complete, holds=False), uncertain=True)
+            self.client.complete_weights_update,
+            group_name=self.group.group_name,
+            weight_version=self.weight_version,
+            return_checksum=self.verify or None,
+            timeout_s=self.timeout_s,
+        )
+        answer: CompleteFleetAnswer = self._stage(
+            "complete", lambda: self._prepared_call(complete, holds=False), uncertain=True
+        )
         return answer
 
     def _prepared_call(self, call: Callable[[], Any], *, holds: bool) -> Any:
@@ -274,8 +302,10 @@ class WeightSync:
         self.client.joined_groups.discard(g.group_name)
         log.warning(
             "weight sync failed at %s; group %r torn down, the next sync initializes it again: %s",
-            error.stage, g.group_name, done,
-        )  # fmt: skip
+            error.stage,
+            g.group_name,
+            done,
+        )
 
     def _verify(self, report: SyncReport) -> None:
         checked = self.client.weights_checker("checksum")
@@ -304,7 +334,7 @@ def _attempt(fn: Callable[[], Any]) -> str:
         answer = fn()
     except RouterCallError as exc:
         return f"failed: {exc}"
-    except Exception as exc:  # noqa: BLE001 - the caller's leave; recorded, not raised
+    except Exception as exc:
         return f"failed: {type(exc).__name__}: {exc}"
     message = getattr(answer, "message", None)
     return f"ok: {message}" if message and message != "ok" else "ok"

@@ -10,7 +10,8 @@ a bound. The sync driver and hand-written trainers share it.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -27,7 +28,7 @@ class Background(Generic[T]):
             try:
                 self._value = fn()
                 self._done = True
-            except BaseException as exc:  # noqa: BLE001 - handed back to the caller's thread
+            except BaseException as exc:
                 self._error = exc
 
         self._thread = threading.Thread(target=run, name=name, daemon=True)
@@ -60,7 +61,7 @@ def alongside(
         if settle_on_failure:
             try:
                 call.result(timeout_s, f"{what} did not answer in time")
-            except BaseException:  # noqa: BLE001 - the local failure is the one to report
+            except BaseException:
                 pass
         raise
     return call.result(timeout_s, f"{what} did not answer within {timeout_s:g}s")

@@ -20,8 +20,9 @@ receiver never rejects it (SGLang v0.5.23's "Unaligned received tensor").
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,13 +53,17 @@ class BucketPlan:
 
     @classmethod
     def from_named_tensors(
-        cls, named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor], budget_bytes: int = DEFAULT_BUCKET_BYTES
-    ) -> "BucketPlan":
+        cls,
+        named: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+        budget_bytes: int = DEFAULT_BUCKET_BYTES,
+    ) -> BucketPlan:
         items = named.items() if isinstance(named, Mapping) else named
         return cls.from_spec(((n, dtype_name(t.dtype), tuple(t.shape)) for n, t in items), budget_bytes)
 
     @classmethod
-    def from_spec(cls, spec: Iterable[tuple[str, str, Sequence[int]]], budget_bytes: int = DEFAULT_BUCKET_BYTES) -> "BucketPlan":
+    def from_spec(
+        cls, spec: Iterable[tuple[str, str, Sequence[int]]], budget_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> BucketPlan:
         """Group ``(name, dtype, shape)`` entries in order until a bucket would exceed
         ``budget_bytes`` (a tensor larger than the budget gets a bucket of its own)."""
         if budget_bytes <= 0:
@@ -79,7 +84,9 @@ class BucketPlan:
         for entries in groups:
             order = aligned_order([d for _, d, _ in entries])
             entries = [entries[i] for i in order]
-            buckets.append(BucketLayout.from_meta([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries]))
+            buckets.append(
+                BucketLayout.from_meta([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries])
+            )
         return cls(buckets=tuple(buckets), budget_bytes=budget_bytes)
 
     @property
@@ -94,7 +101,7 @@ class BucketPlan:
     def max_bucket_bytes(self) -> int:
         return max((b.total_bytes for b in self.buckets), default=0)
 
-    def bucket(self, index: int) -> "BucketPlan":
+    def bucket(self, index: int) -> BucketPlan:
         """A plan holding only bucket ``index`` (for callers that send bucket by bucket)."""
         return BucketPlan(buckets=(self.buckets[index],), budget_bytes=self.budget_bytes)
 
@@ -105,7 +112,9 @@ class BucketPlan:
     def prepare_request(self, group_name: str = DEFAULT_GROUP_NAME, **fields: Any) -> PrepareWeightsUpdateRequest:
         """A ``/prepare_weights_update`` request for this plan (``fields``: load_format, weight_version, atomic, ...)."""
         given = {k: v for k, v in fields.items() if v is not None}
-        return PrepareWeightsUpdateRequest(num_buckets=len(self.buckets), buckets=self.metadata(), group_name=group_name, **given)
+        return PrepareWeightsUpdateRequest(
+            num_buckets=len(self.buckets), buckets=self.metadata(), group_name=group_name, **given
+        )
 
 
 @dataclass(frozen=True)
@@ -152,9 +161,12 @@ class TrainerWeightSender:
         if self.backend is not None:
             given.setdefault("backend", self.backend)
         return InitWeightsUpdateGroupRequest(
-            master_address=self.master_address, master_port=self.master_port, rank_offset=rank_offset,
-            group_name=self.group_name, **given,
-        )  # fmt: skip
+            master_address=self.master_address,
+            master_port=self.master_port,
+            rank_offset=rank_offset,
+            group_name=self.group_name,
+            **given,
+        )
 
     # -- group lifecycle -----------------------------------------------------------------------
 

@@ -80,7 +80,9 @@ def update_weight_version(s: Scheduler, req: UpdateWeightVersionRequest) -> OpRe
     s.worker.weight_version = req.new_version
     aborted = s.abort_all("Aborted: weight version updated") if req.abort_all_requests else []
     return OpResult(
-        True, f"Weight version updated to {req.new_version}", {"new_version": req.new_version, "num_aborted": len(aborted)}
+        True,
+        f"Weight version updated to {req.new_version}",
+        {"new_version": req.new_version, "num_aborted": len(aborted)},
     )
 
 

@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import hashlib
 import time
-from typing import Any, Iterable, Iterator, Optional
+from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
@@ -39,7 +40,7 @@ class WeightsChecker:
     """Holds the snapshot between calls (one instance per rank)."""
 
     def __init__(self) -> None:
-        self._snapshot: Optional[dict[str, str]] = None
+        self._snapshot: dict[str, str] | None = None
 
     def run(self, action: str, tensors: Iterable[tuple[str, torch.Tensor]], skip: Iterable[str] = ()) -> dict[str, Any]:
         """Execute ``action`` over ``tensors``; returns the summary fields."""
@@ -106,7 +107,17 @@ def engine_report(rank_data: list[dict[str, Any]]) -> dict[str, Any]:
             "checksums": d.get("checksums", {}),
             "per_gpu_checksum": rank_sums[i],
             "parallelism_info": [
-                {"role": "tp", "tp_rank": i, "tp_size": size, "dp_rank": 0, "dp_size": 1, "pp_rank": 0, "pp_size": 1, "rank": i, "size": size}
+                {
+                    "role": "tp",
+                    "tp_rank": i,
+                    "tp_size": size,
+                    "dp_rank": 0,
+                    "dp_size": 1,
+                    "pp_rank": 0,
+                    "pp_size": 1,
+                    "rank": i,
+                    "size": size,
+                }
             ],
         }
         for i, d in enumerate(rank_data)

@@ -15,15 +15,16 @@ copy restores the previous weights bit for bit.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import torch
 
+from router.dataplane.buckets import NamedTensors
 from worker.engine.checker import WeightsChecker
 from worker.engine.weight_state import WeightLedger, WeightState
-from router.dataplane.buckets import NamedTensors
 from worker.model import (
     CausalLM,
     ModelConfig,
@@ -73,14 +74,16 @@ class StagedCheckpoint:
     """A checkpoint read into host memory and validated against the model."""
 
     path: str
-    load_format: Optional[str]
+    load_format: str | None
     tensors: NamedTensors
 
 
 class ModelWorker:
     """Owns the model, tokenizer and weight bookkeeping of one rank."""
 
-    def __init__(self, model_path: str, *, device: str = "cpu", dtype: str = "float32", served_model_name: Optional[str] = None):
+    def __init__(
+        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", served_model_name: str | None = None
+    ):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
         self.device = torch.device(device)
@@ -95,13 +98,13 @@ class ModelWorker:
         self.model_path = path
         self.tokenizer_path = path
         self.served_model_name = served_model_name or path
-        self.load_format: Optional[str] = None
+        self.load_format: str | None = None
         self.weight_version = "default"
         self.token_step = 0
         self.ledger = WeightLedger(self.model.checkpoint_spec())
         self.checker = WeightsChecker()
         self._released: set[str] = set()
-        self._host_weights: Optional[dict[str, torch.Tensor]] = None
+        self._host_weights: dict[str, torch.Tensor] | None = None
 
     # -- facts ----------------------------------------------------------------------
     @property
@@ -137,13 +140,15 @@ class ModelWorker:
         return {"weight": weights / gib}
 
     # -- disk updates -----------------------------------------------------------------
-    def stage_checkpoint(self, model_path: str, load_format: Optional[str] = None) -> StagedCheckpoint:
+    def stage_checkpoint(self, model_path: str, load_format: str | None = None) -> StagedCheckpoint:
         """Read and validate a checkpoint without touching the model (any thread).
 
         Raises :class:`WeightUpdateError` with a caller-facing message.
         """
         if load_format not in SUPPORTED_LOAD_FORMATS:
-            raise WeightUpdateError(f"load_format {load_format!r} is not supported; use one of auto, safetensors or null")
+            raise WeightUpdateError(
+                f"load_format {load_format!r} is not supported; use one of auto, safetensors or null"
+            )
         root = Path(model_path)
         if not root.is_dir():
             raise WeightUpdateError(f"model_path {model_path!r} is not an existing directory")
@@ -180,11 +185,13 @@ class ModelWorker:
         try:
             count = self.model.load_weights(named, require_complete=require_complete)
             self.synchronize()
-        except Exception as exc:  # noqa: BLE001 - any failure mid-copy must roll back
+        except Exception as exc:
             self._restore(backup)
             if isinstance(exc, WeightLoadError):
                 raise WeightUpdateError(str(exc)) from None
-            raise WeightUpdateError(f"loading weights failed, previous weights restored: {type(exc).__name__}: {exc}") from None
+            raise WeightUpdateError(
+                f"loading weights failed, previous weights restored: {type(exc).__name__}: {exc}"
+            ) from None
         return count
 
     def apply_streamed(self, named: NamedTensors) -> int:
@@ -200,7 +207,7 @@ class ModelWorker:
                 for view, old in backup:
                     view.copy_(old)
             self.synchronize()
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             log.exception("restoring weights after a failed update failed; weights are partial")
             self.ledger.rollback_failed()
             raise RollbackFailed(f"restoring the previous weights failed: {type(exc).__name__}: {exc}") from exc
@@ -209,7 +216,9 @@ class ModelWorker:
     def release_memory(self, tags: Iterable[str]) -> list[str]:
         """Move released weights to a host copy and free their device storage."""
         if "weights" in tags and self.ledger.state is WeightState.WRITING:
-            raise WeightUpdateError("a weight update is writing the weights; complete or abort it before releasing them")
+            raise WeightUpdateError(
+                "a weight update is writing the weights; complete or abort it before releasing them"
+            )
         done = []
         for tag in tags:
             if tag in self._released or tag == "cuda_graph":

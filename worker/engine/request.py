@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -39,7 +39,7 @@ class GenerationParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     no_stop_trim: bool = False
-    seed: Optional[int] = None
+    seed: int | None = None
     return_logprob: bool = False
     top_logprobs_num: int = 0
 
@@ -56,7 +56,7 @@ class RequestEvent:
     new_ids: list[int]
     new_logprobs: list[float]
     new_top_logprobs: list[list[tuple[float, int]]]
-    finish_reason: Optional[dict[str, Any]]
+    finish_reason: dict[str, Any] | None
     retractions: int
 
 
@@ -67,7 +67,7 @@ class OutputChannel:
     every delivery so one waiter can follow many requests.
     """
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, wakeup: Optional[asyncio.Event] = None):
+    def __init__(self, loop: asyncio.AbstractEventLoop, wakeup: asyncio.Event | None = None):
         self._loop = loop
         self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.wakeup = wakeup
@@ -92,16 +92,16 @@ class Request:
     rid: str
     prompt_ids: list[int]
     params: GenerationParams
-    channel: Optional[OutputChannel] = None
+    channel: OutputChannel | None = None
     stream: bool = False
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
-    kv: Optional[KVCache] = None
-    finish_reason: Optional[dict[str, Any]] = None
+    kv: KVCache | None = None
+    finish_reason: dict[str, Any] | None = None
     retractions: int = 0
-    generator: Optional[torch.Generator] = None
+    generator: torch.Generator | None = None
     _sent: int = 0  # output tokens already delivered to the channel
 
     @property
@@ -120,7 +120,7 @@ class Request:
     def drop_kv(self) -> None:
         self.kv = None
 
-    def append(self, token: int, logprob: Optional[float], top: Optional[list[tuple[float, int]]]) -> None:
+    def append(self, token: int, logprob: float | None, top: list[tuple[float, int]] | None) -> None:
         self.output_ids.append(token)
         if self.params.return_logprob:
             self.output_logprobs.append(float(logprob) if logprob is not None else 0.0)

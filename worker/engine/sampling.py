@@ -12,14 +12,14 @@ Greedy rows take ``argmax`` (the lowest id wins a tie): deterministic.
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from worker.engine.request import GenerationParams, Request, length_reason, stop_reason
 
 
-def make_generator(device: torch.device, seed: Optional[int]) -> torch.Generator:
+def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
     gen = torch.Generator(device=device)
     if seed is not None:
         gen.manual_seed(seed)
@@ -48,13 +48,15 @@ def _filter_row(scaled: torch.Tensor, params: GenerationParams) -> torch.Tensor:
 
 def sample_batch(
     logits: torch.Tensor, requests: Sequence[Request], shared_generator: torch.Generator
-) -> list[tuple[int, Optional[float], Optional[list[tuple[float, int]]]]]:
+) -> list[tuple[int, float | None, list[tuple[float, int]] | None]]:
     """Pick one token per row of ``logits`` ``[B, vocab]`` (float32).
 
     Returns ``(token, logprob or None, top logprobs or None)`` per request.
     """
     temps = torch.tensor(
-        [r.params.temperature if r.params.temperature > 0 else 1.0 for r in requests], device=logits.device, dtype=logits.dtype
+        [r.params.temperature if r.params.temperature > 0 else 1.0 for r in requests],
+        device=logits.device,
+        dtype=logits.dtype,
     )
     scaled = logits / temps[:, None]
     want_logprobs = any(r.params.return_logprob for r in requests)
@@ -69,22 +71,22 @@ def sample_batch(
         gen = req.generator if req.generator is not None else shared_generator
         tokens[i] = int(torch.multinomial(probs, 1, generator=gen).item())
 
-    results: list[tuple[int, Optional[float], Optional[list[tuple[float, int]]]]] = []
+    results: list[tuple[int, float | None, list[tuple[float, int]] | None]] = []
     for i, req in enumerate(requests):
-        lp: Optional[float] = None
-        top: Optional[list[tuple[float, int]]] = None
+        lp: float | None = None
+        top: list[tuple[float, int]] | None = None
         if req.params.return_logprob and logprobs is not None:
             lp = float(logprobs[i, tokens[i]].item())
             if req.params.top_logprobs_num:
                 values, ids = torch.topk(logprobs[i], req.params.top_logprobs_num)
-                top = list(zip(values.tolist(), ids.tolist()))
+                top = list(zip(values.tolist(), ids.tolist(), strict=True))
         results.append((tokens[i], lp, top))
     return results
 
 
 def check_finish(
     req: Request, token: int, eos_token_ids: frozenset[int], decode: Callable[[list[int]], str], context_len: int
-) -> Optional[dict]:
+) -> dict | None:
     """The finish reason after ``token`` was appended to ``req``, or None to go on.
 
     Order follows SGLang: stop tokens / EOS, then stop strings, then length.
@@ -107,7 +109,7 @@ def check_finish(
     return None
 
 
-def trim_stop_string(text: str, finish_reason: Optional[dict], no_stop_trim: bool) -> str:
+def trim_stop_string(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:
     """Cut the output text before the matched stop string, as SGLang does by default."""
     if no_stop_trim or not finish_reason or finish_reason.get("type") != "stop":
         return text

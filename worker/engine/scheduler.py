@@ -32,9 +32,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from worker.engine.model_worker import ModelWorker
 from worker.engine.request import ReqState, Request, abort_reason, length_reason
@@ -79,7 +80,7 @@ class Scheduler:
         self.idle_wait_s = idle_wait_s
         self.stats = SchedulerStats()
         self.is_paused = False
-        self.pause_mode: Optional[str] = None
+        self.pause_mode: str | None = None
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._waiting: collections.deque[Request] = collections.deque()
         self._running: list[Request] = []
@@ -114,7 +115,7 @@ class Scheduler:
         self._commands.put(("admin", (fn, fut)))
         return fut
 
-    def submit_abort(self, rid: Optional[str], *, abort_all: bool = False, message: str = "Aborted") -> Future:
+    def submit_abort(self, rid: str | None, *, abort_all: bool = False, message: str = "Aborted") -> Future:
         return self.submit_admin(lambda: self.abort_matching(rid, abort_all=abort_all, message=message))
 
     # -- read-only views (any thread; a consistent-enough snapshot for reporting) ---------
@@ -145,7 +146,7 @@ class Scheduler:
         """Requests holding KV computed with the current weights (running or frozen)."""
         return len(self._running)
 
-    def abort_matching(self, rid: Optional[str], *, abort_all: bool = False, message: str = "Aborted") -> list[str]:
+    def abort_matching(self, rid: str | None, *, abort_all: bool = False, message: str = "Aborted") -> list[str]:
         """Abort requests whose rid starts with ``rid`` (SGLang prefix match), or all.
 
         Running requests leave the batch and free their KV at once. SGLang lets
@@ -177,7 +178,12 @@ class Scheduler:
             retracted = self.retract_running()
         self.is_paused = True
         self.pause_mode = mode
-        return {"num_aborted": len(aborted), "aborted_rids": aborted, "num_retracted": retracted, "num_frozen": len(self._running)}
+        return {
+            "num_aborted": len(aborted),
+            "aborted_rids": aborted,
+            "num_retracted": retracted,
+            "num_frozen": len(self._running),
+        }
 
     def retract_running(self) -> int:
         """Drop the KV of every running request and put it back at the head of the queue, in order."""
@@ -219,7 +225,7 @@ class Scheduler:
                 self._drain(block=not self._runnable())
                 if self._runnable() and not self._stop.is_set():
                     self._step()
-            except Exception:  # noqa: BLE001 - the thread must survive any single failure
+            except Exception:
                 log.exception("scheduler loop iteration failed")
         self._shutdown()
 
@@ -244,7 +250,7 @@ class Scheduler:
                 return  # the caller gave up before it ran
             try:
                 fut.set_result(fn())
-            except Exception as exc:  # noqa: BLE001 - reported to the caller
+            except Exception as exc:
                 fut.set_exception(exc)
 
     def _admit(self) -> None:
@@ -258,7 +264,7 @@ class Scheduler:
                 req.kv = self.worker.model.new_kv_cache(min(req.total_len + remaining, self.worker.context_len))
                 if req.generator is None and req.params.seed is not None:
                     req.generator = make_generator(self.worker.device, req.params.seed)
-            except Exception as exc:  # noqa: BLE001 - e.g. out of device memory
+            except Exception as exc:
                 log.exception("cannot admit request %s", req.rid)
                 self._finish(req, abort_reason(f"cannot allocate KV cache: {type(exc).__name__}"))
                 continue
@@ -274,13 +280,13 @@ class Scheduler:
         try:
             logits = self.worker.model.forward_batch([SeqInput(r.pending_tokens(), r.kv) for r in batch])  # type: ignore[arg-type]
             picks = sample_batch(logits, batch, self._generator)
-        except Exception as exc:  # noqa: BLE001 - fail this batch, keep serving
+        except Exception as exc:
             log.exception("forward step failed; aborting %d request(s)", len(batch))
             for req in batch:
                 self._finish(req, abort_reason(f"internal error during generation: {type(exc).__name__}"))
             return
         worker = self.worker
-        for req, (token, logprob, top) in zip(batch, picks):
+        for req, (token, logprob, top) in zip(batch, picks, strict=True):
             req.append(token, logprob, top)
             reason = check_finish(req, token, worker.eos_token_ids, worker.decode, worker.context_len)
             if reason is not None:
@@ -323,7 +329,7 @@ class Scheduler:
             if kind == "add":
                 self._waiting.append(payload)
             elif kind == "admin":
-                fn, fut = payload
+                _fn, fut = payload
                 if fut.set_running_or_notify_cancel():
                     fut.set_exception(RuntimeError("the worker is shutting down"))
         self.abort_all("Aborted: the worker is shutting down")

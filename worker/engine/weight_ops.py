@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 from router.dataplane.buckets import NamedTensors
 from router.dataplane.digest import digest_named_tensors
@@ -25,7 +24,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.weight_state import WeightState
 
 
-def refusal(s: Scheduler, *, abort_all: bool) -> Optional[str]:
+def refusal(s: Scheduler, *, abort_all: bool) -> str | None:
     """Why an update must not start now, or ``None``: nothing is changed either way."""
     if s.worker.weights_released:
         return "weights are released; call /resume_memory_occupation before updating them"
@@ -86,7 +85,7 @@ class CommitOptions:
     """The tensors the update wrote (for leaving ``partial`` once all are rewritten)."""
     whole: bool = False
     """Every tensor of the model was written (a disk reload): the weights are whole again."""
-    weight_version: Optional[str] = None
+    weight_version: str | None = None
     flush_cache: bool = False
     lift_hold: bool = False
     """Un-pause if this update paused generation (and the weights are whole)."""
@@ -94,9 +93,9 @@ class CommitOptions:
     """Pause ``in_place`` afterwards if generation is not paused (``update_weights_from_disk``)."""
     empty_cache: bool = False
     checksum: bool = False
-    token_step: Optional[int] = None
-    model_path: Optional[str] = None
-    load_format: Optional[str] = None
+    token_step: int | None = None
+    model_path: str | None = None
+    load_format: str | None = None
 
 
 def commit(s: Scheduler, opts: CommitOptions) -> OpResult:

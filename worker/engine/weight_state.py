@@ -31,13 +31,14 @@ runs on the rank's scheduler thread; other threads only read :attr:`WeightLedger
 from __future__ import annotations
 
 import enum
-from typing import Collection, Iterable, Literal
+from collections.abc import Collection, Iterable
+from typing import Literal
 
 #: What one update did to a rank's weights: nothing, a consistent new version, or a mix.
 WeightsEffect = Literal["intact", "updated", "partial"]
 
 
-class WeightState(str, enum.Enum):
+class WeightState(enum.StrEnum):
     SERVING = "serving"
     WRITING = "writing"
     PARTIAL = "partial"

@@ -10,7 +10,8 @@ admin lock 503, a dead scheduler thread 503.
 from __future__ import annotations
 
 import functools
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -67,7 +68,9 @@ def stage_answer(endpoint: ep.Endpoint[Any, Any], result: StageResult, **extra: 
     return answer(endpoint, result.body(**extra))
 
 
-async def _exclusive(request: web.Request, endpoint: ep.Endpoint[Any, Any], op: Callable[..., Any], req: Any, **extra: Any) -> web.Response:
+async def _exclusive(
+    request: web.Request, endpoint: ep.Endpoint[Any, Any], op: Callable[..., Any], req: Any, **extra: Any
+) -> web.Response:
     """Run a state-changing admin op inside the coordinator's admin section, so it
     cannot interleave with another one (a weight update, a memory release)."""
     coord = request.app[COORDINATOR]
@@ -96,7 +99,12 @@ async def server_info(request: web.Request) -> web.Response:
     server args here, API keys included; this worker blanks the keys."""
     coord = request.app[COORDINATOR]
     states = [rank.internal_state() for rank in coord.stage.ranks]
-    info = {**request.app[CONFIG].public_dict(), "tp_size": coord.stage.tp_size, "internal_states": states, "version": __version__}
+    info = {
+        **request.app[CONFIG].public_dict(),
+        "tp_size": coord.stage.tp_size,
+        "internal_states": states,
+        "version": __version__,
+    }
     info["weight_version"] = coord.worker.weight_version
     return answer(ep.SERVER_INFO, info)
 
@@ -132,7 +140,9 @@ async def abort_request(request: web.Request) -> web.Response:
     requests return 200 with ``finish_reason.type == "abort"`` to their callers."""
     req = await parse_body(request, AbortRequest)
     bound = ep.ABORT_REQUEST.worker_bound(req)
-    result = await request.app[COORDINATOR].admin("abort_request", functools.partial(admin_ops.abort_request, req=req), bound)
+    result = await request.app[COORDINATOR].admin(
+        "abort_request", functools.partial(admin_ops.abort_request, req=req), bound
+    )
     return stage_answer(ep.ABORT_REQUEST, result)
 
 
@@ -163,14 +173,19 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def weights_checker(request: web.Request) -> web.Response:
     req = await parse_body(request, WeightsCheckerRequest)
     bound = ep.WEIGHTS_CHECKER.worker_bound(req)
-    result = await request.app[COORDINATOR].admin("weights_checker", functools.partial(admin_ops.weights_checker, req=req), bound)
+    result = await request.app[COORDINATOR].admin(
+        "weights_checker", functools.partial(admin_ops.weights_checker, req=req), bound
+    )
     return stage_answer(ep.WEIGHTS_CHECKER, result, **engine_report(result.rank_data))
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
     """Not implemented: its payload is pickled tensors, and this worker never
     unpickles caller bytes. The body is not read."""
-    raise ApiError(501, "update_weights_from_tensor is not supported by this worker; use update_weights_from_disk or update_weights_from_distributed")
+    raise ApiError(
+        501,
+        "update_weights_from_tensor is not supported by this worker; use update_weights_from_disk or update_weights_from_distributed",
+    )
 
 
 # -- memory occupation ---------------------------------------------------------------------
@@ -192,7 +207,9 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
 
 def endpoint_routes(endpoint: ep.Endpoint[Any, Any], handler: Handler) -> list[web.RouteDef]:
     """``handler`` on every method of ``endpoint``, under its path and its older aliases."""
-    return [web.route(method, path, handler) for path in (endpoint.path, *endpoint.aliases) for method in endpoint.methods]
+    return [
+        web.route(method, path, handler) for path in (endpoint.path, *endpoint.aliases) for method in endpoint.methods
+    ]
 
 
 ROUTES: list[web.RouteDef] = [

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from router.contract.web.auth import auth_middleware, resolve_admin_key
+from router.contract.web.auth import auth_middleware
 from router.contract.web.middleware import error_middleware
 from router.contract.web.parsing import MAX_BODY_BYTES
 from worker.config import WorkerConfig
@@ -33,8 +33,12 @@ GENERATION_PATHS = ("/generate",)
 
 def build_coordinator(config: WorkerConfig) -> Coordinator:
     """Load the model and assemble the pipeline (threads not started yet)."""
-    worker = ModelWorker(config.model_path, device=config.device, dtype=config.dtype, served_model_name=config.served_model_name)
-    scheduler = Scheduler(worker, rank=0, max_running_requests=config.max_running_requests, step_delay_s=config.step_delay_s)
+    worker = ModelWorker(
+        config.model_path, device=config.device, dtype=config.dtype, served_model_name=config.served_model_name
+    )
+    scheduler = Scheduler(
+        worker, rank=0, max_running_requests=config.max_running_requests, step_delay_s=config.step_delay_s
+    )
     return Coordinator(Stage("llm", [scheduler]), health_check_timeout_s=config.health_check_timeout_s)
 
 
@@ -51,19 +55,23 @@ async def _abort_on_shutdown(app: web.Application) -> None:
     if coord.alive:
         try:
             await coord.abort(None, abort_all=True, message="Aborted: the worker is shutting down")
-        except Exception:  # noqa: BLE001 - best effort at shutdown
+        except Exception:
             log.exception("aborting requests at shutdown failed")
 
 
 def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> web.Application:
     """The worker app; pass ``coordinator`` to reuse an already loaded pipeline."""
     coord = coordinator or build_coordinator(config)
-    admin_key = resolve_admin_key(config.admin_api_key)
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
         middlewares=[
             error_middleware,
-            auth_middleware(admin_key=admin_key, api_key=config.api_key, open_paths=OPEN_PATHS, generation_paths=GENERATION_PATHS),
+            auth_middleware(
+                admin_key=config.admin_api_key,
+                api_key=config.api_key,
+                open_paths=OPEN_PATHS,
+                generation_paths=GENERATION_PATHS,
+            ),
         ],
     )
     app[CONFIG] = config

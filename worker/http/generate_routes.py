@@ -10,13 +10,12 @@ partial output. A caller that disconnects gets its requests aborted.
 from __future__ import annotations
 
 import asyncio
-from typing import AsyncIterator, Optional
+from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from router.contract.errors import error_body
+from router.contract.errors import ApiError, error_body
 from router.contract.generate import GenerateRequest, SamplingParams
-from router.contract.errors import ApiError
 from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker
@@ -32,7 +31,7 @@ class ClientGone(Exception):
     """The caller closed the connection."""
 
 
-def generation_params(sp: SamplingParams, return_logprob: bool, top_logprobs_num: Optional[int]) -> GenerationParams:
+def generation_params(sp: SamplingParams, return_logprob: bool, top_logprobs_num: int | None) -> GenerationParams:
     return GenerationParams(
         max_new_tokens=sp.max_new_tokens,
         min_new_tokens=sp.min_new_tokens,
@@ -52,11 +51,13 @@ def generation_params(sp: SamplingParams, return_logprob: bool, top_logprobs_num
 
 def prompts_of(body: GenerateRequest, worker: ModelWorker) -> list[list[int]]:
     """Token ids of every prompt, validated against the vocabulary."""
+    prompts: list[list[int]]
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
         prompts = [worker.encode(t) for t in texts]
     else:
-        prompts = body.input_ids if body.is_batch else [body.input_ids]  # type: ignore[list-item]
+        ids = body.input_ids or []
+        prompts = [list(p) for p in ids] if body.is_batch else [list(ids)]  # type: ignore[arg-type]
     vocab = worker.vocab_size
     for i, ids in enumerate(prompts):
         where = f"prompt {i}" if body.is_batch else "the prompt"
@@ -65,13 +66,15 @@ def prompts_of(body: GenerateRequest, worker: ModelWorker) -> list[list[int]]:
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"{where} has token id {bad} outside the vocabulary [0, {vocab})")
-    return prompts  # type: ignore[return-value]
+    return prompts
 
 
 def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
     """SGLang's two context checks, with its messages."""
     if prompt_len >= context_len:
-        raise ApiError(400, f"The input ({prompt_len} tokens) is longer than the model's context length ({context_len} tokens).")
+        raise ApiError(
+            400, f"The input ({prompt_len} tokens) is longer than the model's context length ({context_len} tokens)."
+        )
     if prompt_len + max_new_tokens >= context_len:
         raise ApiError(
             400,
@@ -103,7 +106,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         for ids, params, rid in items:
             handles.append(
-                coord.submit(ids, params, rid=rid, stream=body.stream, return_text_in_logprobs=body.return_text_in_logprobs, wakeup=wakeup)
+                coord.submit(
+                    ids,
+                    params,
+                    rid=rid,
+                    stream=body.stream,
+                    return_text_in_logprobs=body.return_text_in_logprobs,
+                    wakeup=wakeup,
+                )
             )
         if body.stream:
             return await _stream(request, coord, handles, body.is_batch, wakeup)
@@ -129,7 +139,7 @@ async def _updates(
             return
         try:
             await asyncio.wait_for(wakeup.wait(), POLL_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
         wakeup.clear()
         if client_gone(request):
@@ -160,7 +170,9 @@ async def _stream(
     try:
         async for changed in _updates(request, coord, handles, wakeup):
             for h in changed:
-                await send_event(resp, h.build(worker.decode, worker.weight_version, index[id(h)] if is_batch else None))
+                await send_event(
+                    resp, h.build(worker.decode, worker.weight_version, index[id(h)] if is_batch else None)
+                )
         await send_done(resp)
     except (ClientGone, ConnectionResetError):
         pass  # the handles are aborted by the caller's finally

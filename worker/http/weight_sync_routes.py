@@ -19,7 +19,8 @@ group, or when buckets had already been applied (``weights_partial: true``).
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -73,5 +74,7 @@ _TABLE: list[tuple[ep.Endpoint[Any, Any], Call, bool]] = [
 ]
 
 ROUTES: list[web.RouteDef] = [
-    route for endpoint, call, allow_empty in _TABLE for route in endpoint_routes(endpoint, _handler(endpoint, call, allow_empty=allow_empty))
+    route
+    for endpoint, call, allow_empty in _TABLE
+    for route in endpoint_routes(endpoint, _handler(endpoint, call, allow_empty=allow_empty))
 ]

@@ -1,9 +1,9 @@
 """The load_weights core: a Llama / Qwen2 causal LM in serving-engine layout."""
 
+from router.dataplane.digest import digest_named_tensors, rank_checksum, tensor_digest
 from worker.model.causal_lm import CausalLM, SeqInput
 from worker.model.checkpoint import checkpoint_files, load_model, read_checkpoint
 from worker.model.config import ModelConfig, ModelConfigError
-from router.dataplane.digest import digest_named_tensors, rank_checksum, tensor_digest
 from worker.model.kv_cache import KVCache
 from worker.model.tiny import write_tiny_checkpoint
 from worker.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer

@@ -10,8 +10,9 @@ share its batch (no padding).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +70,11 @@ class _Decoder(nn.Module):
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = _Norm(cfg.hidden_size)
 
+    @property
+    def typed_layers(self) -> Sequence[_Layer]:
+        """The decoder layers with their type (an ``nn.ModuleList`` yields plain modules to a type checker)."""
+        return cast("Sequence[_Layer]", self.layers)
+
 
 class CausalLM(nn.Module):
     """Inference-only causal LM; parameter names follow the fused serving layout."""
@@ -125,7 +131,12 @@ class CausalLM(nn.Module):
     def new_kv_cache(self, capacity_tokens: int) -> KVCache:
         cfg = self.config
         return KVCache(
-            cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, capacity_tokens, dtype=self.dtype, device=self.device
+            cfg.num_hidden_layers,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+            capacity_tokens,
+            dtype=self.dtype,
+            device=self.device,
         )
 
     @torch.inference_mode()
@@ -161,16 +172,18 @@ class CausalLM(nn.Module):
         lengths = [len(s.token_ids) for s in seqs]
         if not seqs or min(lengths) == 0:
             raise ValueError("every sequence in a batch needs at least one new token")
-        for seq, n in zip(seqs, lengths):
+        for seq, n in zip(seqs, lengths, strict=True):
             seq.kv.reserve(seq.kv.length + n)
         ids = torch.tensor([t for s in seqs for t in s.token_ids], dtype=torch.long, device=self.device)
-        positions = torch.cat([torch.arange(s.kv.length, s.kv.length + n, device=self.device) for s, n in zip(seqs, lengths)])
+        positions = torch.cat(
+            [torch.arange(s.kv.length, s.kv.length + n, device=self.device) for s, n in zip(seqs, lengths, strict=True)]
+        )
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
         q_size = cfg.num_attention_heads * cfg.head_dim
         kv_size = cfg.num_key_value_heads * cfg.head_dim
 
         hidden = F.embedding(ids, self.model.embed_tokens.weight)
-        for index, layer in enumerate(self.model.layers):
+        for index, layer in enumerate(self.model.typed_layers):
             x = rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps)
             qkv = layer.self_attn.qkv_proj(x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -179,7 +192,7 @@ class CausalLM(nn.Module):
             v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
             outputs = []
             start = 0
-            for seq, n in zip(seqs, lengths):
+            for seq, n in zip(seqs, lengths, strict=True):
                 past = seq.kv.length
                 keys = seq.kv.keys[index]
                 values = seq.kv.values[index]
@@ -193,6 +206,6 @@ class CausalLM(nn.Module):
             x = rms_norm(hidden, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             gate, up = layer.mlp.gate_up_proj(x).chunk(2, dim=-1)
             hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
-        for seq, n in zip(seqs, lengths):
+        for seq, n in zip(seqs, lengths, strict=True):
             seq.kv.length += n
         return hidden

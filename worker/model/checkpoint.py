@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from safetensors import safe_open
@@ -49,7 +49,7 @@ def read_checkpoint(path: str | Path, dtype: torch.dtype) -> Iterator[tuple[str,
     for file in checkpoint_files(path):
         try:
             with safe_open(str(file), framework="pt", device="cpu") as handle:
-                for name in handle.keys():
+                for name in handle.keys():  # noqa: SIM118 - safe_open is not iterable
                     tensor = handle.get_tensor(name)
                     yield name, tensor if tensor.dtype == dtype else tensor.to(dtype)
         except WeightLoadError:

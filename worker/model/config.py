@@ -45,7 +45,7 @@ class ModelConfig:
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> "ModelConfig":
+    def from_dir(cls, path: str | Path) -> ModelConfig:
         config_path = Path(path) / "config.json"
         try:
             data = json.loads(config_path.read_text())
@@ -58,13 +58,11 @@ class ModelConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelConfig":
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
         archs = data.get("architectures") or []
         hf_arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if hf_arch is None:
-            raise ModelConfigError(
-                f"unsupported architectures {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ModelConfigError(f"unsupported architectures {archs!r}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         arch = SUPPORTED_ARCHITECTURES[hf_arch]
         try:
             hidden = int(data["hidden_size"])

@@ -13,7 +13,9 @@ class KVCache:
     positions already written; the model appends after it.
     """
 
-    def __init__(self, layers: int, kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self, layers: int, kv_heads: int, head_dim: int, capacity: int, *, dtype: torch.dtype, device: torch.device
+    ):
         capacity = max(1, capacity)
         self.keys = torch.empty(layers, kv_heads, capacity, head_dim, dtype=dtype, device=device)
         self.values = torch.empty_like(self.keys)

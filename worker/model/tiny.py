@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -36,8 +37,18 @@ _BASE: dict[str, Any] = {
 }
 
 _ARCHS: dict[str, dict[str, Any]] = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "tie_word_embeddings": False, "attention_bias": False},
-    "qwen2": {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True, "use_sliding_window": False},
+    "llama": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+    },
+    "qwen2": {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "tie_word_embeddings": True,
+        "use_sliding_window": False,
+    },
 }
 
 
@@ -91,7 +102,9 @@ def write_checkpoint(out_dir: str | Path, config: dict[str, Any], state_dict: di
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))
-    save_file({k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state_dict.items()}, str(out / "model.safetensors"), metadata={"format": "pt"}
+    )
     return out
 
 

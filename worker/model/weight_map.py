@@ -10,8 +10,9 @@ verify what a worker holds).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -39,7 +40,7 @@ class _Target:
 class WeightMap:
     """Resolves checkpoint names to row ranges of the model's parameters."""
 
-    def __init__(self, model: "CausalLM"):
+    def __init__(self, model: CausalLM):
         cfg = model.config
         q = cfg.num_attention_heads * cfg.head_dim
         kv = cfg.num_key_value_heads * cfg.head_dim
@@ -88,7 +89,9 @@ class WeightMap:
     def is_ignored(self, name: str) -> bool:
         return name in self._tied_aliases or name.endswith(_IGNORED_SUFFIXES)
 
-    def validate(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_complete: bool = False) -> list[tuple[_Target, torch.Tensor]]:
+    def validate(
+        self, weights: Iterable[tuple[str, torch.Tensor]], *, require_complete: bool = False
+    ) -> list[tuple[_Target, torch.Tensor]]:
         """Check every tensor; return the copy plan or raise WeightLoadError listing the problems."""
         plan: list[tuple[_Target, torch.Tensor]] = []
         problems: list[str] = []
@@ -109,7 +112,9 @@ class WeightMap:
                 problems.append(f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected_shape}")
                 continue
             if tensor.dtype != target.param.dtype:
-                problems.append(f"{name}: dtype {_dtype_name(tensor.dtype)} does not match the model's {_dtype_name(target.param.dtype)}")
+                problems.append(
+                    f"{name}: dtype {_dtype_name(tensor.dtype)} does not match the model's {_dtype_name(target.param.dtype)}"
+                )
                 continue
             plan.append((target, tensor))
         if require_complete:

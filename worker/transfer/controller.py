@@ -41,10 +41,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S
 from router.contract.weight_sync import (
@@ -95,10 +96,10 @@ class _Update:
     txn: UpdateTransaction
     receiver: BucketReceiver
     atomic: bool
-    weight_version: Optional[str]
+    weight_version: str | None
     names: tuple[str, ...]
     started: float = field(default_factory=time.monotonic)
-    expiry: Optional["asyncio.Task[None]"] = None
+    expiry: asyncio.Task[None] | None = None
 
     def wait_s(self) -> float:
         """How long to wait for the receive: to its deadline, plus a grace for the loop to report."""
@@ -111,8 +112,13 @@ class _Update:
 class WeightSyncController:
     """Per-worker weight-sync state behind the weight-sync routes."""
 
-    def __init__(self, coordinator: "Coordinator", *, group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
-                 receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S):  # fmt: skip
+    def __init__(
+        self,
+        coordinator: Coordinator,
+        *,
+        group_timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+        receive_timeout_s: float = DEFAULT_RECEIVE_TIMEOUT_S,
+    ):
         self.coordinator = coordinator
         self.updates = coordinator.updates
         self.group_timeout_s = group_timeout_s
@@ -120,7 +126,7 @@ class WeightSyncController:
         self.bracket = UpdateBracket()
         self._groups: dict[str, WeightUpdateGroup] = {}
         self._joining: set[str] = set()
-        self._update: Optional[_Update] = None
+        self._update: _Update | None = None
         self._buffers = ReceiveBuffers()
         self._lock = asyncio.Lock()
         # Joins and receive waits block for up to their timeouts: they get their own threads.
@@ -173,51 +179,80 @@ class WeightSyncController:
     async def prepare(self, req: PrepareWeightsUpdateRequest) -> PrepareWeightsUpdateResponse:
         async with self._lock:
             try:
-                update = await self._start(req.buckets, req.group_name, for_load_format(req.load_format), atomic=req.atomic,
-                                           abort_all=req.abort_all_requests, weight_version=req.weight_version,
-                                           timeout_s=req.timeout_s)  # fmt: skip
+                update = await self._start(
+                    req.buckets,
+                    req.group_name,
+                    for_load_format(req.load_format),
+                    atomic=req.atomic,
+                    abort_all=req.abort_all_requests,
+                    weight_version=req.weight_version,
+                    timeout_s=req.timeout_s,
+                )
             except UpdateRefused as exc:
                 return PrepareWeightsUpdateResponse(status="error", message=str(exc))
             self._update = update
             # Nobody may hold the worker's weights forever: an update never completed nor aborted
             # ends by itself once its receive window, the receive loop's grace and an apply have passed.
             life = update.wait_s() + APPLY_S
-            update.expiry = asyncio.get_running_loop().create_task(self._expire(update, life), name="prepared-update-expiry")
+            update.expiry = asyncio.get_running_loop().create_task(
+                self._expire(update, life), name="prepared-update-expiry"
+            )
             mode = "atomic" if req.atomic else "streaming"
-            return PrepareWeightsUpdateResponse(status="ready", message=f"Started recv loop for {req.num_buckets} buckets ({mode})")
+            return PrepareWeightsUpdateResponse(
+                status="ready", message=f"Started recv loop for {req.num_buckets} buckets ({mode})"
+            )
 
     async def complete(self, req: CompleteWeightsUpdateRequest) -> CompleteWeightsUpdateResponse:
         async with self._lock:
             update = self._update
             if update is None or update.group.name != req.group_name:
-                return CompleteWeightsUpdateResponse(success=False, message=f"no weight update was prepared for group {req.group_name!r}")
+                return CompleteWeightsUpdateResponse(
+                    success=False, message=f"no weight update was prepared for group {req.group_name!r}"
+                )
             self._detach(update)
             version = req.weight_version if req.weight_version is not None else update.weight_version
             wait_s = req.timeout_s if req.timeout_s is not None else update.wait_s()
             outcome = await self._in_thread(partial(update.receiver.wait, wait_s))
             if not outcome.ok:
-                partial_now = await self.updates.fail(update.txn) == "partial" or self.coordinator.worker.weights_partial
+                partial_now = (
+                    await self.updates.fail(update.txn) == "partial" or self.coordinator.worker.weights_partial
+                )
                 note = PARTIAL_NOTE if partial_now else ""
                 return CompleteWeightsUpdateResponse(
-                    success=False, num_buckets_received=outcome.buckets_received, message=f"{outcome.error}.{note}",
-                    weights_partial=partial_now, elapsed_s=update.elapsed_s(),
-                )  # fmt: skip
+                    success=False,
+                    num_buckets_received=outcome.buckets_received,
+                    message=f"{outcome.error}.{note}",
+                    weights_partial=partial_now,
+                    elapsed_s=update.elapsed_s(),
+                )
             try:
-                result = await self._finish(update, weight_version=version, flush_cache=req.flush_cache, checksum=req.return_checksum)
+                result = await self._finish(
+                    update, weight_version=version, flush_cache=req.flush_cache, checksum=req.return_checksum
+                )
             except UpdateRefused as exc:
-                return self._not_applied(update, outcome.buckets_received, f"received weights not applied (previous weights kept): {exc}")
+                return self._not_applied(
+                    update, outcome.buckets_received, f"received weights not applied (previous weights kept): {exc}"
+                )
             except UpdateFailed as exc:
                 kept = "previous weights kept" if exc.effect == "intact" else "the weights are partial"
-                return self._not_applied(update, outcome.buckets_received, f"applying the received weights failed, {kept}: {exc}")
+                return self._not_applied(
+                    update, outcome.buckets_received, f"applying the received weights failed, {kept}: {exc}"
+                )
             response = CompleteWeightsUpdateResponse(
-                success=result.success, num_buckets_received=outcome.buckets_received, elapsed_s=update.elapsed_s(),
+                success=result.success,
+                num_buckets_received=outcome.buckets_received,
+                elapsed_s=update.elapsed_s(),
                 weight_version=self.coordinator.worker.weight_version,
-                message=result.message if not result.success else f"Applied weights from {outcome.buckets_received} buckets",
-            )  # fmt: skip
+                message=result.message
+                if not result.success
+                else f"Applied weights from {outcome.buckets_received} buckets",
+            )
             checksum = result.data.get("checksum")
             if isinstance(checksum, str):
                 response.checksum = checksum
-                response.rank_checksums = [RankChecksum(rank=i, checksum=str(d.get("checksum"))) for i, d in enumerate(result.rank_data)]
+                response.rank_checksums = [
+                    RankChecksum(rank=i, checksum=str(d.get("checksum"))) for i, d in enumerate(result.rank_data)
+                ]
             return response
 
     async def abort(self, req: AbortWeightsUpdateRequest) -> AbortWeightsUpdateResponse:
@@ -228,9 +263,10 @@ class WeightSyncController:
             if update is None or update.group.name != req.group_name:
                 other = f" (the prepared one is for group {update.group.name!r})" if update is not None else ""
                 return AbortWeightsUpdateResponse(
-                    success=False, weights_partial=bool(self.coordinator.worker.weights_partial),
+                    success=False,
+                    weights_partial=bool(self.coordinator.worker.weights_partial),
                     message=f"no prepared weight update for group {req.group_name!r} to abort{other}",
-                )  # fmt: skip
+                )
             self._detach(update)
             update.txn.failed.set()  # bucket applies not yet run are refused from here on
             update.receiver.cancel(ABORTED, broken_reason=ABORTED)
@@ -242,19 +278,21 @@ class WeightSyncController:
         group_note = _group_note(group)
         if applied:
             return AbortWeightsUpdateResponse(
-                success=False, weights_partial=effect == "partial",
+                success=False,
+                weights_partial=effect == "partial",
                 message=f"Aborted the weight update for group {group.name!r}, but {applied} bucket(s) had already been "
-                        "applied: the weights are partially updated; the worker stays paused and serves nothing until a "
-                        f"full update or a reload from disk replaces them.{group_note}",
-            )  # fmt: skip
+                "applied: the weights are partially updated; the worker stays paused and serves nothing until a "
+                f"full update or a reload from disk replaces them.{group_note}",
+            )
         partial_now = self.coordinator.worker.weights_partial
         earlier = " The weights were already partially updated by an earlier failed update." if partial_now else ""
         return AbortWeightsUpdateResponse(
-            success=True, weights_partial=partial_now,
+            success=True,
+            weights_partial=partial_now,
             message=f"Dropped the prepared weight update for group {group.name!r} ({outcome.buckets_received} of "
-                    f"{outcome.buckets_expected} bucket(s) received, none applied); weights and weight_version "
-                    f"unchanged.{earlier}{group_note}",
-        )  # fmt: skip
+            f"{outcome.buckets_expected} bucket(s) received, none applied); weights and weight_version "
+            f"unchanged.{earlier}{group_note}",
+        )
 
     # -- single phase --------------------------------------------------------------------------
 
@@ -263,9 +301,15 @@ class WeightSyncController:
         in one scheduler step (with rollback) and flush as requested."""
         async with self._lock:
             try:
-                update = await self._start([req], req.group_name, for_load_format(req.load_format), atomic=True,
-                                           abort_all=req.abort_all_requests, weight_version=req.weight_version,
-                                           timeout_s=req.timeout_s)  # fmt: skip
+                update = await self._start(
+                    [req],
+                    req.group_name,
+                    for_load_format(req.load_format),
+                    atomic=True,
+                    abort_all=req.abort_all_requests,
+                    weight_version=req.weight_version,
+                    timeout_s=req.timeout_s,
+                )
             except UpdateRefused as exc:
                 return _fail(f"Failed to update parameter online: {exc}.")
             outcome = await self._in_thread(partial(update.receiver.wait, update.wait_s()))
@@ -273,7 +317,9 @@ class WeightSyncController:
                 await self.updates.mark_partial(update.txn)
                 return _fail(f"Failed to update parameter online: {outcome.error}.{PARTIAL_NOTE}")
             try:
-                result = await self._finish(update, weight_version=req.weight_version, flush_cache=req.flush_cache, checksum=False)
+                result = await self._finish(
+                    update, weight_version=req.weight_version, flush_cache=req.flush_cache, checksum=False
+                )
             except (UpdateRefused, UpdateFailed) as exc:
                 return _fail(f"Failed to update parameter online: {exc}")
             if not result.success:
@@ -297,7 +343,11 @@ class WeightSyncController:
             if self._update is not update:
                 return
             self._detach(update)
-            log.warning("weight update for group %r was neither completed nor aborted within %.0fs; ending it", update.group.name, life_s)
+            log.warning(
+                "weight update for group %r was neither completed nor aborted within %.0fs; ending it",
+                update.group.name,
+                life_s,
+            )
             update.txn.failed.set()
             update.receiver.cancel("no /complete_weights_update or /abort_weights_update before the update's deadline")
             update.receiver.release()
@@ -305,12 +355,24 @@ class WeightSyncController:
 
     def _not_applied(self, update: _Update, received: int, message: str) -> CompleteWeightsUpdateResponse:
         return CompleteWeightsUpdateResponse(
-            success=False, num_buckets_received=received, elapsed_s=update.elapsed_s(), message=message,
+            success=False,
+            num_buckets_received=received,
+            elapsed_s=update.elapsed_s(),
+            message=message,
             weights_partial=self.coordinator.worker.weights_partial,
-        )  # fmt: skip
+        )
 
-    async def _start(self, buckets: Sequence[TensorListMeta], group_name: str, fmt: BucketFormat, *, atomic: bool,
-                     abort_all: bool, weight_version: Optional[str], timeout_s: Optional[float]) -> _Update:  # fmt: skip
+    async def _start(
+        self,
+        buckets: Sequence[TensorListMeta],
+        group_name: str,
+        fmt: BucketFormat,
+        *,
+        atomic: bool,
+        abort_all: bool,
+        weight_version: str | None,
+        timeout_s: float | None,
+    ) -> _Update:
         """Check everything, begin the pipeline's transaction, start the receive; raise :class:`UpdateRefused`."""
         current = self._update
         if current is not None:
@@ -326,24 +388,34 @@ class WeightSyncController:
             raise UpdateRefused(f"group {group_name!r} is broken ({group.broken_reason}); destroy and re-initialize it")
         model = self.coordinator.worker.model
         try:
-            layouts = validate_buckets(buckets, model.checkpoint_spec(), flattened=fmt.requires_aligned, is_ignored=model.is_ignored_weight)
+            layouts = validate_buckets(
+                buckets, model.checkpoint_spec(), flattened=fmt.requires_aligned, is_ignored=model.is_ignored_weight
+            )
         except MetadataError as exc:
             raise UpdateRefused(str(exc)) from None
         window = timeout_s or self.receive_timeout_s
         txn = await self.updates.begin(SYNC_ACTION, abort_all=abort_all, streaming=not atomic, timeout_s=window)
         names = tuple(s.name for layout in layouts for s in layout.slots)
         receiver = BucketReceiver(
-            group, layouts, fmt=fmt, device=self.coordinator.worker.device, buffers=self._buffers,
+            group,
+            layouts,
+            fmt=fmt,
+            device=self.coordinator.worker.device,
+            buffers=self._buffers,
             apply=None if atomic else lambda _index, named: self.updates.apply_streamed(txn, named),
-        )  # fmt: skip
+        )
         try:
             await self._in_thread(partial(receiver.start, window))
         except GroupError as exc:
             await self.updates.end_refused(txn)
             raise UpdateRefused(str(exc)) from None
-        return _Update(group=group, txn=txn, receiver=receiver, atomic=atomic, weight_version=weight_version, names=names)
+        return _Update(
+            group=group, txn=txn, receiver=receiver, atomic=atomic, weight_version=weight_version, names=names
+        )
 
-    async def _finish(self, update: _Update, *, weight_version: Optional[str], flush_cache: bool, checksum: bool) -> StageResult:
+    async def _finish(
+        self, update: _Update, *, weight_version: str | None, flush_cache: bool, checksum: bool
+    ) -> StageResult:
         """After a successful receive: atomic updates write their staged buckets; then commit. Drops the buffers."""
         try:
             if update.atomic:
@@ -355,10 +427,16 @@ class WeightSyncController:
             raise
         finally:
             update.receiver.release()
-        return await self.updates.commit(update.txn, CommitOptions(
-            names=update.names, weight_version=weight_version, flush_cache=flush_cache,
-            lift_hold=update.txn.paused_by_update, checksum=checksum,
-        ))  # fmt: skip
+        return await self.updates.commit(
+            update.txn,
+            CommitOptions(
+                names=update.names,
+                weight_version=weight_version,
+                flush_cache=flush_cache,
+                lift_hold=update.txn.paused_by_update,
+                checksum=checksum,
+            ),
+        )
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
@@ -382,12 +460,12 @@ def _group_note(group: WeightUpdateGroup) -> str:
     if group.pg is None:
         return f" Group {group.name!r} was destroyed: call /init_weights_update_group before the next update."
     if group.broken_reason is not None:
-        return (f" Group {group.name!r} is out of step with the trainer ({group.broken_reason}): destroy it and call "
-                "/init_weights_update_group again before the next update.")  # fmt: skip
+        return (
+            f" Group {group.name!r} is out of step with the trainer ({group.broken_reason}): destroy it and call "
+            "/init_weights_update_group again before the next update."
+        )
     return ""
 
 
 def _fail(message: str) -> WeightSyncResponse:
     return WeightSyncResponse(success=False, message=message)
-
-

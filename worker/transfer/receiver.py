@@ -32,10 +32,10 @@ import enum
 import logging
 import threading
 import time
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import torch
 
@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 ApplyFn = Callable[[int, NamedTensors], "Future[object]"]
 
 
-class ReceiveState(str, enum.Enum):
+class ReceiveState(enum.StrEnum):
     """The receive loop's states (diagram in the module docstring)."""
 
     STARTING = "starting"
@@ -101,7 +101,7 @@ class BucketReceiver:
         fmt: BucketFormat,
         apply: ApplyFn | None,
         device: torch.device | str = "cpu",
-        buffers: "ReceiveBuffers | None" = None,
+        buffers: ReceiveBuffers | None = None,
     ):
         self.group = group
         self.buckets = list(buckets)
@@ -187,7 +187,9 @@ class BucketReceiver:
         """Atomic mode: every received bucket as named views, once the state is STAGED."""
         if not self.atomic or self.state is not ReceiveState.STAGED:
             raise RuntimeError(f"nothing staged (atomic={self.atomic}, state={self.state.value})")
-        return [(i, unpack(buf, layout)) for i, (buf, layout) in enumerate(zip(self._staged, self._landing))]
+        return [
+            (i, unpack(buf, layout)) for i, (buf, layout) in enumerate(zip(self._staged, self._landing, strict=True))
+        ]
 
     def release(self) -> None:
         """Drop staged buffers (after they were applied or discarded)."""
@@ -245,7 +247,9 @@ class BucketReceiver:
             else:
                 self._finish(ReceiveState.DONE)
         except GroupError as exc:
-            self._finish(ReceiveState.FAILED, f"receive failed at bucket {self.buckets_received + 1}/{len(self.buckets)}: {exc}")
+            self._finish(
+                ReceiveState.FAILED, f"receive failed at bucket {self.buckets_received + 1}/{len(self.buckets)}: {exc}"
+            )
         except Exception as exc:  # keep the loop's contract: always end in a finished state
             log.exception("weight receive loop crashed")
             self.group.mark_broken(f"receive loop crashed: {exc}")

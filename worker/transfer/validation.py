@@ -9,7 +9,7 @@ and a refused update starts no receive at all.
 
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -64,7 +64,9 @@ def validate_buckets(
             if slot.dtype != want_dtype:
                 problems.append(f"{where}{slot.name}: dtype {slot.dtype} does not match the model's {want_dtype}")
             if slot.shape != want_shape:
-                problems.append(f"{where}{slot.name}: shape {list(slot.shape)} does not match the model's {list(want_shape)}")
+                problems.append(
+                    f"{where}{slot.name}: shape {list(slot.shape)} does not match the model's {list(want_shape)}"
+                )
     if problems:
         shown = "; ".join(problems[:MAX_PROBLEMS_SHOWN])
         more = f" (and {len(problems) - MAX_PROBLEMS_SHOWN} more)" if len(problems) > MAX_PROBLEMS_SHOWN else ""

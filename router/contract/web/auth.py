@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import hmac
 import os
-from typing import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 
 from aiohttp import web
+from aiohttp.typedefs import Middleware
 
 from router.contract.errors import ApiError
 
@@ -51,7 +52,7 @@ def auth_middleware(
     api_key: str | None,
     open_paths: Iterable[str],
     generation_paths: Iterable[str],
-) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+) -> Middleware:
     """Build a middleware: open paths pass, generation paths need ``api_key``
     (the admin key is accepted too), every other route needs ``admin_key``."""
     open_set = frozenset(open_paths)
@@ -66,7 +67,11 @@ def auth_middleware(
             if api_key is not None:
                 token = bearer_token(request)
                 if not (token_matches(token, api_key) or (admin_key is not None and token_matches(token, admin_key))):
-                    raise ApiError(401, "generation requires 'Authorization: Bearer <api key>'", headers={"WWW-Authenticate": "Bearer"})
+                    raise ApiError(
+                        401,
+                        "generation requires 'Authorization: Bearer <api key>'",
+                        headers={"WWW-Authenticate": "Bearer"},
+                    )
             return await handler(request)
         require_bearer(request, admin_key, "admin route")
         return await handler(request)

@@ -10,7 +10,8 @@ exception type but never carries a traceback.
 from __future__ import annotations
 
 import logging
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from aiohttp import web
 
@@ -37,6 +38,6 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         # Router-level errors (404 unknown route, 405 wrong method) get the same body shape.
         allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return json_error(exc.status, exc.reason or "error", headers=allow)
-    except Exception as exc:  # noqa: BLE001 - the last line of defence for the caller
+    except Exception as exc:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_error(500, f"internal error: {type(exc).__name__}")

@@ -13,8 +13,6 @@ name                ``load_format``        one bucket on the wire
 
 from __future__ import annotations
 
-from typing import Optional
-
 from router.dataplane.formats.base import BucketFormat
 from router.dataplane.formats.flattened_bucket import FlattenedBucket
 from router.dataplane.formats.per_tensor import PerTensor
@@ -35,7 +33,7 @@ def get_format(name: str) -> BucketFormat:
         raise ValueError(f"unknown bucket format {name!r}; registered: {sorted(_FORMATS)}") from None
 
 
-def for_load_format(load_format: Optional[str]) -> BucketFormat:
+def for_load_format(load_format: str | None) -> BucketFormat:
     """The format a request's ``load_format`` selects (``None``: one broadcast per tensor)."""
     for fmt in _FORMATS.values():
         if fmt.load_format == load_format:

@@ -10,7 +10,8 @@ and the waits between buckets.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import Callable, ClassVar, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ class BucketFormat(ABC):
 
     name: ClassVar[str]
     """The registry key."""
-    load_format: ClassVar[Optional[str]]
+    load_format: ClassVar[str | None]
     """The value of the ``load_format`` field that selects this format on the wire."""
     requires_aligned: ClassVar[bool]
     """Every tensor must start at a multiple of its element size within the bucket's bytes."""
@@ -40,10 +41,16 @@ class BucketFormat(ABC):
 
     @abstractmethod
     def post_send(
-        self, group: WeightUpdateGroup, layout: BucketLayout, tensors: Mapping[str, torch.Tensor], buffer: Optional[torch.Tensor]
+        self,
+        group: WeightUpdateGroup,
+        layout: BucketLayout,
+        tensors: Mapping[str, torch.Tensor],
+        buffer: torch.Tensor | None,
     ) -> list[dist.Work]:
         """Rank 0: post every broadcast of one bucket; the caller waits for the returned work."""
 
     @abstractmethod
-    def receive(self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining) -> None:
+    def receive(
+        self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining
+    ) -> None:
         """A receiver: post and wait every broadcast of one bucket into ``buffer`` (laid out by :meth:`receive_layout`)."""

@@ -8,7 +8,8 @@ views the tensors out of it without a copy.
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping, Optional
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -21,15 +22,21 @@ from router.dataplane.group import WeightUpdateGroup
 
 class FlattenedBucket(BucketFormat):
     name: ClassVar[str] = "flattened_bucket"
-    load_format: ClassVar[Optional[str]] = "flattened_bucket"
+    load_format: ClassVar[str | None] = "flattened_bucket"
     requires_aligned: ClassVar[bool] = True
     packs: ClassVar[bool] = True
 
     def post_send(
-        self, group: WeightUpdateGroup, layout: BucketLayout, tensors: Mapping[str, torch.Tensor], buffer: Optional[torch.Tensor]
+        self,
+        group: WeightUpdateGroup,
+        layout: BucketLayout,
+        tensors: Mapping[str, torch.Tensor],
+        buffer: torch.Tensor | None,
     ) -> list[dist.Work]:
         packed = pack(((name, tensors[name]) for name in layout.names), layout, out=buffer)
         return [group.broadcast_async(packed)]
 
-    def receive(self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining) -> None:
+    def receive(
+        self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining
+    ) -> None:
         group.broadcast(buffer[: layout.total_bytes], remaining())

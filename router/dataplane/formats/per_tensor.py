@@ -7,7 +7,8 @@ the receiver posts every broadcast of the bucket first and then waits
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping, Optional
+from collections.abc import Mapping
+from typing import ClassVar
 
 import torch
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from router.dataplane.group import WeightUpdateGroup
 
 class PerTensor(BucketFormat):
     name: ClassVar[str] = "per_tensor"
-    load_format: ClassVar[Optional[str]] = None
+    load_format: ClassVar[str | None] = None
     requires_aligned: ClassVar[bool] = False
     packs: ClassVar[bool] = False
 
@@ -29,7 +30,11 @@ class PerTensor(BucketFormat):
         return layout.padded()
 
     def post_send(
-        self, group: WeightUpdateGroup, layout: BucketLayout, tensors: Mapping[str, torch.Tensor], buffer: Optional[torch.Tensor]
+        self,
+        group: WeightUpdateGroup,
+        layout: BucketLayout,
+        tensors: Mapping[str, torch.Tensor],
+        buffer: torch.Tensor | None,
     ) -> list[dist.Work]:
         works = []
         for slot in layout.slots:
@@ -41,7 +46,9 @@ class PerTensor(BucketFormat):
             works.append(group.broadcast_async(tensor.contiguous()))
         return works
 
-    def receive(self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining) -> None:
+    def receive(
+        self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining
+    ) -> None:
         works = [group.broadcast_async(slot_view(buffer, slot)) for slot in layout.slots]
         for work in works:
             group.wait(work, remaining())

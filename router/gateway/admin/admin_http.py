@@ -35,7 +35,7 @@ class HttpProtocolError(Exception):
 
 
 class _Response:
-    __slots__ = ("status", "headers", "body", "keep_alive")
+    __slots__ = ("body", "headers", "keep_alive", "status")
 
     def __init__(self, status: int, headers: dict[str, str], body: bytes, keep_alive: bool):
         self.status = status
@@ -173,7 +173,15 @@ class AdminHttpClient:
         self._max_idle_per_host = max_idle_per_host
 
     async def request(
-        self, method: str, base_url: str, path: str, *, body: bytes | None, headers: dict[str, str], timeout_s: float, connect_timeout_s: float
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        *,
+        body: bytes | None,
+        headers: dict[str, str],
+        timeout_s: float,
+        connect_timeout_s: float,
     ) -> tuple[int, bytes]:
         parts = urlsplit(base_url)
         host = parts.hostname or ""

@@ -7,8 +7,9 @@ every target succeeded; ``message`` says who failed and why.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from router.contract.fleet import FleetAnswer, WorkerResult, agreed_fields
 from router.gateway.admin.operations import Operation
@@ -29,7 +30,8 @@ class Outcome:
 def summarize(failed: Sequence[WorkerResult[Any]]) -> str:
     """One line per failed worker: its id, its status and why."""
     return "; ".join(
-        f"{r.worker} ({r.status_code if r.status_code is not None else 'no response'}): {r.reason()[:300]}" for r in failed
+        f"{r.worker} ({r.status_code if r.status_code is not None else 'no response'}): {r.reason()[:300]}"
+        for r in failed
     )
 
 
@@ -41,5 +43,13 @@ def fleet_answer(
     agreed = agreed_fields(op.endpoint.response, [r.body for r in results])
     ok = all(r.success for r in results) if success is None else success
     return model.model_validate(
-        {**agreed, **fields, "success": ok, "message": message, "path": op.path, "worker_count": len(results), "results": results}
+        {
+            **agreed,
+            **fields,
+            "success": ok,
+            "message": message,
+            "path": op.path,
+            "worker_count": len(results),
+            "results": results,
+        }
     )

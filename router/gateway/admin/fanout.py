@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import aiohttp
 from pydantic import ValidationError
@@ -97,15 +98,20 @@ class FanOut:
         try:
             status, raw = await self._send(worker, call)
             body, error = decode_answer(call.op.endpoint.response, status, raw)
-        except (asyncio.TimeoutError, TimeoutError):
+        except TimeoutError:
             error = f"no answer within {call.timeout_s:g}s"
         except (aiohttp.ClientError, OSError, HttpProtocolError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         success = error is None and status is not None and 200 <= status < 300 and body is not None and body.ok
         return WorkerResult[call.op.endpoint.response](  # type: ignore[name-defined]
-            worker=worker.id, url=worker.url, success=success, status_code=status, body=body, error=error,
+            worker=worker.id,
+            url=worker.url,
+            success=success,
+            status_code=status,
+            body=body,
+            error=error,
             elapsed_ms=round((time.perf_counter() - start) * 1000.0, 3),
-        )  # fmt: skip
+        )
 
     async def to_all(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
         """Send ``call`` to every target at once; one result per target, in target order."""
@@ -117,9 +123,16 @@ class FanOut:
         data = call.body_for(worker)
         if worker.url.startswith("http://"):
             return await self._lean.request(
-                call.method, worker.url, path, body=data, headers=call.headers,
-                timeout_s=call.timeout_s, connect_timeout_s=connect,
-            )  # fmt: skip
+                call.method,
+                worker.url,
+                path,
+                body=data,
+                headers=call.headers,
+                timeout_s=call.timeout_s,
+                connect_timeout_s=connect,
+            )
         timeout = aiohttp.ClientTimeout(total=call.timeout_s, sock_connect=connect)
-        async with self._session.request(call.method, worker.url + path, data=data, headers=call.headers, timeout=timeout) as resp:
+        async with self._session.request(
+            call.method, worker.url + path, data=data, headers=call.headers, timeout=timeout
+        ) as resp:
             return resp.status, await resp.read()

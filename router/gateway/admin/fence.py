@@ -10,8 +10,8 @@ an operator resolves it, because any target's weights may differ from the others
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 from router.contract.errors import Conflict
 from router.gateway.admin.journal import UpdateJournal
@@ -20,8 +20,8 @@ from router.gateway.fleet.registry import Worker
 log = logging.getLogger(__name__)
 
 RESOLVE_HINT = (
-    "re-enable each worker with PUT /workers/{id} {\"disabled\": false} once it is repaired, "
-    "or POST /weight_update_journal/resolve {\"acknowledge\": true}"
+    're-enable each worker with PUT /workers/{id} {"disabled": false} once it is repaired, '
+    'or POST /weight_update_journal/resolve {"acknowledge": true}'
 )
 
 
@@ -36,7 +36,7 @@ class Fence:
     settled: bool = field(default=False)
 
     @classmethod
-    def raise_around(cls, targets: Sequence[Worker], path: str, journal: UpdateJournal) -> "Fence":
+    def raise_around(cls, targets: Sequence[Worker], path: str, journal: UpdateJournal) -> Fence:
         """Journal the targets durably, then disable them. Raises (changing nothing) if either step cannot start."""
         require_no_pending_failure(journal)
         journal.begin(path, [(w.id, w.url, w.disabled) for w in targets])

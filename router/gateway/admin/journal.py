@@ -21,8 +21,8 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from pydantic import ValidationError
 

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 from router.contract.errors import Unavailable
 from router.contract.fleet import WorkerResult
@@ -88,8 +89,9 @@ class AdminRun:
 
     @classmethod
     @contextlib.asynccontextmanager
-    async def open(cls, op: Operation, ctx: AdminContext, *, name: str | None = None,
-                   adopt: LockHold | None = None) -> AsyncIterator["AdminRun"]:  # fmt: skip
+    async def open(
+        cls, op: Operation, ctx: AdminContext, *, name: str | None = None, adopt: LockHold | None = None
+    ) -> AsyncIterator[AdminRun]:
         """Run one operation: take the lock if ``op`` is serialized (or ``adopt`` a prepared update's), end on exit.
 
         Whatever escapes the body fails an unsettled fence closed: any target may
@@ -134,7 +136,9 @@ class AdminRun:
         if not failed:
             return Outcome(200, fleet_answer(self.op, results, "ok", **fields))
         if not_implemented:
-            return Outcome(501, fleet_answer(self.op, results, f"{self.op.path} is not implemented by the workers", **fields))
+            return Outcome(
+                501, fleet_answer(self.op, results, f"{self.op.path} is not implemented by the workers", **fields)
+            )
         message = f"{len(failed)} of {len(results)} worker(s) failed {self.op.path}: {summarize(failed)}"
         if self.fence is not None:
             message += f". All {len(self.fence.targets)} target(s) stay disabled (fail closed); {RESOLVE_HINT}"

@@ -9,8 +9,8 @@ rendezvous, so the router rewrites it per worker.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from router.contract import endpoints as ep
 from router.contract.errors import BadRequest, Unavailable
@@ -57,7 +57,9 @@ def plan_ranks(
         raise Unavailable("no live workers to build a weight-update group with")
     unknown = [wid for wid, _, tp in workers if tp is None]
     if unknown:
-        raise Unavailable(f"tp_size not yet known for worker(s) {', '.join(unknown)}; retry once they answer /model_info")
+        raise Unavailable(
+            f"tp_size not yet known for worker(s) {', '.join(unknown)}; retry once they answer /model_info"
+        )
     if rank_offset < 1:
         raise BadRequest("rank_offset must be >= 1: rank 0 is the trainer's")
     slots: list[RankSlot] = []
@@ -101,7 +103,9 @@ class GroupInitializer:
         async with AdminRun.open(INIT, self._ctx) as run:
             targets = self._ctx.live_targets()
             await self._ctx.refresh_versions([w for w in targets if w.tp_size is None])
-            slots = plan_ranks([(w.id, w.url, w.tp_size) for w in targets], world_size=req.world_size, rank_offset=req.rank_offset)
+            slots = plan_ranks(
+                [(w.id, w.url, w.tp_size) for w in targets], world_size=req.world_size, rank_offset=req.rank_offset
+            )
             per_worker = {s.worker_id: req.model_copy(update={"rank_offset": s.rank_offset}) for s in slots}
             call = AdminCall(
                 INIT, "POST", req, headers, timeout_s=INIT.router_wait(req), request_for=lambda w: per_worker[w.id]

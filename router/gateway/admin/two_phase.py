@@ -70,7 +70,9 @@ class PreparedUpdate:
 class TwoPhaseCoordinator:
     """Prepare / complete / abort for the whole fleet, with at most one prepared update at a time."""
 
-    def __init__(self, ctx: AdminContext, tasks: TaskSet, *, prepared_life_s: float | None, service_headers: dict[str, str]):
+    def __init__(
+        self, ctx: AdminContext, tasks: TaskSet, *, prepared_life_s: float | None, service_headers: dict[str, str]
+    ):
         self._ctx = ctx
         self._tasks = tasks
         #: Overrides the life of a prepared update (``--update-session-timeout-s``); by default its receive window + one margin.
@@ -91,9 +93,13 @@ class TwoPhaseCoordinator:
                 return await self._drop_ready(fence, targets, results, req.group_name, headers)
             window = req.timeout_s if req.timeout_s is not None else DEFAULT_RECEIVE_TIMEOUT_S
             prepared = PreparedUpdate(
-                group_name=req.group_name, lock=run.keep_lock(), fence=fence, targets=targets,
-                expected_buckets=req.num_buckets, receive_deadline=time.monotonic() + window,
-            )  # fmt: skip
+                group_name=req.group_name,
+                lock=run.keep_lock(),
+                fence=fence,
+                targets=targets,
+                expected_buckets=req.num_buckets,
+                receive_deadline=time.monotonic() + window,
+            )
             life = self._prepared_life_s if self._prepared_life_s is not None else window + HOP_MARGIN_S
             prepared.expiry = self._tasks.spawn(self._expire(prepared, life), name=f"prepared-update-{req.group_name}")
             self.prepared = prepared
@@ -116,7 +122,10 @@ class TwoPhaseCoordinator:
                 message += f"; the {len(ready)} ready worker(s) dropped their receive"
         else:
             bad = [a for a in aborts if not a.success]
-            fence.fail([r.worker for r in failed] + [a.worker for a in bad], "prepare failed and a receive could not be dropped")
+            fence.fail(
+                [r.worker for r in failed] + [a.worker for a in bad],
+                "prepare failed and a receive could not be dropped",
+            )
             message += f"; could not release {summarize(bad)}; all targets stay disabled (fail closed)"
         return Outcome(502, fleet_answer(PREPARE, results, message, success=False, status="error", aborts=aborts))
 
@@ -131,7 +140,9 @@ class TwoPhaseCoordinator:
             _check_counts(results, prepared.expected_buckets)
             checksums = {r.worker: r.body.checksum if r.body is not None else None for r in results}
             values = set(checksums.values())
-            outcome = run.settle(results, checksums=checksums, checksums_match=None if None in values else len(values) == 1)
+            outcome = run.settle(
+                results, checksums=checksums, checksums_match=None if None in values else len(values) == 1
+            )
             if outcome.ok:
                 await self._ctx.refresh_versions(prepared.targets)
             return outcome
@@ -175,14 +186,20 @@ class TwoPhaseCoordinator:
         await asyncio.sleep(life_s)
         if self.prepared is not prepared:
             return
-        log.error("prepared update of group %s expired after %.0fs without complete; failing closed", prepared.group_name, life_s)
+        log.error(
+            "prepared update of group %s expired after %.0fs without complete; failing closed",
+            prepared.group_name,
+            life_s,
+        )
         self._detach(prepared)
         async with AdminRun.open(ABORT, self._ctx, name="prepared_update_expired", adopt=prepared.lock) as run:
             run.fence = prepared.fence
             try:
                 await run.fan_out(prepared.targets, self._abort_call(prepared.group_name, self._service_headers))
             finally:
-                prepared.fence.fail([w.id for w in prepared.targets], f"no /complete_weights_update within {life_s:.0f}s")
+                prepared.fence.fail(
+                    [w.id for w in prepared.targets], f"no /complete_weights_update within {life_s:.0f}s"
+                )
                 run.outcome = "failure"
 
 

@@ -48,7 +48,7 @@ class WorkerProber:
         try:
             async with self._session.get(worker.url + "/health", timeout=self._timeout, headers=self._headers) as resp:
                 return resp.status == 200
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
 
     async def refresh_metadata(self, worker: Worker) -> bool:
@@ -65,7 +65,7 @@ class WorkerProber:
                 if "tp_size" in server.model_fields_set and server.tp_size >= 1:
                     worker.tp_size = server.tp_size
                 return True
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+        except (TimeoutError, aiohttp.ClientError, OSError):
             return False
         return False
 
@@ -95,6 +95,6 @@ class HealthChecker:
         while True:
             try:
                 await self.check_all()
-            except Exception:  # noqa: BLE001 - one bad round must not end health checking
+            except Exception:
                 log.exception("health check round failed")
             await asyncio.sleep(self._interval * random.uniform(0.8, 1.2))

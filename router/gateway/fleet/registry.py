@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import ipaddress
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 from urllib.parse import unquote, urlsplit
 
 from router.contract.errors import BadRequest, Conflict, NotFound

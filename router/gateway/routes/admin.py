@@ -9,7 +9,8 @@ the caller set, unknown fields included), with the caller's ``Authorization``.
 
 from __future__ import annotations
 
-from typing import Any, Awaitable, Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any
 
 from aiohttp import web
 

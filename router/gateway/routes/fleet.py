@@ -5,12 +5,19 @@ from __future__ import annotations
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router.gateway import keys
 from router.contract.errors import Conflict
-from router.gateway.routing.proxy import describe_fleet
-from router.contract.fleet import AddWorkerRequest, JournalResolveRequest, JournalView, UpdateWorkerRequest, WorkerList, WorkerUrlQuery
-from router.gateway.fleet.registry import Worker
+from router.contract.fleet import (
+    AddWorkerRequest,
+    JournalResolveRequest,
+    JournalView,
+    UpdateWorkerRequest,
+    WorkerList,
+    WorkerUrlQuery,
+)
 from router.contract.web.parsing import parse_body, parse_model
+from router.gateway import keys
+from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.routing.proxy import describe_fleet
 
 
 def _guard_registry_change(request: web.Request) -> None:
@@ -67,7 +74,9 @@ async def delete_worker(request: web.Request) -> web.Response:
 async def legacy_add_worker(request: web.Request) -> web.Response:
     query = parse_model(WorkerUrlQuery, dict(request.query))
     worker = await _add(request, query.url, False)
-    return web.json_response({"success": True, "message": f"added {worker.url}", "worker": worker.record().model_dump()})
+    return web.json_response(
+        {"success": True, "message": f"added {worker.url}", "worker": worker.record().model_dump()}
+    )
 
 
 async def legacy_remove_worker(request: web.Request) -> web.Response:
@@ -78,7 +87,8 @@ async def legacy_remove_worker(request: web.Request) -> web.Response:
 
 
 async def legacy_list_workers(request: web.Request) -> web.Response:
-    workers = list(request.app[keys.REGISTRY])
+    registry: WorkerRegistry = request.app[keys.REGISTRY]
+    workers = list(registry)
     return web.json_response({"urls": [w.url for w in workers], "workers": [w.record().model_dump() for w in workers]})
 
 
@@ -107,7 +117,7 @@ async def resolve_journal(request: web.Request) -> web.Response:
     """The operator vouches for the fleet: restore each journaled worker's previous flag, drop the entry."""
     req = await parse_body(request, JournalResolveRequest, allow_empty=False)
     if not req.acknowledge:
-        raise Conflict("nothing resolved: send {\"acknowledge\": true} to confirm the fleet is consistent")
+        raise Conflict('nothing resolved: send {"acknowledge": true} to confirm the fleet is consistent')
     _guard_registry_change(request)
     journal = request.app[keys.JOURNAL]
     pending = journal.pending

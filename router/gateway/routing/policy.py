@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import itertools
 import random
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from router.gateway.config import PolicyName
 from router.gateway.fleet.registry import Worker

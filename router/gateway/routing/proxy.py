@@ -24,13 +24,12 @@ import aiohttp
 from aiohttp import web
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from router.contract.errors import ApiError, Unavailable
 from router.gateway.config import RouterConfig
-from router.contract.errors import Unavailable
+from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.policy import Policy
-from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.tasks import TaskSet
-from router.contract.errors import ApiError
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +44,13 @@ class _Retryable(Exception):
     """An attempt failed before any byte reached the caller."""
 
     def __init__(
-        self, worker: Worker, reason: str, kind: str, status: int = 502, body: bytes = b"", content_type: str | None = None
+        self,
+        worker: Worker,
+        reason: str,
+        kind: str,
+        status: int = 502,
+        body: bytes = b"",
+        content_type: str | None = None,
     ):
         super().__init__(reason)
         self.kind = kind
@@ -158,7 +163,9 @@ class GenerateProxy:
 
     def _give_up(self, last: _Retryable) -> web.Response:
         if last.body:
-            resp = web.Response(status=last.status, body=last.body, content_type=last.content_type or "application/json")
+            resp = web.Response(
+                status=last.status, body=last.body, content_type=last.content_type or "application/json"
+            )
             resp.headers[WORKER_HEADER] = last.worker.id
             return resp
         raise ApiError(502, f"worker {last.worker.id} ({last.worker.url}) failed: {last.reason}")
@@ -170,7 +177,9 @@ class GenerateProxy:
         upstream: aiohttp.ClientResponse | None = None
         try:
             try:
-                upstream = await self._session.post(worker.url + path, data=body, headers=headers, timeout=self._timeout)
+                upstream = await self._session.post(
+                    worker.url + path, data=body, headers=headers, timeout=self._timeout
+                )
             except (aiohttp.ClientConnectionError, OSError) as exc:
                 self._metrics.upstream_errors.labels(worker.id).inc()
                 if self._registry.observe_probe(worker, False):
@@ -178,7 +187,14 @@ class GenerateProxy:
                 raise _Retryable(worker, f"{type(exc).__name__}: {exc}", "connect") from None
             if upstream.status in RETRY_STATUSES:
                 data = await upstream.read()
-                raise _Retryable(worker, f"worker answered {upstream.status}", f"status_{upstream.status}", upstream.status, data, upstream.content_type)
+                raise _Retryable(
+                    worker,
+                    f"worker answered {upstream.status}",
+                    f"status_{upstream.status}",
+                    upstream.status,
+                    data,
+                    upstream.content_type,
+                )
             return await self._relay(request, worker, upstream, rid)
         except asyncio.CancelledError:
             # The caller disconnected (handler cancelled): stop the work on the worker too.
@@ -189,13 +205,19 @@ class GenerateProxy:
             if upstream is not None:
                 upstream.release()
 
-    async def _relay(self, request: web.Request, worker: Worker, upstream: aiohttp.ClientResponse, rid: Any) -> web.StreamResponse:
+    async def _relay(
+        self, request: web.Request, worker: Worker, upstream: aiohttp.ClientResponse, rid: Any
+    ) -> web.StreamResponse:
         ctype = upstream.headers.get("Content-Type", "application/json")
         if not ctype.startswith("text/event-stream"):
             data = await upstream.read()
-            resp = web.Response(status=upstream.status, body=data, headers={"Content-Type": ctype, WORKER_HEADER: worker.id})
-            return resp
-        resp = web.StreamResponse(status=upstream.status, headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker.id})
+            return web.Response(
+                status=upstream.status, body=data, headers={"Content-Type": ctype, WORKER_HEADER: worker.id}
+            )
+        resp = web.StreamResponse(
+            status=upstream.status,
+            headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker.id},
+        )
         await resp.prepare(request)
         try:
             async for chunk in upstream.content.iter_chunked(STREAM_CHUNK):
@@ -203,7 +225,7 @@ class GenerateProxy:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError):
             self._abort_on_worker(worker, rid)
             return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             # Bytes already went out: no retry; end the stream and say why.
             log.warning("stream from %s broke: %r", worker.id, exc)
             error = json.dumps({"error": {"message": f"worker {worker.id} stream broke: {type(exc).__name__}"}})
@@ -225,5 +247,5 @@ class GenerateProxy:
             ) as resp:
                 await resp.read()
                 log.info("caller left; aborted rid %s on %s (%d)", rid, worker.id, resp.status)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             log.warning("could not abort rid %s on %s: %r", rid, worker.id, exc)
