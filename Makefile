@@ -21,7 +21,7 @@ demo: install
 	$(PY) -m demo
 
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 --dist loadfile
 
 # ruff (lint + format) and mypy, as CI runs them
 lint: install

@@ -8,7 +8,6 @@ import time
 
 import pytest
 
-from router.gateway.admin.operations import OPERATIONS
 from tests._router_fixtures import (
     ADMIN_KEY,
     auth,
@@ -48,33 +47,10 @@ def post(url: str, path: str, body=None, key: str | None = ADMIN_KEY, timeout: f
     return http_json("POST", url + path, {} if body is None else body, headers=auth(key), timeout=timeout)
 
 
-ADMIN_PATHS = sorted(
-    {(m, p) for p, op in OPERATIONS.items() for m in op.endpoint.methods}
-    | {
-        ("GET", "/workers"),
-        ("POST", "/workers"),
-        ("GET", "/workers/x"),
-        ("PUT", "/workers/x"),
-        ("DELETE", "/workers/x"),
-        ("POST", "/add_worker"),
-        ("POST", "/remove_worker"),
-        ("GET", "/list_workers"),
-        ("GET", "/get_world_size"),
-        ("GET", "/weight_update_journal"),
-        ("POST", "/weight_update_journal/resolve"),
-    }
-)
-
-
-def test_every_admin_route_needs_the_key_and_the_key_reaches_workers(router, fleet):
+def test_the_key_reaches_workers(router, fleet):
+    """Every route's 401 without the key is checked in-process (test_router_policy); here the
+    workers demand the same key, so a broadcast succeeds only if the router forwarded it."""
     url, _ = router
-    for method, path in ADMIN_PATHS:
-        for key in (None, "wrong-key"):
-            status, body = http_json(method, url + path, {} if method != "GET" else None, headers=auth(key), timeout=30)
-            assert status == 401, (method, path, key, status, body)
-            assert "Bearer" in body["error"]["message"]
-    assert http_json("GET", url + "/health")[0] == 200 and http_json("GET", url + "/metrics")[0] == 200
-    # Workers demand the same key: a broadcast succeeds only if the router forwarded it.
     status, body = post(url, "/pause_generation", {"mode": "retract"})
     assert status == 200, body
     assert [r["status_code"] for r in body["results"]] == [200, 200]

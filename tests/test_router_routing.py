@@ -75,25 +75,16 @@ def test_disabled_worker_gets_no_traffic_and_none_routable_is_503(router, fleet)
     assert http_json("GET", url + "/readiness")[0] == 200
 
 
-def test_registry_crud_and_legacy_routes(router, fleet):
+def test_a_registered_worker_is_probed_at_once(router, fleet):
+    """Registry CRUD and its refusals are checked in-process (test_router_policy); a real
+    worker added at run time is healthy, with its tp_size, as soon as the call answers."""
     url, _ = router
     first, second = workers(url)
-    assert http_json("GET", f"{url}/workers/{escaped(first['url'])}")[1]["id"] == first["id"]
-    assert http_json("GET", f"{url}/workers/w-nope")[0] == 404
-    assert http_json("POST", url + "/workers", {"url": first["url"]})[0] == 409  # duplicate
-    assert http_json("POST", url + "/workers", {"url": "ftp://x:1"})[0] == 400
-    assert http_json("PUT", f"{url}/workers/{first['id']}", {"disabled": "yes"})[0] == 400
     status, body = http_json("DELETE", f"{url}/workers/{first['id']}")
-    assert status == 200 and body["removed"]["id"] == first["id"]
-    assert [w["id"] for w in workers(url)] == [second["id"]]
+    assert status == 200 and [w["id"] for w in workers(url)] == [second["id"]]
     status, body = http_json("POST", url + "/workers", {"url": first["url"]})
     assert status == 201 and body["id"] == first["id"] and body["health"] == "healthy" and body["tp_size"] == 1
-    status, body = http_json("POST", f"{url}/remove_worker?url={escaped(second['url'])}")
-    assert status == 200 and body["success"]
-    assert http_json("GET", url + "/list_workers")[1]["urls"] == [first["url"]]
-    status, body = http_json("POST", f"{url}/add_worker?url={escaped(second['url'])}")
-    assert status == 200 and body["worker"]["id"] == second["id"]
-    assert sorted(w["id"] for w in workers(url)) == sorted([first["id"], second["id"]])
+    assert generate_via(url)[0] == 200
 
 
 def test_dead_url_is_skipped_by_retry_and_marked_dead(fleet):

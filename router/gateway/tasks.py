@@ -12,6 +12,8 @@ import logging
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
+from router.contract.errors import ApiError
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -35,8 +37,14 @@ class TaskSet:
 
     def _done(self, task: asyncio.Task[Any]) -> None:
         self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.error("background task %s failed: %r", task.get_name(), task.exception())
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        if isinstance(exc, ApiError) and exc.status < 500:
+            # A refusal (a caller's mistake, a conflict): the caller gets it; it is no failure of the router.
+            log.info("%s refused (%d): %s", task.get_name(), exc.status, exc.message)
+        else:
+            log.error("background task %s failed: %r", task.get_name(), exc)
 
     async def close(self, timeout_s: float = 10.0) -> None:
         pending = list(self._tasks)
