@@ -171,9 +171,9 @@ async def throughput(session: aiohttp.ClientSession, url: str, seconds: float, c
 async def bench(args: argparse.Namespace) -> None:
     n_max = max(args.workers)
     ports = free_ports(n_max)
-    standins = ManagedProcess(
-        "bench-standins", [sys.executable, __file__, "--serve-standins", *map(str, ports)]
-    ).start()
+    # As a module, from the repository root (as this script is run), so that the project imports resolve.
+    argv = [sys.executable, "-m", "benchmarks.bench_router", "--serve-standins", *map(str, ports)]
+    standins = ManagedProcess("bench-standins", argv).start()
     all_urls = [f"http://127.0.0.1:{p}" for p in ports]
     # The sites start in port order: once the last one answers, every one does.
     standins.wait_http_ready(all_urls[-1] + "/health", timeout=60)

@@ -136,7 +136,7 @@ class Trainer:
     def single_phase(
         self, plan: BucketPlan, tensors: dict[str, torch.Tensor], *, load_format: str | None, version: str
     ) -> None:
-        """slime's sequence (reference §3.1): pause (abort mode), flush, then per bucket
+        """slime's sequence: pause (abort mode), flush, then per bucket
         fire the HTTP call and broadcast at once; continue at the end."""
         self.log("pause", answers=self.fanout("POST", "/pause_generation", {}))
         self.log("flush", answers=self.fanout("GET", "/flush_cache", None))

@@ -195,6 +195,17 @@ async def test_the_update_lock_answers_503_and_freezes_the_registry(client: Test
     assert (await call(client, "PUT", f"/workers/{worker.id}", {"disabled": True}))[0] == 200
 
 
+async def test_an_operation_that_cannot_start_releases_the_lock(client: TestClient) -> None:
+    registry = client.app[keys.REGISTRY]
+    for worker in list(registry):
+        registry.remove(worker.id)
+    status, body = await call(client, "POST", "/pause_generation", {"mode": "retract"})
+    assert status == 503 and "no live workers" in body["error"]["message"]
+    assert not client.app[keys.GATE].is_busy and await fleet_state(client) == ([], None)
+    metrics = (await call(client, "GET", "/metrics"))[1]
+    assert 'omni_router_admin_operations_total{operation="pause_generation",outcome="error"} 1.0' in metrics
+
+
 async def test_world_size_is_planned_from_tp_sizes_and_checked_before_any_join(client: TestClient) -> None:
     registry = client.app[keys.REGISTRY]
     first, second = list(registry)

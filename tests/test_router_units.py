@@ -169,13 +169,6 @@ class TestUpdateGate:
         assert not gate.is_busy
         assert waits == [("first", True), ("second", False), ("third", True)]
 
-    async def test_hold_releases_on_error(self):
-        gate = UpdateGate(1.0)
-        with pytest.raises(RuntimeError):
-            async with gate.hold("x"):
-                raise RuntimeError("boom")
-        assert not gate.is_busy
-
 
 class TestJournal:
     def test_round_trip_and_crash_recovery(self, tmp_path):

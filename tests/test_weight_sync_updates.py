@@ -96,7 +96,7 @@ class TestSinglePhase:
     def test_slime_sequence_both_formats(
         self, sync_ckpts: dict[str, str], sync_workers: list[str], two_phase_run: dict, tmp_path: Path
     ) -> None:
-        """slime (reference §3.1): pause, flush, then per bucket the HTTP call fired first
+        """slime's sequence: pause, flush, then per bucket the HTTP call fired first
         and the broadcast right after, ``flush_cache=false``, ``weight_version`` a string."""
         report, _ = run_trainer(
             tmp_path,

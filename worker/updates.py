@@ -117,19 +117,24 @@ class UpdatePipeline:
         txn = UpdateTransaction(action, abort_all, streaming, deadline, after_deadline_s, self._writer)
         self._holder = txn
         try:
-            checked = await self._step(txn, partial(weight_ops.check, abort_all=abort_all))
-            if not checked.success:
-                raise UpdateRefused(checked.message)
             if streaming:
+                # Its buckets apply as they land: take the worker now (take checks first).
                 await self._take(txn, hold=True)
+            else:
+                checked = await self._step(txn, partial(weight_ops.check, abort_all=abort_all))
+                if not checked.success:
+                    raise UpdateRefused(checked.message)
         except BaseException:
             self._end(txn)
             raise
         return txn
 
     async def take(self, txn: UpdateTransaction) -> None:
-        """Atomic updates, right before the write: abort requests (if asked) and wait for their answers."""
-        await self._take(txn, hold=False)
+        """Atomic updates, right before the write: abort requests (if asked) and wait for their answers.
+
+        Without ``abort_all_requests`` there is nothing to take: the apply step checks again."""
+        if txn.abort_all:
+            await self._take(txn, hold=False)
 
     def apply_streamed(self, txn: UpdateTransaction, named: NamedTensors) -> Future[Any]:
         """From the receive thread: write one bucket on the scheduler thread between steps."""

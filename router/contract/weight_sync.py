@@ -122,7 +122,7 @@ class WeightSyncResponse(AdminResult):
 
 
 class UpdateWeightsFromDistributedRequest(TensorListMeta):
-    """``POST /update_weights_from_distributed`` (SGLang §1.13): one bucket, received
+    """``POST /update_weights_from_distributed`` (SGLang's single-phase update): one bucket, received
     while the HTTP call is open."""
 
     group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)

@@ -1,2 +1,2 @@
-"""The worker's side of weight sync: metadata validation, the receive loop, the applier
-and the controller behind the weight-sync routes."""
+"""The worker's side of weight sync: metadata validation, the receive loop, and the
+controller behind the weight-sync routes (its updates run through :mod:`worker.updates`)."""

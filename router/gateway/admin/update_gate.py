@@ -6,17 +6,16 @@ queueing forever. ``is_busy`` (held, or someone waiting) is what registry
 changes consult to answer 409, so the target set of an update cannot shift
 under it.
 
-A two-phase update keeps the gate across two HTTP calls (prepare, then
-complete): :meth:`acquire` / :meth:`release` are public for that case, and
-``holder`` names who holds it.
+Operations take and give back the gate only through
+:class:`~router.gateway.admin.locked.AdminRun` (a two-phase update keeps it from its
+prepare to its complete); ``holder`` names who holds it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.contract.errors import Unavailable
@@ -71,14 +70,6 @@ class UpdateGate:
     def release(self) -> None:
         self._holder = None
         self._lock.release()
-
-    @asynccontextmanager
-    async def hold(self, operation: str) -> AsyncIterator[None]:
-        await self.acquire(operation)
-        try:
-            yield
-        finally:
-            self.release()
 
     def _report(self, operation: str, waited: float, acquired: bool) -> None:
         if self._on_wait is not None:
