@@ -121,7 +121,11 @@ class TestWireModels:
     def test_complete_and_response_defaults(self) -> None:
         req = CompleteWeightsUpdateRequest.model_validate({"group_name": "g"})
         assert (req.flush_cache, req.return_checksum) == (False, False)
-        assert PrepareWeightsUpdateResponse(status="ready").model_dump() == {"status": "ready", "message": ""}
+        assert PrepareWeightsUpdateResponse(status="ready").model_dump() == {
+            "status": "ready",
+            "message": "",
+            "weights": None,
+        }
 
     @pytest.mark.parametrize(
         "patch",

@@ -3,6 +3,8 @@ memory release/resume, health, and the routes that are not implemented."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from router.contract.admin import ModelInfo, WeightsCheckerResult
@@ -103,15 +105,15 @@ def test_release_and_resume_memory_restore_weights(aw, pool, expected):
     assert status == 400
     assert "memory is released" in aw.ok("GET", "/health_generate")["message"]
 
-    # A request sent while released waits, and completes after resume.
-    waiting = pool.submit(aw.generate, "memory", 12, headers=headers)
-    aw.wait_state(lambda s: s["num_waiting_reqs"] == 1, what="the request to queue")
-    assert not waiting.done()
+    # Released weights cannot serve: a request is refused at once (503) rather than left waiting.
+    started = time.monotonic()
+    status, body = aw.post("/generate", {"text": "memory", "sampling_params": {"max_new_tokens": 4}}, headers=headers)
+    assert status == 503 and "released" in body["error"]["message"] and time.monotonic() - started < 5
+    assert aw.info()["weight_state"] == "released"
     assert sorted(aw.ok("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})["resumed"]) == [
         "kv_cache",
         "weights",
     ]
-    assert result(waiting)["output_ids"] == before
     assert aw.checksum() == expected[1]
     assert aw.generate("memory", 12, headers=headers)["output_ids"] == before
     assert aw.info()["weights_released"] is False

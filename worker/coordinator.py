@@ -28,6 +28,7 @@ from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpda
 from worker.engine.request import GenerationParams, OutputChannel, Request
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import CommitOptions
+from worker.engine.weight_state import WeightState
 from worker.generation import GenerationHandle
 from worker.stage import AdminTimeout, RankOp, SchedulerUnavailable, Stage, StageResult, held
 from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
@@ -48,6 +49,8 @@ class Coordinator:
         self._inflight: dict[str, GenerationHandle] = {}
         self.updates = UpdatePipeline(self)
         """Every weight update of this worker goes through this one pipeline."""
+        self.instance_id = uuid.uuid4().hex
+        """Tells a router that this process is new (a restarted worker holds its boot checkpoint)."""
 
     # -- accessors -------------------------------------------------------------------
     @property
@@ -65,6 +68,28 @@ class Coordinator:
     @property
     def is_paused(self) -> bool:
         return self.scheduler.is_paused
+
+    @property
+    def weight_state(self) -> str:
+        """The weights' state over every rank: the least servable one."""
+        states = [rank.worker.ledger.state for rank in self.stage.ranks]
+        for state in (WeightState.PARTIAL, WeightState.WRITING, WeightState.RELEASED):
+            if state in states:
+                return state.value
+        return WeightState.SERVING.value
+
+    @property
+    def cannot_serve(self) -> str | None:
+        """Why a request would wait with no end in sight (weights partial or released), or None.
+
+        A paused worker or one being updated can serve again soon, so its requests wait (as
+        SGLang's do); a worker whose weights are partial or released cannot, so it refuses."""
+        state = self.weight_state
+        if state == WeightState.PARTIAL.value:
+            return "the weights are partially updated (a weight update failed midway); a full update or a reload must replace them first"
+        if state == WeightState.RELEASED.value:
+            return "the weights are released (release_memory_occupation); call /resume_memory_occupation first"
+        return None
 
     @property
     def generation_blocked(self) -> str | None:
@@ -167,15 +192,17 @@ class Coordinator:
                 action, abort_all=req.abort_all_requests, streaming=False, timeout_s=timeout_s, after_deadline_s=0.0
             )
         except UpdateRefused as exc:
-            return self._answer(action, False, str(exc))
+            return self._answer(action, False, str(exc), weights="intact")
         try:
             staged = await self._read_checkpoint(req, txn.step_s())
             await self.updates.take(txn)
             await self.updates.apply(txn, staged.tensors, require_complete=True)
         except (UpdateRefused, UpdateFailed, WeightUpdateError) as exc:
-            await self.updates.fail(txn)
+            effect = await self.updates.fail(txn)
+            if isinstance(exc, UpdateFailed):
+                effect = exc.effect
             prefix = "" if isinstance(exc, UpdateRefused) else "Failed to update weights: "
-            return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted)
+            return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted, weights=effect)
         except TimeoutError:
             await self.updates.fail(txn)
             raise AdminTimeout(action, timeout_s) from None
@@ -275,6 +302,8 @@ class Coordinator:
             "pause_mode": self.scheduler.pause_mode,
             "weights_partial": any(r.worker.weights_partial for r in self.stage.ranks),
             "weights_released": worker.weights_released,
+            "weight_state": self.weight_state,
+            "instance_id": self.instance_id,
             "token_step": worker.token_step,
             "supports_weight_update": True,
             "supports_weight_checker": True,

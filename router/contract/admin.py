@@ -9,13 +9,17 @@ action's own fields; a failure also carries ``error.message`` and answers 400.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator
 
-from router.contract.base import WireRequest, WireResponse
+from router.contract.base import MAX_ITEMS, Label, PathText, Text, WireRequest, WireResponse
 
 PauseMode = Literal["abort", "retract", "in_place"]
+#: What one call left a worker's weights as: untouched, a consistent new version, or a mix of versions.
+WeightsEffect = Literal["intact", "updated", "partial"]
+#: The state of a worker's weights (see ``worker.engine.weight_state``).
+WeightStateName = Literal["serving", "writing", "partial", "released"]
 CheckerAction = Literal["snapshot", "reset_tensors", "compare", "checksum"]
 #: ``cuda_graph`` is one of SGLang's tags; this worker captures no graphs, so it is accepted as a no-op.
 MemoryTag = Literal["weights", "kv_cache", "cuda_graph"]
@@ -44,10 +48,10 @@ class ContinueRequest(WireRequest):
 class AbortRequest(WireRequest):
     """``POST /abort_request``: abort requests whose rid starts with ``rid``, or all."""
 
-    rid: str | list[str] | None = None
+    rid: Label | Annotated[list[Label], Field(max_length=MAX_ITEMS)] | None = None
     abort_all: bool = False
     finished_reason: dict[str, Any] | None = None
-    abort_message: str | None = None
+    abort_message: Text | None = None
 
 
 class FlushCacheRequest(WireRequest):
@@ -60,22 +64,22 @@ class FlushCacheRequest(WireRequest):
 class UpdateWeightVersionRequest(WireRequest):
     """``POST /update_weight_version``; like SGLang, ``abort_all_requests`` defaults to True."""
 
-    new_version: str
+    new_version: Label
     abort_all_requests: bool = True
 
 
 class UpdateWeightsFromDiskRequest(WireRequest):
     """``POST /update_weights_from_disk`` — every field of SGLang's ``UpdateWeightFromDiskReqInput``."""
 
-    model_path: str = Field(min_length=1)
-    load_format: str | None = None
+    model_path: PathText
+    load_format: Label | None = None
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Label | None = None
     is_async: bool = False
     torch_empty_cache: bool = False
     keep_pause: bool = False
     recapture_cuda_graph: bool = False
-    token_step: int = 0
+    token_step: int = Field(0, ge=0, le=2**62)
     flush_cache: bool = True
     manifest: dict[str, Any] | None = None
 
@@ -85,8 +89,8 @@ class WeightsCheckerRequest(WireRequest):
 
     action: CheckerAction = "checksum"
     allow_quant_error: bool = False
-    skip_tensor_list: list[str] | None = None
-    selector: str = "all"
+    skip_tensor_list: Annotated[list[Label], Field(max_length=MAX_ITEMS)] | None = None
+    selector: Label = "all"
 
 
 class MemoryOccupationRequest(WireRequest):
@@ -117,11 +121,17 @@ class RankResult(WireResponse):
 
 
 class AdminResult(WireResponse):
-    """The generic admin answer: ``{success, message, rank_results}`` plus the action's fields."""
+    """The generic admin answer: ``{success, message, rank_results}`` plus the action's fields.
+
+    ``weights`` says what the call left the worker's weights as, success or not: ``intact``
+    (nothing was written: a refusal, or an operation that never writes), ``updated`` or
+    ``partial``. A router keeps out of routing exactly the workers whose weights may differ
+    from the fleet's; a worker that does not say is treated as ``partial``."""
 
     success: bool
     message: str = ""
     rank_results: list[RankResult] | None = None
+    weights: WeightsEffect | None = None
 
     @property
     def ok(self) -> bool:
@@ -238,6 +248,10 @@ class ModelInfo(WireResponse):
     pause_mode: str | None = None
     weights_partial: bool = False
     weights_released: bool = False
+    weight_state: WeightStateName | None = None
+    """``serving`` is the only state in which the worker generates."""
+    instance_id: str | None = None
+    """Changes whenever the worker process restarts (its weights are then its boot checkpoint)."""
     token_step: int = 0
     supports_weight_update: bool = True
     supports_weight_checker: bool = True

@@ -9,19 +9,59 @@ A response model says, through :attr:`WireResponse.ok`, whether it reports succe
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict
+import ipaddress
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+# -- bounds of caller-supplied values: a 2 MB label or a 5 MB path is a 400, never copied around.
+
+#: Identifiers chosen by callers: ``weight_version``, ``rid``, ``group_name``, tensor names, tags.
+Label = Annotated[str, Field(max_length=256)]
+#: Filesystem paths (``model_path``).
+PathText = Annotated[str, Field(min_length=1, max_length=4096)]
+#: Host names and addresses (``master_address``): at most 253 characters, as DNS allows.
+HostText = Annotated[str, Field(min_length=1, max_length=253)]
+#: Free text a caller may attach (``abort_message``, stop strings).
+Text = Annotated[str, Field(max_length=4096)]
+#: The most ranks a weight-update group may have: far above any fleet, far below what gloo would
+#: allocate for a mistyped number (one connection per rank).
+MAX_WORLD_SIZE = 8192
+#: The most entries a caller's list may carry (tensor names of one bucket, rids, stop strings).
+MAX_ITEMS = 65_536
+#: The deepest JSON a request may nest; every message here is at most a few levels deep.
+MAX_JSON_DEPTH = 32
+
+
+def check_host(host: str) -> str:
+    """A host name or an IP address, as a process would connect to it (no scheme, port, path or spaces)."""
+    text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.ip_address(text)
+        return host
+    except ValueError:
+        pass
+    try:
+        encoded = text.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise ValueError(f"{host!r} is not a valid host name") from None
+    labels = encoded.rstrip(".").split(".")
+    if not all(label and len(label) <= 63 and label.replace("-", "").isalnum() for label in labels):
+        raise ValueError(f"{host!r} is not a valid host name")
+    return host
 
 
 class WireRequest(BaseModel):
     """A request body sent by a caller.
 
     Types are strict: ``"true"`` where a bool belongs, ``1.5`` or ``true`` where an
-    int belongs is a 400, never a silent coercion. Unknown fields are accepted and
+    int belongs is a 400, never a silent coercion; ``NaN`` and infinities are refused;
+    strings and lists have the bounds above. Unknown fields are accepted and
     kept (not validated, not used): real trainers send fields of newer or patched
     SGLang versions, and a router forwards them to workers that may know them.
     """
 
-    model_config = ConfigDict(extra="allow", strict=True)
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
 
     def to_json(self) -> bytes:
         """The body to forward: the fields the caller set (validated and normalized) and unknown ones."""

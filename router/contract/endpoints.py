@@ -42,6 +42,8 @@ class Endpoint(Generic[Req, Resp]):
     """Older names of the same route that workers also serve (SGLang's deprecated spellings)."""
     timeout_field: str | None = "timeout_s"
     """The request field that bounds this call's wait (a join, a receive), if the request declares it."""
+    writes_weights: bool = False
+    """The call may change the weights or their version label; its answer must say how (``weights``)."""
 
     @property
     def name(self) -> str:
@@ -86,6 +88,7 @@ UPDATE_WEIGHT_VERSION = Endpoint(
     admin.UpdateWeightVersionResult,
     Budget(60.0),
     serialized=True,
+    writes_weights=True,
 )
 PAUSE_GENERATION = Endpoint(
     "/pause_generation", POST, admin.PauseRequest, admin.PauseResult, Budget(60.0), serialized=True
@@ -110,9 +113,16 @@ UPDATE_WEIGHTS_FROM_DISK = Endpoint(
     admin.UpdateWeightsFromDiskResult,
     Budget(600.0),
     serialized=True,
+    writes_weights=True,
 )
 UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
-    "/update_weights_from_tensor", POST, admin.EmptyRequest, admin.AdminResult, Budget(600.0), serialized=True
+    "/update_weights_from_tensor",
+    POST,
+    admin.EmptyRequest,
+    admin.AdminResult,
+    Budget(600.0),
+    serialized=True,
+    writes_weights=True,
 )
 WEIGHTS_CHECKER = Endpoint(
     "/weights_checker", GET_POST, admin.WeightsCheckerRequest, admin.WeightsCheckerResult, Budget(600.0)
@@ -156,6 +166,7 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
     weight_sync.WeightSyncResponse,
     _receive(DEFAULT_RECEIVE_TIMEOUT_S),
     serialized=True,
+    writes_weights=True,
 )
 #: Prepare answers once the receive runs: its ``timeout_s`` bounds the receive that follows, not this call.
 PREPARE_WEIGHTS_UPDATE = Endpoint(
@@ -173,6 +184,7 @@ COMPLETE_WEIGHTS_UPDATE = Endpoint(
     weight_sync.CompleteWeightsUpdateRequest,
     weight_sync.CompleteWeightsUpdateResponse,
     _receive(DEFAULT_RECEIVE_TIMEOUT_S),
+    writes_weights=True,
 )
 ABORT_WEIGHTS_UPDATE = Endpoint(
     "/abort_weights_update",
@@ -180,6 +192,7 @@ ABORT_WEIGHTS_UPDATE = Endpoint(
     weight_sync.AbortWeightsUpdateRequest,
     weight_sync.AbortWeightsUpdateResponse,
     Budget(60.0),
+    writes_weights=True,
 )
 BEGIN_WEIGHT_UPDATE = Endpoint(
     "/begin_weight_update",

@@ -57,7 +57,7 @@ class RemovedWorker(WireResponse):
 class AddWorkerRequest(WireRequest):
     """``POST /workers`` (and the legacy ``POST /add_worker?url=``)."""
 
-    url: str = Field(min_length=1)
+    url: str = Field(min_length=1, max_length=2048)
     disabled: bool = False
 
 
@@ -70,7 +70,7 @@ class UpdateWorkerRequest(WireRequest):
 class WorkerUrlQuery(WireRequest):
     """The legacy routes take the worker as ``?url=``."""
 
-    url: str = Field(min_length=1)
+    url: str = Field(min_length=1, max_length=2048)
 
 
 class WorkerResult(WireResponse, Generic[R]):

@@ -11,11 +11,11 @@ a different distribution than it asked for.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any
 
 from pydantic import Field, model_validator
 
-from router.contract.base import WireRequest, WireResponse
+from router.contract.base import MAX_ITEMS, Label, Text, WireRequest, WireResponse
 
 #: Sampling knobs SGLang knows that this worker does not implement, with the
 #: value that means "off". Anything else is refused instead of being ignored.
@@ -31,6 +31,10 @@ UNSUPPORTED_NEUTRAL: dict[str, Any] = {
 }
 
 
+#: A sampling seed: what ``torch.Generator.manual_seed`` takes (a signed or unsigned 64-bit integer).
+Seed = Annotated[int, Field(ge=-(2**63), le=2**64 - 1)]
+
+
 class SamplingParams(WireRequest):
     """Per-request sampling parameters (SGLang ``SamplingParams`` subset).
 
@@ -39,20 +43,20 @@ class SamplingParams(WireRequest):
     a sampled request reproducible: it seeds a per-request ``torch.Generator``.
     """
 
-    max_new_tokens: int = Field(128, ge=0)
-    min_new_tokens: int = Field(0, ge=0)
+    max_new_tokens: int = Field(128, ge=0, le=2**31)
+    min_new_tokens: int = Field(0, ge=0, le=2**31)
     temperature: float = Field(1.0, ge=0.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = -1
+    top_k: int = Field(-1, le=2**31)
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Text | Annotated[list[Text], Field(max_length=MAX_ITEMS)] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(le=2**31)]], Field(max_length=MAX_ITEMS)] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
-    seed: int | None = None
-    sampling_seed: int | None = None
+    seed: Seed | None = None
+    sampling_seed: Seed | None = None
     # Accepted for compatibility; only their neutral values are allowed.
     n: int = 1
     frequency_penalty: float = 0.0
@@ -108,7 +112,7 @@ class GenerateRequest(WireRequest):
     top_logprobs_num: int | None = Field(None, ge=0, le=64)
     return_text_in_logprobs: bool = False
     stream: bool = False
-    rid: str | list[str] | None = None
+    rid: Label | Annotated[list[Label], Field(max_length=MAX_ITEMS)] | None = None
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:

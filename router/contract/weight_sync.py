@@ -19,16 +19,18 @@ ignore unknown fields (``selector``, ``torch_empty_cache``, ... from newer SGLan
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from router.contract.admin import AdminResult
-from router.contract.base import WireRequest, WireResponse
+from router.contract.admin import AdminResult, WeightsEffect
+from router.contract.base import MAX_ITEMS, MAX_WORLD_SIZE, HostText, Label, WireRequest, WireResponse, check_host
 from router.contract.bucket_layout import BucketLayout, LayoutError
 from router.contract.budget import MAX_TIMEOUT_S
 
 DEFAULT_GROUP_NAME = "weight_update_group"
+#: A group's name: also the prefix of its keys in the rendezvous store.
+GroupName = Annotated[str, Field(min_length=1, max_length=128)]
 #: The trainer holds rank 0; a worker's first rank when the caller names none.
 DEFAULT_RANK_OFFSET = 1
 
@@ -55,9 +57,11 @@ class TensorListMeta(WireRequest):
     The bucket's byte layout is computed once, when the model is validated, and
     read from :attr:`layout` by everyone after that (the router, the receiver)."""
 
-    names: list[str]
-    dtypes: list[str]
-    shapes: list[list[int]]
+    names: Annotated[list[Label], Field(max_length=MAX_ITEMS)]
+    dtypes: Annotated[list[Label], Field(max_length=MAX_ITEMS)]
+    shapes: Annotated[
+        list[Annotated[list[Annotated[int, Field(ge=0, le=2**40)]], Field(max_length=16)]], Field(max_length=MAX_ITEMS)
+    ]
     _layout: BucketLayout = PrivateAttr()
 
     @model_validator(mode="after")
@@ -89,17 +93,18 @@ class InitWeightsUpdateGroupRequest(WireRequest):
     router gives each worker its own. SGLang requires it; here it defaults to
     :data:`DEFAULT_RANK_OFFSET`, the only right value for a lone worker."""
 
-    master_address: str = Field(min_length=1)
+    master_address: HostText
     master_port: int = Field(ge=1, le=65535)
-    rank_offset: int = Field(default=DEFAULT_RANK_OFFSET, ge=1)
-    world_size: int = Field(ge=2)
-    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+    rank_offset: int = Field(default=DEFAULT_RANK_OFFSET, ge=1, le=MAX_WORLD_SIZE)
+    world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
+    group_name: GroupName = DEFAULT_GROUP_NAME
     #: ``None`` = ``nccl`` on a CUDA worker, else ``gloo`` (SGLang always defaults to nccl).
     backend: Backend = None
     #: Bound on the join (and on each later collective); the worker's default when absent.
     timeout_s: TimeoutS = None
 
     _timeout = field_validator("timeout_s")(_check_timeout)
+    _host = field_validator("master_address")(check_host)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> InitWeightsUpdateGroupRequest:
@@ -111,11 +116,16 @@ class InitWeightsUpdateGroupRequest(WireRequest):
 class DestroyWeightsUpdateGroupRequest(WireRequest):
     """``POST /destroy_weights_update_group``."""
 
-    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+    group_name: GroupName = DEFAULT_GROUP_NAME
 
 
 class WeightSyncResponse(AdminResult):
-    """SGLang's admin answer: ``{"success", "message"}``."""
+    """SGLang's admin answer: ``{"success", "message"}``.
+
+    ``join_attempted`` (``/init_weights_update_group`` only): ``false`` when the init was refused
+    before any join began (nothing to clean up); a failed join may leave the group half-built."""
+
+    join_attempted: bool | None = None
 
 
 # -- single phase ----------------------------------------------------------------------------
@@ -125,10 +135,10 @@ class UpdateWeightsFromDistributedRequest(TensorListMeta):
     """``POST /update_weights_from_distributed`` (SGLang's single-phase update): one bucket, received
     while the HTTP call is open."""
 
-    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+    group_name: GroupName = DEFAULT_GROUP_NAME
     flush_cache: bool = True
     abort_all_requests: bool = False
-    weight_version: str | None = None
+    weight_version: Label | None = None
     #: ``None``: one broadcast per tensor in list order; ``"flattened_bucket"``: one uint8 broadcast.
     load_format: LoadFormat = None
     #: Bound on the receive; the worker's default when absent.
@@ -157,14 +167,14 @@ class BucketMetadata(TensorListMeta):
 class PrepareWeightsUpdateRequest(WireRequest):
     """``POST /prepare_weights_update``: metadata for every bucket, before any broadcast."""
 
-    num_buckets: int = Field(ge=1)
-    buckets: list[BucketMetadata]
-    group_name: str = Field(min_length=1)
+    num_buckets: int = Field(ge=1, le=MAX_ITEMS)
+    buckets: Annotated[list[BucketMetadata], Field(max_length=MAX_ITEMS)]
+    group_name: GroupName
     #: Per bucket: ``None`` = one broadcast per tensor (SGLang's default),
     #: ``"flattened_bucket"`` = one uint8 broadcast per bucket.
     load_format: LoadFormat = None
     #: Visible ``weight_version`` after a successful complete (complete may also set it).
-    weight_version: str | None = None
+    weight_version: Label | None = None
     #: ``False`` (streaming): apply each bucket as it arrives. ``True``: stage all, apply at
     #: complete; on failure the old weights stay, bit for bit.
     atomic: bool = False
@@ -199,6 +209,8 @@ class PrepareWeightsUpdateResponse(WireResponse):
 
     status: Literal["ready", "error"]
     message: str = ""
+    #: A prepare writes nothing (a streaming update writes its first bucket only once it arrives).
+    weights: WeightsEffect | None = None
 
     @property
     def ok(self) -> bool:
@@ -208,10 +220,10 @@ class PrepareWeightsUpdateResponse(WireResponse):
 class CompleteWeightsUpdateRequest(WireRequest):
     """``POST /complete_weights_update``: wait for the receive, apply (atomic), answer."""
 
-    group_name: str = Field(min_length=1)
+    group_name: GroupName
     flush_cache: bool = False
     #: Overrides the version given at prepare.
-    weight_version: str | None = None
+    weight_version: Label | None = None
     #: Also return the checksum of the weights as applied (weights-checker scheme).
     return_checksum: bool = False
     #: How long complete waits for the receive before failing it.
@@ -235,7 +247,7 @@ class AbortWeightsUpdateRequest(WireRequest):
     """``POST /abort_weights_update``: drop a prepared receive the trainer will not feed
     (the router sends it to the ready workers when another one's prepare failed)."""
 
-    group_name: str = Field(default=DEFAULT_GROUP_NAME, min_length=1)
+    group_name: GroupName = DEFAULT_GROUP_NAME
 
 
 class AbortWeightsUpdateResponse(AdminResult):

@@ -82,7 +82,7 @@ def update_weight_version(s: Scheduler, req: UpdateWeightVersionRequest) -> OpRe
     return OpResult(
         True,
         f"Weight version updated to {req.new_version}",
-        {"new_version": req.new_version, "num_aborted": len(aborted)},
+        {"new_version": req.new_version, "num_aborted": len(aborted), "weights": "updated"},
     )
 
 

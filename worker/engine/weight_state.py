@@ -32,10 +32,8 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Collection, Iterable
-from typing import Literal
 
-#: What one update did to a rank's weights: nothing, a consistent new version, or a mix.
-WeightsEffect = Literal["intact", "updated", "partial"]
+from router.contract.admin import WeightsEffect
 
 
 class WeightState(enum.StrEnum):

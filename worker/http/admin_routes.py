@@ -55,8 +55,17 @@ def admin_handler(fn: Handler) -> Handler:
 
 
 def answer(endpoint: ep.Endpoint[Any, Any], body: WireResponse | dict[str, Any]) -> web.Response:
-    """The route's response model as JSON: 200, or 400 with ``error.message`` when it reports a failure."""
+    """The route's response model as JSON: 200, or 400 with ``error.message`` when it reports a failure.
+
+    A route that never writes weights says so (``weights: intact``); one that may write them
+    reports what it did, and its handler must have set it."""
     model = body if isinstance(body, WireResponse) else endpoint.response.model_validate(body)
+    if (
+        not endpoint.writes_weights
+        and "weights" in type(model).model_fields
+        and getattr(model, "weights", None) is None
+    ):
+        model = model.model_copy(update={"weights": "intact"})
     payload = model.model_dump(mode="json")
     if model.ok:
         return web.json_response(payload)

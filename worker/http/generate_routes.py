@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from router.contract.errors import ApiError, error_body
+from router.contract.errors import ApiError, Unavailable, error_body
 from router.contract.generate import GenerateRequest, SamplingParams
 from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
@@ -100,6 +100,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
         items.append((ids, generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num), rid))
     if not coord.alive:
         raise ApiError(503, "the scheduler thread is not running")
+    why = coord.cannot_serve
+    if why is not None:
+        raise Unavailable(f"this worker cannot serve: {why}")
 
     wakeup = asyncio.Event()
     handles: list[GenerationHandle] = []
@@ -146,6 +149,9 @@ async def _updates(
             raise ClientGone()
         if not coord.alive:
             raise ApiError(503, "the scheduler thread stopped while the request was running")
+        why = coord.cannot_serve
+        if why is not None:
+            raise Unavailable(f"this worker can no longer serve the request: {why}")
 
 
 async def _collect(

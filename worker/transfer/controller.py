@@ -39,15 +39,17 @@ the pipeline's, stated for the distributed sources:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S
+from router.contract.admin import WeightsEffect
+from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, HOP_MARGIN_S
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     AbortWeightsUpdateResponse,
@@ -80,6 +82,8 @@ T = TypeVar("T")
 
 #: How long an abort waits for another weight-sync call on this worker before answering 503.
 ABORT_WAIT_S = 10.0
+#: How long any other weight-sync call waits for one still running (a complete waiting for its receive).
+SYNC_LOCK_WAIT_S = HOP_MARGIN_S
 #: Past the receive deadline, the time the receive loop gets to notice it and report.
 RECEIVE_GRACE_S = 5.0
 #: The pipeline action of every distributed update.
@@ -129,6 +133,7 @@ class WeightSyncController:
         self._update: _Update | None = None
         self._buffers = ReceiveBuffers()
         self._lock = asyncio.Lock()
+        self._lock_holder: str | None = None
         # Joins and receive waits block for up to their timeouts: they get their own threads.
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync")
 
@@ -137,9 +142,14 @@ class WeightSyncController:
     async def init_group(self, req: InitWeightsUpdateGroupRequest) -> WeightSyncResponse:
         name = req.group_name
         if name in self._groups or name in self._joining:
-            return _fail(f"Failed to initialize custom process group: group {name!r} already exists; destroy it first.")
+            return _fail(
+                f"Failed to initialize custom process group: group {name!r} already exists; destroy it first.",
+                join_attempted=False,
+            )
         if self.coordinator.stage.tp_size != 1:
-            return _fail("Failed to initialize custom process group: weight sync supports tp_size 1 only.")
+            return _fail(
+                "Failed to initialize custom process group: weight sync supports tp_size 1 only.", join_attempted=False
+            )
         device = self.coordinator.worker.device
         backend = req.backend or ("nccl" if device.type == "cuda" else "gloo")
         self._joining.add(name)
@@ -157,11 +167,13 @@ class WeightSyncController:
                 )
             )
         except GroupError as exc:
-            return _fail(f"Failed to initialize custom process group: {exc}.")
+            return _fail(f"Failed to initialize custom process group: {exc}.", join_attempted=True)
         finally:
             self._joining.discard(name)
         self._groups[name] = group
-        return WeightSyncResponse(success=True, message="Succeeded to initialize custom process group.")
+        return WeightSyncResponse(
+            success=True, message="Succeeded to initialize custom process group.", join_attempted=True
+        )
 
     async def destroy_group(self, req: DestroyWeightsUpdateGroupRequest) -> WeightSyncResponse:
         group = self._groups.pop(req.group_name, None)
@@ -177,7 +189,7 @@ class WeightSyncController:
     # -- two phase -----------------------------------------------------------------------------
 
     async def prepare(self, req: PrepareWeightsUpdateRequest) -> PrepareWeightsUpdateResponse:
-        async with self._lock:
+        async with self._holding("prepare_weights_update"):
             try:
                 update = await self._start(
                     req.buckets,
@@ -203,23 +215,25 @@ class WeightSyncController:
             )
 
     async def complete(self, req: CompleteWeightsUpdateRequest) -> CompleteWeightsUpdateResponse:
-        async with self._lock:
+        async with self._holding("complete_weights_update"):
             update = self._update
             if update is None or update.group.name != req.group_name:
                 return CompleteWeightsUpdateResponse(
-                    success=False, message=f"no weight update was prepared for group {req.group_name!r}"
+                    success=False,
+                    weights="intact",
+                    message=f"no weight update was prepared for group {req.group_name!r}",
                 )
             self._detach(update)
             version = req.weight_version if req.weight_version is not None else update.weight_version
             wait_s = req.timeout_s if req.timeout_s is not None else update.wait_s()
             outcome = await self._in_thread(partial(update.receiver.wait, wait_s))
             if not outcome.ok:
-                partial_now = (
-                    await self.updates.fail(update.txn) == "partial" or self.coordinator.worker.weights_partial
-                )
+                effect = await self.updates.fail(update.txn)
+                partial_now = effect == "partial" or self.coordinator.worker.weights_partial
                 note = PARTIAL_NOTE if partial_now else ""
                 return CompleteWeightsUpdateResponse(
                     success=False,
+                    weights=effect,
                     num_buckets_received=outcome.buckets_received,
                     message=f"{outcome.error}.{note}",
                     weights_partial=partial_now,
@@ -230,16 +244,15 @@ class WeightSyncController:
                     update, weight_version=version, flush_cache=req.flush_cache, checksum=req.return_checksum
                 )
             except UpdateRefused as exc:
-                return self._not_applied(
-                    update, outcome.buckets_received, f"received weights not applied (previous weights kept): {exc}"
-                )
+                message = f"received weights not applied (previous weights kept): {exc}"
+                return self._not_applied(update, outcome.buckets_received, message, "intact")
             except UpdateFailed as exc:
                 kept = "previous weights kept" if exc.effect == "intact" else "the weights are partial"
-                return self._not_applied(
-                    update, outcome.buckets_received, f"applying the received weights failed, {kept}: {exc}"
-                )
+                message = f"applying the received weights failed, {kept}: {exc}"
+                return self._not_applied(update, outcome.buckets_received, message, exc.effect)
             response = CompleteWeightsUpdateResponse(
                 success=result.success,
+                weights=result.data.get("weights", "partial"),
                 num_buckets_received=outcome.buckets_received,
                 elapsed_s=update.elapsed_s(),
                 weight_version=self.coordinator.worker.weight_version,
@@ -257,13 +270,13 @@ class WeightSyncController:
 
     async def abort(self, req: AbortWeightsUpdateRequest) -> AbortWeightsUpdateResponse:
         """Drop the prepared update of ``req.group_name`` (see the module docstring)."""
-        busy = "abort_weights_update: another weight-sync call (a complete or a single-phase update) is still running on this worker"
-        async with held(self._lock, ABORT_WAIT_S, busy):
+        async with self._holding("abort_weights_update", wait_s=ABORT_WAIT_S):
             update = self._update
             if update is None or update.group.name != req.group_name:
                 other = f" (the prepared one is for group {update.group.name!r})" if update is not None else ""
                 return AbortWeightsUpdateResponse(
                     success=False,
+                    weights="intact",
                     weights_partial=bool(self.coordinator.worker.weights_partial),
                     message=f"no prepared weight update for group {req.group_name!r} to abort{other}",
                 )
@@ -279,6 +292,7 @@ class WeightSyncController:
         if applied:
             return AbortWeightsUpdateResponse(
                 success=False,
+                weights=effect,
                 weights_partial=effect == "partial",
                 message=f"Aborted the weight update for group {group.name!r}, but {applied} bucket(s) had already been "
                 "applied: the weights are partially updated; the worker stays paused and serves nothing until a "
@@ -288,6 +302,7 @@ class WeightSyncController:
         earlier = " The weights were already partially updated by an earlier failed update." if partial_now else ""
         return AbortWeightsUpdateResponse(
             success=True,
+            weights="intact",
             weights_partial=partial_now,
             message=f"Dropped the prepared weight update for group {group.name!r} ({outcome.buckets_received} of "
             f"{outcome.buckets_expected} bucket(s) received, none applied); weights and weight_version "
@@ -298,8 +313,11 @@ class WeightSyncController:
 
     async def update_from_distributed(self, req: UpdateWeightsFromDistributedRequest) -> WeightSyncResponse:
         """SGLang's call: receive one bucket while the request is open, then apply it
-        in one scheduler step (with rollback) and flush as requested."""
-        async with self._lock:
+        in one scheduler step (with rollback) and flush as requested.
+
+        A receive that fails leaves the weights ``partial``: earlier calls of the same sync
+        (one per bucket) may already have been applied, so the whole is a mix."""
+        async with self._holding("update_weights_from_distributed"):
             try:
                 update = await self._start(
                     [req],
@@ -311,25 +329,41 @@ class WeightSyncController:
                     timeout_s=req.timeout_s,
                 )
             except UpdateRefused as exc:
-                return _fail(f"Failed to update parameter online: {exc}.")
+                return _fail(f"Failed to update parameter online: {exc}.", weights="intact")
             outcome = await self._in_thread(partial(update.receiver.wait, update.wait_s()))
             if not outcome.ok:
                 await self.updates.mark_partial(update.txn)
-                return _fail(f"Failed to update parameter online: {outcome.error}.{PARTIAL_NOTE}")
+                return _fail(f"Failed to update parameter online: {outcome.error}.{PARTIAL_NOTE}", weights="partial")
             try:
                 result = await self._finish(
                     update, weight_version=req.weight_version, flush_cache=req.flush_cache, checksum=False
                 )
-            except (UpdateRefused, UpdateFailed) as exc:
-                return _fail(f"Failed to update parameter online: {exc}")
+            except UpdateRefused as exc:
+                return _fail(f"Failed to update parameter online: {exc}", weights="intact")
+            except UpdateFailed as exc:
+                return _fail(f"Failed to update parameter online: {exc}", weights=exc.effect)
+            effect = result.data.get("weights", "partial")
             if not result.success:
-                return _fail(f"Failed to update parameter online: {result.message}")
+                return _fail(f"Failed to update parameter online: {result.message}", weights=effect)
             message = "Succeeded to update parameter online."
             if req.weight_version is not None:
                 message += f" Weight version updated to {req.weight_version}."
-            return WeightSyncResponse(success=True, message=message)
+            return WeightSyncResponse(success=True, message=message, weights=effect)
 
     # -- shared steps --------------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _holding(self, action: str, wait_s: float = SYNC_LOCK_WAIT_S) -> AsyncIterator[None]:
+        """This controller's lock for one call: a caller waiting longer than ``wait_s`` gets 503
+        naming the call that holds it (a complete waits for its receive, so it may hold it long)."""
+        holder = self._lock_holder or "another weight-sync call"
+        busy = f"{action}: {holder} is still running on this worker (waited {wait_s:g}s)"
+        async with held(self._lock, wait_s, busy):
+            self._lock_holder = action
+            try:
+                yield
+            finally:
+                self._lock_holder = None
 
     def _detach(self, update: _Update) -> None:
         """The caller now ends ``update`` (complete, abort or expiry)."""
@@ -339,7 +373,7 @@ class WeightSyncController:
 
     async def _expire(self, update: _Update, life_s: float) -> None:
         await asyncio.sleep(life_s)
-        async with self._lock:
+        async with self._holding("ending an expired weight update", wait_s=ABORT_WAIT_S):
             if self._update is not update:
                 return
             self._detach(update)
@@ -353,9 +387,12 @@ class WeightSyncController:
             update.receiver.release()
             await self.updates.fail(update.txn)
 
-    def _not_applied(self, update: _Update, received: int, message: str) -> CompleteWeightsUpdateResponse:
+    def _not_applied(
+        self, update: _Update, received: int, message: str, effect: WeightsEffect
+    ) -> CompleteWeightsUpdateResponse:
         return CompleteWeightsUpdateResponse(
             success=False,
+            weights=effect,
             num_buckets_received=received,
             elapsed_s=update.elapsed_s(),
             message=message,
@@ -467,5 +504,5 @@ def _group_note(group: WeightUpdateGroup) -> str:
     return ""
 
 
-def _fail(message: str) -> WeightSyncResponse:
-    return WeightSyncResponse(success=False, message=message)
+def _fail(message: str, **fields: Any) -> WeightSyncResponse:
+    return WeightSyncResponse(success=False, message=message, **fields)

@@ -1,13 +1,22 @@
-"""Turn a request body into a wire model, or a clear 400."""
+"""Turn a request body into a wire model, or a clear 400.
+
+JSON is decoded with two limits Python's decoder does not have: the literals
+``NaN``, ``Infinity`` and ``-Infinity`` are refused (they are not JSON, and a
+non-finite number has no meaning in any field), and nesting deeper than
+:data:`~router.contract.base.MAX_JSON_DEPTH` is refused, before the decoder
+could run out of stack on it.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, TypeVar
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
 
+from router.contract.base import MAX_JSON_DEPTH
 from router.contract.errors import ApiError
 
 M = TypeVar("M", bound=BaseModel)
@@ -22,15 +31,51 @@ async def read_json(request: web.Request, *, allow_empty: bool = True) -> dict[s
         if allow_empty:
             return {}
         raise ApiError(400, "request body is required")
-    try:
-        data = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    data = decode_json(raw)
     if data is None and allow_empty:
         return {}
     if not isinstance(data, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(data).__name__}")
     return data
+
+
+def decode_json(raw: bytes) -> Any:
+    """Decode a request body, or raise a 400 saying why it is not acceptable JSON."""
+    depth = nesting_depth(raw)
+    if depth > MAX_JSON_DEPTH:
+        raise ApiError(400, f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} levels are accepted")
+    try:
+        return json.loads(raw, parse_constant=_refuse_constant)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise ApiError(400, f"malformed JSON body: {exc}") from None
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+
+
+_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_INNERMOST = re.compile(rb"\[\]|\{\}")
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def nesting_depth(raw: bytes) -> int:
+    """How deeply ``raw`` nests arrays and objects (brackets inside strings ignored), counted up to
+    one past :data:`~router.contract.base.MAX_JSON_DEPTH`.
+
+    Strings are cut out and every byte but brackets dropped, then each pass removes the innermost
+    ``[]`` and ``{}`` pairs: all in C, so a long body costs a few scans, not a Python loop per byte."""
+    brackets = _STRING.sub(b"", raw).translate(None, _NOT_BRACKETS)
+    depth = 0
+    while brackets and depth <= MAX_JSON_DEPTH:
+        inner = _INNERMOST.sub(b"", brackets)
+        if inner == brackets:  # unbalanced: the decoder reports it
+            break
+        brackets = inner
+        depth += 1
+    return depth
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number this API accepts (non-finite values are refused)")
 
 
 def validation_message(exc: ValidationError) -> str:

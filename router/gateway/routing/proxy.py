@@ -77,7 +77,7 @@ def prepare_payload(raw: bytes) -> tuple[bytes, Any, bool]:
     """Return (body to send, rid to abort with, stream?). Injects a rid when none was given."""
     try:
         payload = json.loads(raw) if raw else None
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return raw, None, False  # the worker answers 400 with its own message
     if not isinstance(payload, dict):
         return raw, None, False
