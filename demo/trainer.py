@@ -109,7 +109,7 @@ class Trainer:
             group_name=self.group.group_name,
             timeout_s=self.timeout_s,
         )
-        self.sender.join()
+        self.sender.join(cancel=self.group.cancel)  # gives up at once if the router refuses the init
 
     def _leave(self) -> None:
         """Close the trainer's side of the group (idempotent)."""
@@ -131,7 +131,7 @@ class Trainer:
         loss = self.policy.train_step(self.prompt_ids, self.target_ids)
         expected = self.policy.checksum()
         report = self.client.sync_weights(
-            buckets=self.plan.metadata(),
+            buckets=self.plan.metadata(self.policy.tensors),  # with sizes and checksums, checked by every worker
             broadcast=self._broadcast,
             group=self.group,
             load_format=LOAD_FORMAT,

@@ -9,8 +9,10 @@ prepare/broadcast/complete or the single-phase calls, verify, continue) with
 the transfer package's sender doing the broadcasts. Writes a JSON report.
 
 A step is ``[protocol, load_format]`` or ``[protocol, load_format, options]``;
-options: ``atomic`` (two-phase mode) and ``fail_at_bucket`` (the broadcast
-callable raises instead of sending that bucket). A step with ``fail_at_bucket``
+options: ``atomic`` (two-phase mode), ``fail_at_bucket`` (the broadcast
+callable raises instead of sending that bucket) and ``die_at_bucket`` (the
+process exits at once, with no clean-up, instead of sending that bucket: a
+trainer that crashed mid-sync). A step with ``fail_at_bucket``
 is expected to fail: its :class:`SyncError` is recorded in the step's entry,
 followed by what the router says right after (``after_failure``), and the
 next step goes on with the same client. ``"client": "async"`` in the config
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import sys
 import traceback
 
@@ -42,6 +45,8 @@ from worker.model.checkpoint import read_checkpoint
 #: The router's admin-lock wait as the tests configure it: a router still holding its
 #: lock answers the probe's pause 503 within it.
 PROBE_LOCK_WAIT_S = 5
+#: The exit status of a trainer told to die mid-sync.
+DIED = 17
 
 
 class InjectedFailure(RuntimeError):
@@ -81,7 +86,7 @@ def main(cfg: dict) -> dict:
     group = GroupSpec(
         master_address="127.0.0.1",
         master_port=cfg["port"],
-        join=lambda _world: sender.join(),
+        join=lambda _world: sender.join(cancel=group.cancel),
         leave=sender.close,
         timeout_s=60,
     )
@@ -93,12 +98,15 @@ def main(cfg: dict) -> dict:
         for step, (protocol, fmt, *more) in enumerate(cfg["steps"]):
             options = more[0] if more else {}
             fail_at = options.get("fail_at_bucket")
+            die_at = options.get("die_at_bucket")
             with torch.no_grad():
                 for t in tensors.values():
                     t.add_(0.001 * (step + 1))
             expected = sent_checksum(tensors.items())
 
-            def broadcast(i: int, fmt=fmt, fail_at=fail_at) -> None:
+            def broadcast(i: int, fmt=fmt, fail_at=fail_at, die_at=die_at) -> None:
+                if i == die_at:
+                    os._exit(DIED)
                 if i == fail_at:
                     raise InjectedFailure(f"the trainer failed before sending bucket {i}")
                 sender.send(BucketPlan((plan.buckets[i],), plan.budget_bytes), tensors, load_format=fmt)

@@ -7,6 +7,11 @@ Both sides derive the same deterministic bucket plan from the config and run
 the same sequence of rounds over one weight-update group; each writes a JSON
 report (to ``config["out"]``) with per-bucket sha256 digests of the bytes it
 sent or received, so the test can compare them.
+
+A trainer round may misbehave: ``kill_after`` / ``stall_after`` (buckets sent
+before it dies or stalls), or ``short_by`` / ``long_by`` (bytes fewer or more
+than announced in one broadcast: bucket ``at``, and for the per-tensor format its
+tensor ``tensor``; see :func:`send_tampered`).
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from typing import Any
 
 import torch
 
-from router.dataplane.formats import get_format
-from router.dataplane.group import GroupError, init_weight_update_group
+from router.contract.bucket_layout import BucketLayout
+from router.dataplane.buckets import pack, raw_bytes
+from router.dataplane.formats import for_load_format, get_format
+from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
 from router.trainer.sender import BucketPlan, TrainerWeightSender
 from worker.transfer.receiver import BucketReceiver
 
@@ -74,6 +81,48 @@ def bucket_digest(named: list[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+def resized(data: torch.Tensor, delta: int) -> torch.Tensor:
+    """``data`` (flat ``uint8``) cut short by ``-delta`` bytes, or ``delta`` bytes longer."""
+    if delta < 0:
+        return data[: data.numel() + delta].clone()
+    return torch.cat([data, torch.full((delta,), 0xA5, dtype=torch.uint8)])
+
+
+def tampered_broadcasts(
+    layout: BucketLayout, tensors: dict[str, torch.Tensor], load_format: str | None, delta: int, tensor: int
+) -> list[torch.Tensor]:
+    """What the format would broadcast for ``layout``, with one message ``delta`` bytes off
+    (the whole packed bucket, or tensor number ``tensor`` of a per-tensor bucket)."""
+    if load_format == "flattened_bucket":
+        return [resized(pack([(n, tensors[n]) for n in layout.names], layout), delta)]
+    messages = [tensors[n].contiguous() for n in layout.names]
+    messages[tensor] = resized(raw_bytes(messages[tensor]), delta)
+    return messages
+
+
+def send_tampered(
+    group: WeightUpdateGroup,
+    plan: BucketPlan,
+    tensors: dict[str, torch.Tensor],
+    load_format: str | None,
+    tamper: dict[str, int],
+    timeout_s: float,
+) -> None:
+    """Broadcast ``plan`` as the format does, bucket by bucket, but bucket ``tamper["at"]``
+    (default 3) with ``short_by`` fewer or ``long_by`` more bytes in one of its messages."""
+    fmt = for_load_format(load_format)
+    at = tamper.get("at", 3)
+    delta = tamper.get("long_by", 0) - tamper.get("short_by", 0)
+    for index, layout in enumerate(plan.buckets):
+        if index == at:
+            messages = tampered_broadcasts(layout, tensors, load_format, delta, tamper.get("tensor", 0))
+            works = [group.broadcast_async(m) for m in messages]
+        else:
+            works = fmt.post_send(group, layout, tensors, None)
+        for work in works:
+            group.wait(work, timeout_s)
+
+
 def run_trainer(cfg: dict[str, Any]) -> dict[str, Any]:
     plan = make_plan(cfg["num_buckets"])
     sender = TrainerWeightSender(
@@ -101,6 +150,11 @@ def run_trainer(cfg: dict[str, Any]) -> dict[str, Any]:
 
         digests = [bucket_digest([(n, tensors[n]) for n in b.names]) for b in plan.buckets]
         try:
+            if rnd.get("short_by") or rnd.get("long_by"):
+                assert sender.group is not None
+                send_tampered(sender.group, plan, tensors, fmt, rnd, cfg["timeout_s"])
+                report["rounds"].append({"ok": True, "digests": digests})
+                continue
             stats = sender.send(plan, tensors, load_format=fmt, progress=progress)
             report["rounds"].append({"ok": True, "digests": digests, "bytes": stats.bytes})
         except Exception as exc:

@@ -7,9 +7,14 @@ every worker directly, giving each its own ``rank_offset``, and sequences the
 HTTP calls itself; the project's own sync driver (``router.trainer``) talks to
 the router instead and is tested in ``test_router_sync``.
 
-``config["scenario"]`` picks the sequence; every step's HTTP answers are
-written to ``config["out"]`` (also after each step, so a run that kills itself
-mid-broadcast still leaves its report).
+``config["scenario"]`` picks the sequence (a round's ``mode`` overrides it for
+that round); every step's HTTP answers are written to ``config["out"]`` (also
+after each step, so a run that kills itself mid-broadcast still leaves its report).
+
+Two-phase prepares carry each bucket's ``nbytes`` and ``checksum`` unless a round
+says ``checksums: false``. A round may misbehave on the wire: ``short_by`` /
+``long_by`` bytes in one message of bucket ``at`` (``tests._transfer_peer.send_tampered``),
+or ``bad_checksum``: other bytes than announced in bucket ``at``, same sizes.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from router.contract.bucket_layout import BucketLayout
 from router.dataplane.group import GroupError
 from router.trainer.rendezvous import alongside
 from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
+from tests._transfer_peer import send_tampered
 from tests.procs import http_json
 from worker.model import read_checkpoint
 
@@ -101,10 +107,16 @@ class Trainer:
         atomic: list[bool],
         version: str,
         progress: Callable | None = None,
+        checksums: bool = True,
+        tamper: dict[str, int] | None = None,
     ) -> None:
         """prepare on every worker -> broadcast every bucket -> complete on every worker."""
         body = plan.prepare_request(
-            self.cfg["group"], load_format=load_format, weight_version=version, timeout_s=self.cfg["timeout_s"]
+            self.cfg["group"],
+            tensors=tensors if checksums else None,
+            load_format=load_format,
+            weight_version=version,
+            timeout_s=self.cfg["timeout_s"],
         )
         answers = self.fanout(
             "POST", "/prepare_weights_update", [body.model_copy(update={"atomic": a}) for a in atomic]
@@ -115,7 +127,7 @@ class Trainer:
             return
         send_error: Exception | None = None
         try:
-            self.sender.send(plan, tensors, load_format=load_format, progress=progress)
+            self.broadcast(plan, tensors, load_format, progress, tamper)
         except Exception as exc:  # still call complete: it reports the receivers' view
             send_error = exc
         complete = {
@@ -133,15 +145,42 @@ class Trainer:
         else:
             self.log("update", ok=True, sent_checksum=sent_checksum(tensors.items()))
 
+    def broadcast(
+        self,
+        plan: BucketPlan,
+        tensors: dict[str, torch.Tensor],
+        load_format: str | None,
+        progress: Callable | None = None,
+        tamper: dict[str, int] | None = None,
+    ) -> None:
+        """Send ``plan``; with ``tamper``, bucket ``tamper["at"]`` is not what was announced."""
+        if not tamper:
+            self.sender.send(plan, tensors, load_format=load_format, progress=progress)
+        elif tamper.get("bad_checksum"):
+            sent = dict(tensors)
+            name = plan.buckets[tamper["at"]].names[0]
+            sent[name] = tensors[name] + 1.0  # same dtype and shape: only the checksum can tell
+            self.sender.send(plan, sent, load_format=load_format, progress=progress)
+        else:
+            assert self.sender.group is not None
+            send_tampered(self.sender.group, plan, tensors, load_format, tamper, self.cfg["timeout_s"])
+
     def single_phase(
-        self, plan: BucketPlan, tensors: dict[str, torch.Tensor], *, load_format: str | None, version: str
+        self,
+        plan: BucketPlan,
+        tensors: dict[str, torch.Tensor],
+        *,
+        load_format: str | None,
+        version: str,
+        tamper: dict[str, int] | None = None,
     ) -> None:
         """slime's sequence: pause (abort mode), flush, then per bucket
         fire the HTTP call and broadcast at once; continue at the end."""
         self.log("pause", answers=self.fanout("POST", "/pause_generation", {}))
         self.log("flush", answers=self.fanout("GET", "/flush_cache", None))
         try:
-            for layout in plan.buckets:
+            for index, layout in enumerate(plan.buckets):
+                wrong = {**tamper, "at": 0} if tamper and tamper.get("at") == index else None
                 body = {
                     "names": layout.names,
                     "dtypes": layout.dtypes,
@@ -153,8 +192,8 @@ class Trainer:
                 }
                 answers = alongside(
                     lambda b=body: self.fanout("POST", "/update_weights_from_distributed", b),
-                    lambda layout=layout: self.sender.send(
-                        BucketPlan((layout,), plan.budget_bytes), tensors, load_format=load_format
+                    lambda layout=layout, wrong=wrong: self.broadcast(
+                        BucketPlan((layout,), plan.budget_bytes), tensors, load_format, tamper=wrong
                     ),
                     timeout_s=HTTP_TIMEOUT_S,
                     what="update_weights_from_distributed",
@@ -169,10 +208,13 @@ class Trainer:
 
     def checksums(self, label: str) -> None:
         answers = self.fanout("POST", "/weights_checker", {"action": "checksum"})
+        infos = [http_json("GET", u + "/model_info")[1] for u in self.workers]
         self.log(
             label,
             checksums=[a.get("per_gpu_checksum") for _, a in answers],
-            versions=[http_json("GET", u + "/model_info")[1]["weight_version"] for u in self.workers],
+            versions=[i["weight_version"] for i in infos],
+            partial=[i.get("weights_partial") for i in infos],
+            health=[http_json("GET", u + "/health")[0] for u in self.workers],
         )
 
 
@@ -210,7 +252,8 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 budget_bytes=plan.budget_bytes,
             )
         fmt = rnd.get("format")
-        if scenario == "two_phase":
+        tamper = {k: rnd[k] for k in ("short_by", "long_by", "bad_checksum", "at", "tensor") if k in rnd}
+        if rnd.get("mode", scenario) == "two_phase":
             if cfg.get("pause", True):
                 t.log("pause", answers=t.fanout("POST", "/pause_generation", {"mode": "retract"}))
             progress = None
@@ -228,11 +271,13 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
                 atomic=rnd.get("atomic", [False] * len(t.workers)),
                 version=rnd["version"],
                 progress=progress,
+                checksums=rnd.get("checksums", True),
+                tamper=tamper,
             )
             if cfg.get("pause", True):
                 t.log("continue", answers=t.fanout("POST", "/continue_generation", {}))
         else:
-            t.single_phase(plan, tensors, load_format=fmt, version=rnd["version"])
+            t.single_phase(plan, tensors, load_format=fmt, version=rnd["version"], tamper=tamper)
         t.checksums(f"after {rnd['version']}")
     t.disconnect()
     return t.report

@@ -80,26 +80,30 @@ def test_update_from_disk_moves_the_whole_fleet(router, fleet):
     assert status == 200, body
 
 
-def test_failed_update_fails_closed_until_an_operator_resolves(router, fleet):
+def test_a_refusal_by_every_worker_is_their_4xx_and_fences_nothing(router, fleet):
+    """A caller's mistake that only the workers can see (a path that does not exist on them) changes
+    nothing: the router answers with the workers' own status and message, fences no one, journals
+    nothing. (Failing closed when a worker's weights may differ is tested with unreachable
+    workers in-process, test_router_policy, and with killed processes, test_router_failures.)"""
     url, _ = router
-    status, body = post(url, "/update_weights_from_disk", {"model_path": "/nonexistent/checkpoint"})
-    assert status == 502
-    assert [r["success"] for r in body["results"]] == [False, False]
-    assert all(r["status_code"] == 400 and "body" in r for r in body["results"])
-    assert "stay disabled" in body["message"]
-    assert all(w["disabled"] for w in workers(url, ADMIN_KEY))
-    status, body, _ = generate_via(url)
-    assert status == 503
-    # Further updates are refused while the failure is unresolved.
-    status, body = post(url, "/pause_generation", {"mode": "retract"})
-    assert status == 409 and "did not finish cleanly" in body["error"]["message"]
-    status, journal = http_json("GET", url + "/weight_update_journal", headers=auth())
-    assert journal["pending"]["state"] == "failed" and journal["pending"]["path"] == "/update_weights_from_disk"
-    assert http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": False}, headers=auth())[0] == 409
-    status, body = http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": True}, headers=auth())
-    assert status == 200 and body["resolved"] and len(body["workers"]) == 2
-    assert all(not w["disabled"] for w in workers(url, ADMIN_KEY))
+    sums = {u: http_json("POST", u + "/weights_checker", {}, headers=auth())[1]["per_gpu_checksum"] for u in fleet[0]}
+    for bad in ("/nonexistent/checkpoint", "/etc", "/proc/self"):
+        status, body = post(url, "/update_weights_from_disk", {"model_path": bad})
+        assert status == 400, body
+        assert body["error"]["message"] == body["message"] and "model_path" in body["message"]
+        assert [(r["success"], r["status_code"], r["body"]["weights"]) for r in body["results"]] == [
+            (False, 400, "intact")
+        ] * 2
+        assert not any(w["disabled"] for w in workers(url, ADMIN_KEY))
+        assert http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"] is None
+    status, body = post(url, "/destroy_weights_update_group", {"group_name": "never-made"})
+    assert status == 400 and "does not exist" in body["error"]["message"]
     assert generate_via(url)[0] == 200
+    assert post(url, "/pause_generation", {"mode": "retract"})[0] == 200  # the next update proceeds at once
+    assert post(url, "/continue_generation")[0] == 200
+    assert {
+        u: http_json("POST", u + "/weights_checker", {}, headers=auth())[1]["per_gpu_checksum"] for u in fleet[0]
+    } == sums
 
 
 def test_wrong_world_size_is_400_before_any_worker_is_contacted(router):

@@ -32,8 +32,13 @@ def trio(tmp_path_factory):
 
 
 def hanging_init(router_url: str, answer: dict, timeout_s: float = 6.0) -> threading.Thread:
-    """A group init nobody completes: the workers wait ``timeout_s`` for a trainer that never comes."""
-    body = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 3, "timeout_s": timeout_s}
+    """A group init nobody completes: the workers wait ``timeout_s`` for a trainer that never comes.
+
+    Each init names a group of its own: a worker still joining an earlier test's group would
+    refuse the same name at once, before any join, and a refusal fences nothing."""
+    port = free_port()
+    body = {"master_address": "127.0.0.1", "master_port": port, "world_size": 3, "timeout_s": timeout_s,
+            "group_name": f"hanging-{port}"}  # fmt: skip
 
     def call() -> None:
         try:

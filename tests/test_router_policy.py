@@ -233,9 +233,11 @@ async def test_registry_crud_and_legacy_routes(client: TestClient) -> None:
     assert (await call(client, "GET", f"/workers/{escaped}"))[1]["id"] == first.id
     assert (await call(client, "GET", "/workers/w-nope"))[0] == 404
     assert (await call(client, "POST", "/workers", {"url": first.url + "/"}))[0] == 409  # the same worker
-    for bad in ("ftp://127.0.0.4:1", "http://127.0.0.4:1/path", "http://user:pw@127.0.0.4:1", "http://169.254.169.254"):
+    long_label = "http://" + "a" * 64 + ".localhost:1"  # a DNS label is at most 63 bytes
+    for bad in ("ftp://127.0.0.4:1", "http://127.0.0.4:1/path", "http://user:pw@127.0.0.4:1", long_label):
         status, body = await call(client, "POST", "/workers", {"url": bad})
         assert status == 400 and "invalid worker url" in body["error"]["message"], bad
+    assert len(WorkerList.model_validate((await call(client, "GET", "/workers"))[1]).workers) == 2
     assert (await call(client, "PUT", f"/workers/{first.id}", {"disabled": "yes"}))[0] == 400
     status, body = await call(client, "DELETE", f"/workers/{first.id}")
     assert status == 200 and body["removed"]["id"] == first.id

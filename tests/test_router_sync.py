@@ -152,10 +152,15 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
         assert http_json("POST", url + "/continue_generation", {}, headers=auth())[0] == 200
         # The dropped receive had been posted: that worker's side of the group is out of
         # lockstep, so the next prepare is refused there until the group is re-initialized.
+        # The other worker refuses the layout too, so every target refused untouched: the
+        # router answers with the workers' own 4xx and fences nobody.
         status, body = http_json("POST", url + "/prepare_weights_update", plan.prepare_request(), headers=auth())
-        assert status == 502
+        assert status == 400, body
+        assert "2 of 2 worker(s) not ready" in body["error"]["message"]
         refused = {r["url"]: r["body"]["message"] for r in body["results"]}
         assert "a prepared receive was aborted" in refused[urls[1]] and "re-initialize" in refused[urls[1]]
+        assert all(r["body"]["weights"] == "intact" for r in body["results"])
+        assert not any(w["disabled"] for w in workers(url, ADMIN_KEY))
         status, body = http_json(
             "POST",
             url + "/destroy_weights_update_group",

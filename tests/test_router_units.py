@@ -12,7 +12,13 @@ import sys
 import pytest
 
 from router.contract import endpoints as ep
-from router.contract.admin import ModelInfo, PauseRequest, PauseResult, UpdateWeightsFromDiskRequest
+from router.contract.admin import (
+    ModelInfo,
+    PauseRequest,
+    PauseResult,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResult,
+)
 from router.contract.budget import HOP_MARGIN_S
 from router.contract.errors import BadRequest, Conflict, NotFound, Unavailable
 from router.contract.fleet import CompleteFleetAnswer, WorkerResult
@@ -29,6 +35,7 @@ from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import OPERATIONS
 from router.gateway.admin.ranks import plan_ranks
 from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
 from router.gateway.routing.proxy import prepare_payload
@@ -56,8 +63,9 @@ class TestUrls:
             "http://user:pw@h:1",
             "http://h:1/path",
             "http://h:1?x=1",
-            "http://169.254.169.254",
-            "http://[fe80::1]:80",
+            "http://" + "a" * 64 + ".localhost:1",
+            "http://bad host:1",
+            "http://-\u00e9\u00e9-.localhost:1",
             "nonsense",
             "http://h:99999",
         ],
@@ -171,9 +179,9 @@ class TestUpdateGate:
 
 
 class TestJournal:
-    def test_round_trip_and_crash_recovery(self, tmp_path):
+    async def test_round_trip_and_crash_recovery(self, tmp_path):
         j = UpdateJournal(tmp_path)
-        j.begin("/update_weights_from_disk", [("w-a", "http://a:1", False), ("w-b", "http://b:1", True)])
+        await j.begin("/update_weights_from_disk", [("w-a", "http://a:1", False), ("w-b", "http://b:1", True)])
         assert json.loads((tmp_path / "update_journal.json").read_text())["state"] == "in_flight"
         assert (tmp_path / "update_journal.json").stat().st_mode & 0o777 == 0o600
         # A new process finds the in-flight entry: it becomes a failure naming every target.
@@ -182,15 +190,23 @@ class TestJournal:
         assert state.state == "failed" and set(state.failed) == {"w-a", "w-b"}
         assert "router stopped" in state.reason
         assert again.names("w-a") and not again.names("w-c")
-        assert again.discard_target("w-a")
+        assert await again.discard_target("w-a")
         assert again.pending is not None
-        assert again.discard_target("w-b")
+        assert await again.discard_target("w-b")
         assert again.pending is None and not (tmp_path / "update_journal.json").exists()
 
-    def test_clear_on_success(self, tmp_path):
+    async def test_a_failure_keeps_only_the_uncertain_targets(self, tmp_path):
         j = UpdateJournal(tmp_path)
-        j.begin("/pause_generation", [("w-a", "http://a:1", False)])
-        j.clear()
+        await j.begin("/update_weights_from_disk", [("w-a", "http://a:1", False), ("w-b", "http://b:1", True)])
+        await j.fail(["w-b"], "w-b did not answer")
+        on_disk = json.loads((tmp_path / "update_journal.json").read_text())
+        assert on_disk["state"] == "failed" and [t["id"] for t in on_disk["targets"]] == ["w-b"]
+        assert UpdateJournal(tmp_path).load().failed == ["w-b"]
+
+    async def test_clear_on_success(self, tmp_path):
+        j = UpdateJournal(tmp_path)
+        await j.begin("/pause_generation", [("w-a", "http://a:1", False)])
+        await j.clear()
         assert UpdateJournal(tmp_path).load() is None
 
     def test_unreadable_fences_everyone(self, tmp_path):
@@ -198,12 +214,12 @@ class TestJournal:
         state = UpdateJournal(tmp_path).load_or_unreadable([("w-a", "http://a:1"), ("w-b", "http://b:1")])
         assert state.state == "failed" and {t.id for t in state.targets} == {"w-a", "w-b"}
 
-    def test_unwritable_refuses_update(self, tmp_path):
+    async def test_unwritable_refuses_update(self, tmp_path):
         blocker = tmp_path / "file"
         blocker.write_text("x")
         j = UpdateJournal(blocker / "sub")
         with pytest.raises(Unavailable):
-            j.begin("/pause_generation", [("w-a", "http://a:1", False)])
+            await j.begin("/pause_generation", [("w-a", "http://a:1", False)])
         assert j.pending is None
 
 
@@ -310,6 +326,37 @@ class TestWire:
         )
         dumped = json.loads(pause.model_dump_json())
         assert dumped["pause_mode"] == "retract" and dumped["results"][0]["body"]["pause_mode"] == "retract"
+
+    def test_verdicts_keep_fenced_only_workers_whose_weights_may_differ(self):
+        disk, init = OPERATIONS["/update_weights_from_disk"], OPERATIONS["/init_weights_update_group"]
+
+        def answer(worker: str, status: int | None, **body_fields) -> WorkerResult:
+            body = UpdateWeightsFromDiskResult(success=status == 200, **body_fields) if status else None
+            return WorkerResult[UpdateWeightsFromDiskResult](
+                worker=worker, url="u", success=status == 200, status_code=status, body=body, elapsed_ms=1
+            )
+
+        ok, refused, partial = (
+            answer("a", 200, weights="updated"),
+            answer("b", 400, weights="intact"),
+            answer("c", 400, weights="partial"),
+        )
+        silent, unreachable = answer("d", 400), answer("e", None)
+        verdict = judge(disk, [refused, answer("x", 400, weights="intact")])
+        assert verdict.kept == () and verdict.all_refused and verdict.refusal_status == 400
+        # Once one target moved on, a refusal leaves that worker on the previous weights: it stays out.
+        assert judge(disk, [ok, refused]).kept == ("b",)
+        assert judge(disk, [refused, partial, silent, unreachable]).kept == ("c", "d", "e")
+        assert not judge(disk, [refused, unreachable]).all_refused
+        # A group init: refused before any join → untouched; a failed join may leave the group half-built.
+        before_join = WorkerResult[WeightSyncResponse](
+            worker="f", url="u", success=False, status_code=400, elapsed_ms=1,
+            body=WeightSyncResponse(success=False, weights="intact", join_attempted=False),
+        )  # fmt: skip
+        failed_join = before_join.model_copy(
+            update={"worker": "g", "body": WeightSyncResponse(success=False, join_attempted=True)}
+        )
+        assert judge(init, [before_join, failed_join]).kept == ("g",)
 
     def test_worker_answers_decode_into_their_models_or_a_clear_failure(self):
         ok, error = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": 2}')

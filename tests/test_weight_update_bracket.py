@@ -44,7 +44,8 @@ def test_bracket_through_the_router_reaches_every_worker_and_fences_nothing(flee
         status, body = _post(url, "/begin_weight_update", {"selector": "all"})
         assert status == 200 and body["worker_count"] == 2, body
         status, body = _post(url, "/begin_weight_update", {})
-        assert status == 502 and [("already open" in r["body"]["message"]) for r in body["results"]] == [True, True]
+        # Every worker refused before touching anything: their 4xx, and nothing fenced.
+        assert status == 400 and [("already open" in r["body"]["message"]) for r in body["results"]] == [True, True]
         # The bracket changes no weights, so a refused begin takes no worker out of routing.
         assert not any(w["disabled"] for w in workers(url))
         assert _post(url, "/end_weight_update")[0] == 200

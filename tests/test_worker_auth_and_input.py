@@ -8,11 +8,14 @@ import urllib.request
 
 import pytest
 
+from router.contract.web.openapi import paths_with_access
 from tests.procs import http_json
+from worker.http.app import route_table
 
 ADMIN = {"Authorization": "Bearer admin-secret"}
 GEN = {"Authorization": "Bearer gen-secret"}
-OPEN = {"/health", "/health_generate"}
+# The routes the worker's table marks open (health probes and the OpenAPI document).
+OPEN = set(paths_with_access(route_table(), "open"))
 
 
 @pytest.fixture(scope="module")

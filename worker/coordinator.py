@@ -24,6 +24,7 @@ from router.contract import endpoints as ep
 from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
+from worker.engine.daemon_thread import Abandoned, run_on_daemon_thread
 from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpdateError
 from worker.engine.request import GenerationParams, OutputChannel, Request
 from worker.engine.scheduler import Scheduler
@@ -228,11 +229,16 @@ class Coordinator:
         return result
 
     async def _read_checkpoint(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StagedCheckpoint:
-        """Every rank reads and validates the checkpoint on an executor thread (all ranks share one
-        host today, so the leader's read serves them all)."""
-        loop = asyncio.get_running_loop()
-        read = loop.run_in_executor(None, self.worker.stage_checkpoint, req.model_path, req.load_format)
-        return await asyncio.wait_for(read, timeout_s)
+        """Every rank reads and validates the checkpoint (all ranks share one host today, so the
+        leader's read serves them all), on a daemon thread of its own: a read stuck on a hung file
+        system then holds up neither the event loop nor the process's exit. At ``timeout_s`` it
+        raises :class:`TimeoutError` and the read is abandoned (told to stop, its result dropped); a
+        read abandoned because the worker is shutting down fails the update at once."""
+        stage = partial(self.worker.stage_checkpoint, req.model_path, req.load_format)
+        try:
+            return await run_on_daemon_thread(lambda stop: stage(cancel=stop), timeout_s, name="checkpoint-read")
+        except Abandoned as exc:
+            raise WeightUpdateError(f"the checkpoint read was abandoned: {exc}") from None
 
     def _answer(self, action: str, ok: bool, message: str, **data: Any) -> StageResult:
         """A stage-level answer built here (no scheduler round trip), with every rank's result."""

@@ -27,12 +27,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from router.contract.budget import APPLY_S
+from router.contract.budget import APPLY_S, CLEANUP_S
 from router.contract.budget import HOP_MARGIN_S as WRITER_WAIT_S
 from router.dataplane.buckets import NamedTensors
 from worker.engine import weight_ops
@@ -136,11 +137,14 @@ class UpdatePipeline:
         if txn.abort_all:
             await self._take(txn, hold=False)
 
-    def apply_streamed(self, txn: UpdateTransaction, named: NamedTensors) -> Future[Any]:
-        """From the receive thread: write one bucket on the scheduler thread between steps."""
+    def apply_streamed(
+        self, txn: UpdateTransaction, named: NamedTensors, verify: Callable[[], None] | None = None
+    ) -> Future[Any]:
+        """From the receive thread: write one bucket on the scheduler thread between steps,
+        after ``verify`` (its checksum) has passed there, while the next bucket is received."""
         txn.buckets_applied += 1
         return self._coord.scheduler.submit_admin(
-            partial(weight_ops.apply_streamed, self._coord.scheduler, named, txn.failed)
+            partial(weight_ops.apply_streamed, self._coord.scheduler, named, txn.failed, verify)
         )
 
     async def apply(self, txn: UpdateTransaction, named: NamedTensors, *, require_complete: bool) -> None:
@@ -165,7 +169,7 @@ class UpdatePipeline:
         """End an update that will not commit: ``partial`` if it wrote buckets (generation stays held)."""
         txn.failed.set()
         try:
-            result = await self._step(txn, partial(weight_ops.fail, lift=txn.paused_by_update))
+            result = await self._step(txn, partial(weight_ops.fail, lift=txn.paused_by_update), cleanup=True)
             return "partial" if result.data.get("weights") == "partial" else "intact"
         finally:
             self._end(txn)
@@ -174,7 +178,7 @@ class UpdatePipeline:
         """End a single-phase update whose receive failed: earlier calls of the sync may have written buckets."""
         txn.failed.set()
         try:
-            await self._step(txn, weight_ops.mark_partial)
+            await self._step(txn, weight_ops.mark_partial, cleanup=True)
         finally:
             self._end(txn)
 
@@ -196,8 +200,9 @@ class UpdatePipeline:
             # previous weight_version, before the weights change.
             await self._coord.wait_returned(aborted, txn.step_s())
 
-    async def _step(self, txn: UpdateTransaction, op: Any) -> StageResult:
-        bound = txn.step_s()
+    async def _step(self, txn: UpdateTransaction, op: Any, *, cleanup: bool = False) -> StageResult:
+        # A cleanup step runs even after the deadline (an update that timed out must still end).
+        bound = max(txn.step_s(), CLEANUP_S) if cleanup else txn.step_s()
         async with self._coord.admin_section(txn.action, bound):
             return await self._coord.admin(txn.action, op, bound)
 

@@ -258,6 +258,23 @@ class ModelInfo(WireResponse):
     rank_results: list[RankResult] | None = None
 
 
+#: A weight receive's state, as ``/health`` reports it (``staged``: atomic, every bucket held).
+ReceiveStateName = Literal["starting", "receiving", "draining", "staged", "done", "failed"]
+
+
+class HealthStatus(WireResponse):
+    """``GET /health``: the process serves (paused or not); what it holds, for a router's routing."""
+
+    status: str
+    is_paused: bool = False
+    weight_version: str | None = None
+    weight_state: WeightStateName | None = None
+    instance_id: str | None = None
+    receive: ReceiveStateName | None = None
+    """The state of a prepared two-phase update's receive, while there is one: a router ends
+    the update at once when every target's receive has ``failed``."""
+
+
 class ServerInfo(WireResponse):
     """``/server_info``: the worker's settings (keys blanked) and per-rank scheduler counters."""
 

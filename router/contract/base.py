@@ -33,6 +33,16 @@ MAX_ITEMS = 65_536
 MAX_JSON_DEPTH = 32
 
 
+def _is_dns_label(label: str) -> bool:
+    # Underscores are accepted: container runtimes resolve service names that hold them.
+    return (
+        0 < len(label) <= 63
+        and not label.startswith("-")
+        and not label.endswith("-")
+        and label.replace("-", "").replace("_", "").isalnum()
+    )
+
+
 def check_host(host: str) -> str:
     """A host name or an IP address, as a process would connect to it (no scheme, port, path or spaces)."""
     text = host[1:-1] if host.startswith("[") and host.endswith("]") else host
@@ -45,8 +55,10 @@ def check_host(host: str) -> str:
         encoded = text.encode("idna").decode("ascii")
     except UnicodeError:
         raise ValueError(f"{host!r} is not a valid host name") from None
-    labels = encoded.rstrip(".").split(".")
-    if not all(label and len(label) <= 63 and label.replace("-", "").isalnum() for label in labels):
+    # Python's IDNA codec leaves hyphen placement to the caller, so the written
+    # labels are checked as well as their encoded (length-bounded) form.
+    labels = encoded.rstrip(".").split(".") + text.rstrip(".").split(".")
+    if not all(_is_dns_label(label) for label in labels):
         raise ValueError(f"{host!r} is not a valid host name")
     return host
 

@@ -142,17 +142,19 @@ class BucketLayout:
                     "descending element size (or pad) so every offset is aligned"
                 )
 
-    def padded(self) -> BucketLayout:
-        """The same tensors, each offset rounded up to a multiple of its element size.
+    def padded(self, gap: int = 0) -> BucketLayout:
+        """The same tensors, each offset rounded up to a multiple of its element size, with
+        ``gap`` free bytes after each tensor (``total_bytes`` includes the last one).
 
         A per-tensor receive writes each tensor on its own, so its buffer may pad
-        where a flattened bucket (one contiguous message) cannot."""
+        where a flattened bucket (one contiguous message) cannot; the gap is its
+        receive slack."""
         slots: list[TensorSlot] = []
         offset = 0
         for slot in self.slots:
             offset = -(-offset // slot.itemsize) * slot.itemsize
             slots.append(replace(slot, offset=offset))
-            offset += slot.nbytes
+            offset += slot.nbytes + gap
         return BucketLayout(slots=tuple(slots), total_bytes=offset)
 
     @property

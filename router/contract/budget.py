@@ -38,6 +38,9 @@ DEFAULT_GROUP_TIMEOUT_S = 120.0
 DEFAULT_RECEIVE_TIMEOUT_S = 600.0
 #: Applying received weights, flushing and digesting after a receive ended.
 APPLY_S = 60.0
+#: Ending an update that will not commit (undo its hold, record what it left the weights as):
+#: granted even when the update's own deadline has passed, so a timed-out update still ends cleanly.
+CLEANUP_S = 10.0
 #: The longest ``timeout_s`` a caller may ask for: a day is "forever" for a sync.
 MAX_TIMEOUT_S = 86_400.0
 

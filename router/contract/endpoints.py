@@ -44,6 +44,8 @@ class Endpoint(Generic[Req, Resp]):
     """The request field that bounds this call's wait (a join, a receive), if the request declares it."""
     writes_weights: bool = False
     """The call may change the weights or their version label; its answer must say how (``weights``)."""
+    summary: str = ""
+    """One line for the API description."""
 
     @property
     def name(self) -> str:
@@ -68,7 +70,13 @@ def _receive(work_s: float) -> Budget:
 
 
 MODEL_INFO = Endpoint(
-    "/model_info", GET_POST, admin.EmptyRequest, admin.ModelInfo, Budget(30.0), aliases=("/get_model_info",)
+    "/model_info",
+    GET_POST,
+    admin.EmptyRequest,
+    admin.ModelInfo,
+    Budget(30.0),
+    aliases=("/get_model_info",),
+    summary="The served model, its weight version and state",
 )
 GET_WEIGHT_VERSION = Endpoint(
     "/get_weight_version",
@@ -77,9 +85,16 @@ GET_WEIGHT_VERSION = Endpoint(
     admin.WeightVersionResult,
     Budget(30.0),
     aliases=("/weight_version",),
+    summary="The weight version label",
 )
 SERVER_INFO = Endpoint(
-    "/server_info", GET, admin.EmptyRequest, admin.ServerInfo, Budget(30.0), aliases=("/get_server_info",)
+    "/server_info",
+    GET,
+    admin.EmptyRequest,
+    admin.ServerInfo,
+    Budget(30.0),
+    aliases=("/get_server_info",),
+    summary="Settings, scheduler counters and the version (keys blanked)",
 )
 UPDATE_WEIGHT_VERSION = Endpoint(
     "/update_weight_version",
@@ -89,14 +104,34 @@ UPDATE_WEIGHT_VERSION = Endpoint(
     Budget(60.0),
     serialized=True,
     writes_weights=True,
+    summary="Relabel the weights",
 )
 PAUSE_GENERATION = Endpoint(
-    "/pause_generation", POST, admin.PauseRequest, admin.PauseResult, Budget(60.0), serialized=True
+    "/pause_generation",
+    POST,
+    admin.PauseRequest,
+    admin.PauseResult,
+    Budget(60.0),
+    serialized=True,
+    summary="Pause generation (abort, retract or in_place)",
 )
 CONTINUE_GENERATION = Endpoint(
-    "/continue_generation", POST, admin.ContinueRequest, admin.ContinueResult, Budget(60.0), serialized=True
+    "/continue_generation",
+    POST,
+    admin.ContinueRequest,
+    admin.ContinueResult,
+    Budget(60.0),
+    serialized=True,
+    summary="Resume generation",
 )
-ABORT_REQUEST = Endpoint("/abort_request", POST, admin.AbortRequest, admin.AbortRequestResult, Budget(30.0))
+ABORT_REQUEST = Endpoint(
+    "/abort_request",
+    POST,
+    admin.AbortRequest,
+    admin.AbortRequestResult,
+    Budget(30.0),
+    summary="Abort requests by rid prefix, or all",
+)
 #: Flush's ``timeout`` (a query parameter in SGLang) is its wait for the worker to become idle.
 FLUSH_CACHE = Endpoint(
     "/flush_cache",
@@ -105,6 +140,7 @@ FLUSH_CACHE = Endpoint(
     admin.FlushCacheResult,
     Budget(30.0, overhead_s=30.0),
     timeout_field="timeout",
+    summary="Flush the KV cache once idle",
 )
 UPDATE_WEIGHTS_FROM_DISK = Endpoint(
     "/update_weights_from_disk",
@@ -114,6 +150,7 @@ UPDATE_WEIGHTS_FROM_DISK = Endpoint(
     Budget(600.0),
     serialized=True,
     writes_weights=True,
+    summary="Load new weights from a safetensors checkpoint",
 )
 UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
     "/update_weights_from_tensor",
@@ -123,9 +160,15 @@ UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
     Budget(600.0),
     serialized=True,
     writes_weights=True,
+    summary="Not served: its payload is pickled tensors",
 )
 WEIGHTS_CHECKER = Endpoint(
-    "/weights_checker", GET_POST, admin.WeightsCheckerRequest, admin.WeightsCheckerResult, Budget(600.0)
+    "/weights_checker",
+    GET_POST,
+    admin.WeightsCheckerRequest,
+    admin.WeightsCheckerResult,
+    Budget(600.0),
+    summary="Checksum or snapshot-compare the weights",
 )
 RELEASE_MEMORY_OCCUPATION = Endpoint(
     "/release_memory_occupation",
@@ -134,6 +177,7 @@ RELEASE_MEMORY_OCCUPATION = Endpoint(
     admin.MemoryOccupationResult,
     Budget(300.0),
     serialized=True,
+    summary="Release weight memory (kept in a host copy)",
 )
 RESUME_MEMORY_OCCUPATION = Endpoint(
     "/resume_memory_occupation",
@@ -142,6 +186,7 @@ RESUME_MEMORY_OCCUPATION = Endpoint(
     admin.MemoryOccupationResult,
     Budget(300.0),
     serialized=True,
+    summary="Restore released weight memory",
 )
 INIT_WEIGHTS_UPDATE_GROUP = Endpoint(
     "/init_weights_update_group",
@@ -150,6 +195,7 @@ INIT_WEIGHTS_UPDATE_GROUP = Endpoint(
     weight_sync.WeightSyncResponse,
     Budget(DEFAULT_GROUP_TIMEOUT_S + 30.0, overhead_s=30.0),
     serialized=True,
+    summary="Join a weight-update process group with the trainer",
 )
 DESTROY_WEIGHTS_UPDATE_GROUP = Endpoint(
     "/destroy_weights_update_group",
@@ -158,6 +204,7 @@ DESTROY_WEIGHTS_UPDATE_GROUP = Endpoint(
     weight_sync.WeightSyncResponse,
     Budget(60.0),
     serialized=True,
+    summary="Leave a weight-update process group",
 )
 UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
     "/update_weights_from_distributed",
@@ -167,6 +214,7 @@ UPDATE_WEIGHTS_FROM_DISTRIBUTED = Endpoint(
     _receive(DEFAULT_RECEIVE_TIMEOUT_S),
     serialized=True,
     writes_weights=True,
+    summary="Receive one bucket of weights by broadcast and load it",
 )
 #: Prepare answers once the receive runs: its ``timeout_s`` bounds the receive that follows, not this call.
 PREPARE_WEIGHTS_UPDATE = Endpoint(
@@ -177,6 +225,7 @@ PREPARE_WEIGHTS_UPDATE = Endpoint(
     Budget(120.0),
     serialized=True,
     timeout_field=None,
+    summary="Post the receive of a whole update (two-phase)",
 )
 COMPLETE_WEIGHTS_UPDATE = Endpoint(
     "/complete_weights_update",
@@ -185,6 +234,7 @@ COMPLETE_WEIGHTS_UPDATE = Endpoint(
     weight_sync.CompleteWeightsUpdateResponse,
     _receive(DEFAULT_RECEIVE_TIMEOUT_S),
     writes_weights=True,
+    summary="Wait for the prepared receive, verify it, load it",
 )
 ABORT_WEIGHTS_UPDATE = Endpoint(
     "/abort_weights_update",
@@ -193,6 +243,7 @@ ABORT_WEIGHTS_UPDATE = Endpoint(
     weight_sync.AbortWeightsUpdateResponse,
     Budget(60.0),
     writes_weights=True,
+    summary="Drop a prepared receive, weights untouched",
 )
 BEGIN_WEIGHT_UPDATE = Endpoint(
     "/begin_weight_update",
@@ -201,6 +252,7 @@ BEGIN_WEIGHT_UPDATE = Endpoint(
     weight_sync.WeightSyncResponse,
     Budget(30.0),
     serialized=True,
+    summary="Open an update bracket (SGLang 0.5.23)",
 )
 END_WEIGHT_UPDATE = Endpoint(
     "/end_weight_update",
@@ -209,6 +261,7 @@ END_WEIGHT_UPDATE = Endpoint(
     weight_sync.WeightSyncResponse,
     Budget(30.0),
     serialized=True,
+    summary="Close an update bracket (SGLang 0.5.23)",
 )
 
 #: Every admin route a worker serves, in the order they are documented.

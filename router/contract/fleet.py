@@ -42,6 +42,10 @@ class WorkerRecord(WireResponse):
     inflight: int
     weight_version: str | None = None
     tp_size: int | None = None
+    weight_state: str | None = None
+    instance_id: str | None = None
+    pending: str | None = None
+    """Why the worker takes no generation traffic although healthy: it does not hold the fleet's weights."""
 
 
 class WorkerList(WireResponse):
@@ -190,6 +194,8 @@ class WeightsCheckerFleetAnswer(FleetAnswer[WeightsCheckerResult], WeightsChecke
     ``identical`` says whether every worker holds the same weights."""
 
     identical: bool | None = None
+    """Every worker holds the same, whole weights (a worker with partial weights makes it false)."""
+    partial_workers: list[str] = Field(default_factory=list)
     worker_checksums: dict[str, str | None] = Field(default_factory=dict)
     rank_checksums: dict[str, list[str]] = Field(default_factory=dict)
 

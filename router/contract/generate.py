@@ -17,6 +17,11 @@ from pydantic import Field, model_validator
 
 from router.contract.base import MAX_ITEMS, Label, Text, WireRequest, WireResponse
 
+#: Every omni-worker answer names the process that produced it: a router compares it with the
+#: instance its last probe saw, so an answer from a process that restarted since (and came back
+#: with its boot checkpoint) is never passed on as if it came from the fleet's weights.
+INSTANCE_HEADER = "X-Omni-Instance"
+
 #: Sampling knobs SGLang knows that this worker does not implement, with the
 #: value that means "off". Anything else is refused instead of being ignored.
 UNSUPPORTED_NEUTRAL: dict[str, Any] = {

@@ -160,8 +160,21 @@ class UpdateWeightsFromDistributedRequest(TensorListMeta):
 # -- two phase -------------------------------------------------------------------------------
 
 
+#: A bucket's checksum: ``zlib.crc32`` of its bytes in slot order (exactly the bytes of its
+#: flattened buffer, whichever format carries them), as ``crc32:`` and 8 lowercase hex digits.
+BucketChecksum = Annotated[str, Field(pattern=r"^crc32:[0-9a-f]{8}$")]
+
+
 class BucketMetadata(TensorListMeta):
-    """One bucket of a two-phase update."""
+    """One bucket of a two-phase update.
+
+    ``nbytes`` and ``checksum`` (optional, from the trainer's own tensors) let the
+    worker hold what arrives to what the trainer meant to send: ``nbytes`` must equal
+    the bytes the names, dtypes and shapes describe (else the prepare is refused), and
+    a bucket whose received bytes do not match ``checksum`` fails before it is applied."""
+
+    nbytes: int | None = Field(default=None, ge=0, le=2**62)
+    checksum: BucketChecksum | None = None
 
 
 class PrepareWeightsUpdateRequest(WireRequest):
@@ -187,7 +200,7 @@ class PrepareWeightsUpdateRequest(WireRequest):
     _timeout = field_validator("timeout_s")(_check_timeout)
 
     @model_validator(mode="after")
-    def _count_and_alignment(self) -> PrepareWeightsUpdateRequest:
+    def _count_alignment_and_sizes(self) -> PrepareWeightsUpdateRequest:
         if self.num_buckets != len(self.buckets):
             raise ValueError(f"num_buckets is {self.num_buckets} but {len(self.buckets)} buckets were described")
         seen: dict[str, int] = {}
@@ -201,6 +214,11 @@ class PrepareWeightsUpdateRequest(WireRequest):
                     bucket.layout.check_aligned()
                 except LayoutError as exc:
                     raise ValueError(f"bucket {index + 1}: {exc}") from None
+            if bucket.nbytes is not None and bucket.nbytes != bucket.layout.total_bytes:
+                raise ValueError(
+                    f"bucket {index + 1}: nbytes is {bucket.nbytes} but its names, dtypes and shapes describe "
+                    f"{bucket.layout.total_bytes} bytes"
+                )
         return self
 
 

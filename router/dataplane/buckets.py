@@ -9,6 +9,7 @@ every tensor and then ``torch.cat``s them).
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -96,6 +97,27 @@ def pack(
     if count != len(layout.slots):
         raise LayoutError(f"expected {len(layout.slots)} tensors for this bucket, got {count}")
     return out[: layout.total_bytes]
+
+
+def bucket_checksum(tensors: Iterable[torch.Tensor]) -> str:
+    """``"crc32:%08x"`` of the tensors' raw bytes in the given order, no padding.
+
+    In slot order these are exactly the bytes of the bucket's flattened buffer,
+    whichever format carries them, so the trainer computes it from its tensors and
+    a receiver from its views. ``zlib.crc32`` releases the GIL over a CPU buffer;
+    a CUDA tensor is copied to host first (one device-to-host copy of the bucket).
+    """
+    crc = 0
+    for tensor in tensors:
+        if tensor.numel():
+            crc = zlib.crc32(raw_bytes(tensor).numpy().data, crc)
+    return f"crc32:{crc:08x}"
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes as a flat ``uint8`` CPU tensor (a view when it is already contiguous on CPU)."""
+    flat = tensor.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8)
 
 
 def _check_buffer(buffer: torch.Tensor, layout: BucketLayout, what: str) -> None:

@@ -116,23 +116,74 @@ class WeightUpdateGroup:
         with self._lock:
             self.outstanding -= 1
 
-    def destroy(self) -> None:
-        """Leave the group; idempotent, and prompt even while a broadcast is still posted."""
+    def destroy(self, timeout_s: float | None = None) -> bool:
+        """Leave the group; idempotent, and prompt even while a broadcast is still posted.
+
+        torch's ``destroy_process_group`` runs on a daemon thread and is waited for at most
+        ``timeout_s`` (default :data:`DESTROY_TIMEOUT_S`): a backend that hangs while shutting
+        down (a peer gone mid-collective) cannot hold up the caller. ``False`` when it did not
+        finish in time; the group is gone from this object either way."""
         with self._lock:
             pg, self.pg = self.pg, None
             posted = self.outstanding > 0
         if pg is None:
-            return
+            return True
         # Held only through this list, so that the last reference drops where we decide.
         holder = [pg]
         del pg
+        leave = _Leave(holder, self.name)
+        thread = threading.Thread(target=leave.run, name=f"destroy-{self.name}", daemon=True)
+        thread.start()
+        thread.join(DESTROY_TIMEOUT_S if timeout_s is None else timeout_s)
+        if not leave.finish(release_here=not posted):
+            log.error(
+                "leaving weight-update group %r did not finish within %.0fs; left to a background thread",
+                self.name,
+                DESTROY_TIMEOUT_S if timeout_s is None else timeout_s,
+            )
+            return False
+        return True
+
+
+#: How long leaving a group may take (torch's ``destroy_process_group``) before the caller moves on.
+DESTROY_TIMEOUT_S = 10.0
+
+
+class _Leave:
+    """``destroy_process_group`` on its own thread; whoever finishes last drops the group's last reference."""
+
+    def __init__(self, holder: list[dist.ProcessGroup], name: str):
+        self._holder = holder
+        self._name = name
+        self._lock = threading.Lock()
+        self._done = False
+        self._abandoned = False
+
+    def run(self) -> None:
         try:
-            dist.destroy_process_group(holder[0])
+            dist.destroy_process_group(self._holder[0])
         except Exception as exc:  # a broken group may fail to shut down cleanly; it is gone either way
-            log.warning("destroying weight-update group %r: %s", self.name, exc)
-            _forget(holder[0])
-        if posted:
-            _release_later(holder, self.name)
+            log.warning("destroying weight-update group %r: %s", self._name, exc)
+            _forget(self._holder[0])
+        with self._lock:
+            self._done = True
+            abandoned = self._abandoned
+        if abandoned:
+            self._holder.clear()
+
+    def finish(self, *, release_here: bool) -> bool:
+        """After the caller's wait: ``True`` if the leave finished (the group is released here, or on a
+        daemon thread when a broadcast is still posted); ``False`` if it is still running (it then releases
+        the group itself when it ends)."""
+        with self._lock:
+            if not self._done:
+                self._abandoned = True
+                return False
+        if release_here:
+            self._holder.clear()
+        else:
+            _release_later(self._holder, self._name)
+        return True
 
 
 def init_weight_update_group(
@@ -144,12 +195,14 @@ def init_weight_update_group(
     group_name: str,
     backend: str | None = None,
     timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
+    cancel: threading.Event | None = None,
 ) -> WeightUpdateGroup:
     """Join (rank > 0) or host (rank 0) the group; blocks until every rank arrives.
 
     Raises :class:`GroupError` with the cause when the rendezvous or the
-    backend's connection set-up does not complete within ``timeout_s``.
-    Call from a thread: never from an asyncio event loop.
+    backend's connection set-up does not complete within ``timeout_s``, or as
+    soon as ``cancel`` is set (the other ranks will not come: the trainer's
+    router refused the init). Call from a thread: never from an asyncio event loop.
     """
     if not group_name:
         raise GroupError("group_name must not be empty")
@@ -174,12 +227,18 @@ def init_weight_update_group(
     thread.start()
     # gloo's connection set-up retries on its own and can overrun the store
     # timeout several times over; the caller's bound is enforced here.
-    thread.join(timeout_s + JOIN_GRACE_S)
-    return join.result()
+    deadline = time.monotonic() + timeout_s + JOIN_GRACE_S
+    while thread.is_alive() and (left := deadline - time.monotonic()) > 0:
+        if cancel is not None and cancel.is_set():
+            break
+        thread.join(min(left, CANCEL_POLL_S) if cancel is not None else left)
+    return join.result(cancelled=cancel is not None and cancel.is_set())
 
 
 #: Extra time granted past ``timeout_s`` before a join is abandoned.
 JOIN_GRACE_S = 2.0
+#: How often a join that may be cancelled looks at its ``cancel`` event.
+CANCEL_POLL_S = 0.05
 _JOINING: set[str] = set()
 _JOINING_LOCK = threading.Lock()
 
@@ -222,11 +281,16 @@ class _Join:
         with _JOINING_LOCK:
             _JOINING.discard(self.args[4])
 
-    def result(self) -> WeightUpdateGroup:
+    def result(self, *, cancelled: bool = False) -> WeightUpdateGroup:
         master_address, master_port, rank, world_size, group_name, _backend, timeout_s = self.args
         with self._lock:
             if not self._done:
                 self._abandoned = True
+                if cancelled:
+                    raise GroupError(
+                        f"joining weight-update group {group_name!r} was cancelled: the other ranks will not come "
+                        "(the init was refused); the attempt ends in the background within its timeout"
+                    )
                 raise GroupError(
                     f"failed to join weight-update group {group_name!r} at {master_address}:{master_port} as rank "
                     f"{rank} of {world_size} within {timeout_s:.0f}s: the connection set-up did not finish "

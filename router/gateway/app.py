@@ -17,8 +17,22 @@ from collections.abc import AsyncIterator
 import aiohttp
 from aiohttp import web
 
+from router import __version__
+from router.contract.fleet import (
+    AddWorkerRequest,
+    JournalResolved,
+    JournalResolveRequest,
+    JournalView,
+    RemovedWorker,
+    UpdateWorkerRequest,
+    WorkerList,
+    WorkerRecord,
+    WorkerUrlQuery,
+)
+from router.contract.generate import GenerateRequest, GenerateResponse
 from router.contract.web.auth import auth_middleware
 from router.contract.web.middleware import Handler, error_middleware
+from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
 from router.gateway import keys
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
@@ -30,6 +44,7 @@ from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.config import RouterConfig
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
+from router.gateway.fleet.weights import FleetWeights
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routes import admin, fleet
 from router.gateway.routing.policy import make_policy
@@ -38,33 +53,77 @@ from router.gateway.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/liveness", "/readiness", "/metrics")
-GENERATION_PATHS = ("/generate",)
+API_DESCRIPTION = (
+    "One URL for a fleet of inference workers: generation is routed to workers that hold the "
+    "fleet's weights; admin calls are broadcast to every live worker under one update lock. "
+    'Refusals are 4xx with {"error": {"message": ...}} and change nothing.'
+)
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     return await request.app[keys.PROXY].handle(request)
 
 
-def routes() -> list[web.RouteDef]:
-    """Every route the router serves."""
+def routes() -> list[Route]:
+    """Every route the router serves (``/openapi.json`` is added by :func:`create_app`)."""
+    gen = "Generate on one routable worker (SGLang's /generate; streams when asked)"
     return [
-        web.post("/generate", generate),
-        web.put("/generate", generate),
-        web.get("/health", fleet.health),
-        web.get("/liveness", fleet.liveness),
-        web.get("/readiness", fleet.readiness),
-        web.get("/metrics", fleet.metrics),
-        web.get("/workers", fleet.list_workers),
-        web.post("/workers", fleet.add_worker),
-        web.get("/workers/{worker_id}", fleet.get_worker),
-        web.put("/workers/{worker_id}", fleet.update_worker),
-        web.delete("/workers/{worker_id}", fleet.delete_worker),
-        web.post("/add_worker", fleet.legacy_add_worker),
-        web.post("/remove_worker", fleet.legacy_remove_worker),
-        web.get("/list_workers", fleet.legacy_list_workers),
-        web.get("/weight_update_journal", fleet.get_journal),
-        web.post("/weight_update_journal/resolve", fleet.resolve_journal),
+        Route("POST", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
+        Route("PUT", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
+        Route("GET", "/health", fleet.health, "The router process serves", access="open"),
+        Route("GET", "/liveness", fleet.liveness, "The router process serves", access="open"),
+        Route("GET", "/readiness", fleet.readiness, "At least one worker takes generation traffic", access="open"),
+        Route("GET", "/metrics", fleet.metrics, "Prometheus metrics", access="open", media_type="text/plain"),
+        Route("GET", "/workers", fleet.list_workers, "The worker registry", answer=WorkerList),
+        Route(
+            "POST",
+            "/workers",
+            fleet.add_worker,
+            "Register a worker",
+            body=AddWorkerRequest,
+            answer=WorkerRecord,
+            answer_status=201,
+        ),
+        Route("GET", "/workers/{worker_id}", fleet.get_worker, "One worker", answer=WorkerRecord),
+        Route(
+            "PUT",
+            "/workers/{worker_id}",
+            fleet.update_worker,
+            "Set a worker's operator flag",
+            body=UpdateWorkerRequest,
+            answer=WorkerRecord,
+        ),
+        Route("DELETE", "/workers/{worker_id}", fleet.delete_worker, "Deregister a worker", answer=RemovedWorker),
+        Route(
+            "POST",
+            "/add_worker",
+            fleet.legacy_add_worker,
+            "Register a worker (SGLang router spelling)",
+            query=WorkerUrlQuery,
+        ),
+        Route(
+            "POST",
+            "/remove_worker",
+            fleet.legacy_remove_worker,
+            "Deregister a worker (SGLang router spelling)",
+            query=WorkerUrlQuery,
+        ),
+        Route("GET", "/list_workers", fleet.legacy_list_workers, "The worker registry (SGLang router spelling)"),
+        Route(
+            "GET",
+            "/weight_update_journal",
+            fleet.get_journal,
+            "The unresolved failed update, if any",
+            answer=JournalView,
+        ),
+        Route(
+            "POST",
+            "/weight_update_journal/resolve",
+            fleet.resolve_journal,
+            "An operator vouches for the fleet",
+            body=JournalResolveRequest,
+            answer=JournalResolved,
+        ),
         *admin.routes(),
     ]
 
@@ -93,8 +152,9 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
 
 def _service_headers(config: RouterConfig) -> dict[str, str]:
     headers = {"Content-Type": "application/json"}
-    if config.admin_api_key:
-        headers["Authorization"] = f"Bearer {config.admin_api_key}"
+    key = config.key_for_workers
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
     return headers
 
 
@@ -166,12 +226,14 @@ def create_app(config: RouterConfig) -> web.Application:
     thresholds = HealthThresholds(
         failure=config.health_failure_threshold, dead=config.dead_threshold, success=config.health_success_threshold
     )
-    registry = WorkerRegistry(thresholds=thresholds)
+    registry = WorkerRegistry(thresholds=thresholds, fleet=FleetWeights(config.state_dir))
     for url in config.worker_urls:
         registry.add(url)
     journal = UpdateJournal(config.state_dir)
     _restore_journal(registry, journal)
     metrics = RouterMetrics(registry)
+    table = routes()
+    table.append(openapi_route("omni-router", __version__, table, description=API_DESCRIPTION))
 
     app = web.Application(
         middlewares=[
@@ -180,8 +242,8 @@ def create_app(config: RouterConfig) -> web.Application:
             auth_middleware(
                 admin_key=config.admin_api_key,
                 api_key=config.api_key,
-                open_paths=OPEN_PATHS,
-                generation_paths=GENERATION_PATHS,
+                open_paths=paths_with_access(table, "open"),
+                generation_paths=paths_with_access(table, "generation"),
             ),
         ],
         client_max_size=64 * 1024 * 1024,
@@ -193,6 +255,6 @@ def create_app(config: RouterConfig) -> web.Application:
     app[keys.GATE] = UpdateGate(config.admin_lock_timeout_s, on_wait=metrics.observe_lock_wait)
     app[keys.TASKS] = TaskSet()
     app[keys.SERVICE_HEADERS] = _service_headers(config)
-    app.router.add_routes(routes())
+    app.router.add_routes(route_defs(table))
     app.cleanup_ctx.append(upstream_ctx)
     return app

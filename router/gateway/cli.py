@@ -65,7 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--admin-api-key",
         default=None,
-        help=f"bearer key for admin and registry routes, forwarded to workers; when unset, ${ADMIN_KEY_ENV} is used",
+        help=f"bearer key for admin and registry routes; when unset, ${ADMIN_KEY_ENV} is used",
+    )
+    p.add_argument(
+        "--worker-api-key",
+        default=None,
+        help="the key the router presents to workers (admin calls, metadata); default: the admin key. "
+        "Callers' keys are never forwarded",
     )
     p.add_argument("--api-key", default=None, help="bearer key for /generate (the admin key is accepted too)")
     p.add_argument(
@@ -148,6 +154,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         worker_urls=list(args.worker_urls),
         admin_api_key=resolve_admin_key(args.admin_api_key),
+        worker_api_key=args.worker_api_key or None,
         api_key=args.api_key or None,
         policy=args.policy,
         admin_lock_timeout_s=args.admin_lock_timeout_s,

@@ -20,7 +20,11 @@ class RouterConfig:
     """Workers registered at start-up, in order (their order fixes rank assignment)."""
 
     admin_api_key: str | None = None
-    """Bearer key for every admin and registry route; forwarded to workers as given."""
+    """Bearer key for every admin and registry route."""
+
+    worker_api_key: str | None = None
+    """The key the router presents to workers (admin calls, metadata reads); ``None``: the admin key.
+    A caller's own key is never forwarded, so it cannot reach a URL someone registered."""
 
     api_key: str | None = None
     """Optional bearer key for ``/generate`` (the admin key is accepted too)."""
@@ -65,6 +69,10 @@ class RouterConfig:
 
     max_connections: int = 1024
     """Size of the shared connection pool; admitted calls should not wait inside it."""
+
+    @property
+    def key_for_workers(self) -> str | None:
+        return self.worker_api_key if self.worker_api_key is not None else self.admin_api_key
 
     @property
     def dead_threshold(self) -> int:

@@ -27,7 +27,7 @@ JOURNAL = web.AppKey("journal", UpdateJournal)
 METRICS = web.AppKey("metrics", RouterMetrics)
 TASKS = web.AppKey("tasks", TaskSet)
 SERVICE_HEADERS = web.AppKey("service_headers", dict[str, str])
-"""Headers for calls the router makes on its own behalf (health metadata, aborts): its admin key."""
+"""Headers of every call the router makes to workers: JSON, and its worker key (never a caller's)."""
 
 # Created in the cleanup context, once the event loop runs.
 SESSION = web.AppKey("client_session", aiohttp.ClientSession)

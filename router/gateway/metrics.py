@@ -47,7 +47,7 @@ class _FleetCollector(Collector):
                 health.add_metric([w.id, state], 1.0 if w.health == state else 0.0)
             disabled.add_metric([w.id], 1.0 if w.disabled else 0.0)
             version.add_metric([w.id, w.weight_version or ""], 1.0)
-            count += int(w.routable)
+            count += int(self._registry.is_routable(w))
         routable.add_metric([], count)
         yield from (inflight, health, disabled, version, routable)
 

@@ -12,12 +12,13 @@ and, for a failed broadcast, the per-worker results as typed models.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 from urllib.parse import quote
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from router.contract import endpoints as ep
 from router.contract.admin import (
@@ -78,6 +79,7 @@ from router.contract.weight_sync import (
 )
 
 A = TypeVar("A", bound=WireResponse)
+M = TypeVar("M", bound=BaseModel)
 Bucket = BucketMetadata | dict[str, Any]
 #: The HTTP timeout of calls outside the admin table (registry, journal, world size): they answer at once.
 REGISTRY_TIMEOUT_S = 30.0
@@ -144,15 +146,29 @@ def decode_answer(call: Call[A], status: int, raw: bytes) -> A:
     answer: FleetAnswer[Any] | None = None
     error: ErrorBody | None = None
     try:
-        error = ErrorBody.model_validate_json(raw)
+        data = json.loads(raw) if raw else None
+    except ValueError:
+        data = None
+    if isinstance(data, dict):
+        if "results" in data:  # a broadcast: the per-worker answers, typed like the route's answer
+            typed = _parsed(call.answer, data) if issubclass(call.answer, FleetAnswer) else None
+            answer = typed if typed is not None else _parsed(FleetAnswer[WireResponse], data)
+        if "error" in data:
+            error = _parsed(ErrorBody, data)
+    if error is not None:
         message = error.error.message
-    except ValidationError:
-        try:
-            answer = FleetAnswer[WireResponse].model_validate_json(raw)
-            message = answer.message
-        except ValidationError:
-            message = raw.decode("utf-8", errors="replace")[:1000] or f"HTTP {status}"
+    elif answer is not None:
+        message = answer.message
+    else:
+        message = raw.decode("utf-8", errors="replace")[:1000] or f"HTTP {status}"
     raise RouterCallError(call.method, call.path, status, message, answer=answer, error=error)
+
+
+def _parsed(model: type[M], data: dict[str, Any]) -> M | None:
+    try:
+        return model.model_validate(data)
+    except ValidationError:
+        return None
 
 
 def unreachable(call: Call[Any], exc: BaseException) -> RouterCallError:

@@ -33,9 +33,10 @@ group: every broadcast matched.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Literal
 
@@ -84,6 +85,10 @@ class GroupSpec:
     backend: str | None = None
     timeout_s: float | None = None
     leave: Callable[[], None] | None = None
+    cancel: threading.Event = field(default_factory=threading.Event)
+    """Set the moment the router refuses the group init: a ``join`` that watches it
+    (``TrainerWeightSender.join(cancel=group.cancel)``) gives up at once instead of
+    waiting out its timeout for workers that will not come."""
 
 
 class SyncReport(BaseModel):
@@ -175,6 +180,7 @@ class WeightSync:
             return None
         world = self.client.get_world_size().world_size + 1
         g = self.group
+        g.cancel.clear()
         self._group_init = alongside(
             lambda: self.client.init_weights_update_group(
                 g.master_address,
@@ -187,6 +193,7 @@ class WeightSync:
             lambda: g.join(world),
             timeout_s=_guard_s(ep.INIT_WEIGHTS_UPDATE_GROUP, g.timeout_s, self.client.lock_wait_s),
             what="/init_weights_update_group",
+            remote_failed=g.cancel,
         )
         joined.add(g.group_name)
         return world

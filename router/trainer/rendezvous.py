@@ -19,7 +19,9 @@ T = TypeVar("T")
 class Background(Generic[T]):
     """``fn()`` on a daemon thread; its value or its error handed back to the caller's thread."""
 
-    def __init__(self, fn: Callable[[], T], *, name: str = "omni-background-call"):
+    def __init__(
+        self, fn: Callable[[], T], *, name: str = "omni-background-call", on_error: threading.Event | None = None
+    ):
         self._value: T | None = None
         self._error: BaseException | None = None
         self._done = False
@@ -30,6 +32,8 @@ class Background(Generic[T]):
                 self._done = True
             except BaseException as exc:
                 self._error = exc
+                if on_error is not None:
+                    on_error.set()
 
         self._thread = threading.Thread(target=run, name=name, daemon=True)
         self._thread.start()
@@ -45,7 +49,13 @@ class Background(Generic[T]):
 
 
 def alongside(
-    remote: Callable[[], T], local: Callable[[], object], *, timeout_s: float, what: str, settle_on_failure: bool = True
+    remote: Callable[[], T],
+    local: Callable[[], object],
+    *,
+    timeout_s: float,
+    what: str,
+    settle_on_failure: bool = True,
+    remote_failed: threading.Event | None = None,
 ) -> T:
     """Run ``remote`` on a thread while ``local`` runs here; ``remote``'s value once both are done.
 
@@ -53,11 +63,17 @@ def alongside(
     with ``settle_on_failure`` only after ``remote`` has had ``timeout_s`` to answer
     (a join: the peers must not be left mid-rendezvous), else at once (a broadcast
     that never started: the receivers give up on their own deadline).
+
+    ``remote_failed`` is set the moment ``remote`` raises, so a ``local`` that watches
+    it (a join: ``TrainerWeightSender.join(cancel=...)``) stops waiting for peers that
+    will not come; ``remote``'s error is then the one raised.
     """
-    call = Background(remote, name=f"omni-{what}")
+    call = Background(remote, name=f"omni-{what}", on_error=remote_failed)
     try:
         local()
     except BaseException:
+        if remote_failed is not None and remote_failed.is_set():
+            call.result(0.0, f"{what} failed")  # raises the remote's error: the cause, not the cancelled join
         if settle_on_failure:
             try:
                 call.result(timeout_s, f"{what} did not answer in time")

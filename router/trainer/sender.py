@@ -4,7 +4,7 @@ A trainer imports it from :mod:`router.trainer` (it needs torch)::
 
     plan = BucketPlan.from_named_tensors(model.named_parameters())   # once per model
     sender = TrainerWeightSender(master_port=port, world_size=1 + n_worker_ranks)
-    client.sync_weights(buckets=plan.metadata(), broadcast=lambda i: sender.send_bucket(plan, i, tensors), ...)
+    client.sync_weights(buckets=plan.metadata(tensors), broadcast=lambda i: sender.send_bucket(plan, i, tensors), ...)
 
 The sync driver (:mod:`router.trainer.driver`) orders the HTTP calls; this
 module only joins, sends and leaves.
@@ -19,6 +19,7 @@ receiver never rejects it (SGLang v0.5.23's "Unaligned received tensor").
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from router.contract.weight_sync import (
     InitWeightsUpdateGroupRequest,
     PrepareWeightsUpdateRequest,
 )
-from router.dataplane.buckets import allocate_bytes, dtype_name
+from router.dataplane.buckets import allocate_bytes, bucket_checksum, dtype_name
 from router.dataplane.digest import digest_named_tensors
 from router.dataplane.formats import for_load_format
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
@@ -105,15 +106,36 @@ class BucketPlan:
         """A plan holding only bucket ``index`` (for callers that send bucket by bucket)."""
         return BucketPlan(buckets=(self.buckets[index],), budget_bytes=self.budget_bytes)
 
-    def metadata(self) -> list[BucketMetadata]:
-        """The ``buckets`` of a prepare request (what ``sync_weights(buckets=...)`` takes)."""
-        return [BucketMetadata(names=b.names, dtypes=b.dtypes, shapes=b.shapes) for b in self.buckets]
+    def metadata(self, tensors: Mapping[str, torch.Tensor] | None = None) -> list[BucketMetadata]:
+        """The ``buckets`` of a prepare request (what ``sync_weights(buckets=...)`` takes).
 
-    def prepare_request(self, group_name: str = DEFAULT_GROUP_NAME, **fields: Any) -> PrepareWeightsUpdateRequest:
-        """A ``/prepare_weights_update`` request for this plan (``fields``: load_format, weight_version, atomic, ...)."""
+        With ``tensors`` (the ones about to be sent) each bucket also carries ``nbytes`` (what
+        its tensors hold: a tensor that no longer fits the plan makes the prepare fail before
+        anything is sent) and ``checksum`` (``zlib.crc32`` of its bytes in slot order, which every
+        worker verifies before applying the bucket). That costs one pass over the tensors'
+        bytes, plus a copy to host for CUDA tensors; pass them at every sync.
+        """
+        out = []
+        for b in self.buckets:
+            fields: dict[str, Any] = {}
+            if tensors is not None:
+                named = [tensors[name] for name in b.names]
+                fields["nbytes"] = sum(t.numel() * t.element_size() for t in named)
+                fields["checksum"] = bucket_checksum(named)
+            out.append(BucketMetadata(names=b.names, dtypes=b.dtypes, shapes=b.shapes, **fields))
+        return out
+
+    def prepare_request(
+        self,
+        group_name: str = DEFAULT_GROUP_NAME,
+        tensors: Mapping[str, torch.Tensor] | None = None,
+        **fields: Any,
+    ) -> PrepareWeightsUpdateRequest:
+        """A ``/prepare_weights_update`` request for this plan (``fields``: load_format, weight_version,
+        atomic, ...); with ``tensors``, its buckets carry their sizes and checksums (:meth:`metadata`)."""
         given = {k: v for k, v in fields.items() if v is not None}
         return PrepareWeightsUpdateRequest(
-            num_buckets=len(self.buckets), buckets=self.metadata(), group_name=group_name, **given
+            num_buckets=len(self.buckets), buckets=self.metadata(tensors), group_name=group_name, **given
         )
 
 
@@ -170,8 +192,10 @@ class TrainerWeightSender:
 
     # -- group lifecycle -----------------------------------------------------------------------
 
-    def join(self) -> WeightUpdateGroup:
-        """Host the rendezvous and join as rank 0 (blocks until every rank arrives)."""
+    def join(self, cancel: threading.Event | None = None) -> WeightUpdateGroup:
+        """Host the rendezvous and join as rank 0 (blocks until every rank arrives, or
+        until ``cancel`` is set: then :class:`GroupError` at once, e.g. when the router
+        refused the workers' side of the init; ``GroupSpec.cancel`` is such an event)."""
         if self.group is not None and self.group.pg is not None:
             raise GroupError(f"already joined group {self.group_name!r}; call close() first")
         self.group = init_weight_update_group(
@@ -182,6 +206,7 @@ class TrainerWeightSender:
             group_name=self.group_name,
             backend=self.backend,
             timeout_s=self.timeout_s,
+            cancel=cancel,
         )
         return self.group
 

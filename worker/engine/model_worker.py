@@ -15,6 +15,7 @@ copy restores the previous weights bit for bit.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,8 +34,8 @@ from worker.model import (
     checkpoint_files,
     load_model,
     load_tokenizer,
-    read_checkpoint,
 )
+from worker.model.checkpoint import check_config_file, read_checkpoint_chunked
 
 log = logging.getLogger(__name__)
 
@@ -140,8 +141,16 @@ class ModelWorker:
         return {"weight": weights / gib}
 
     # -- disk updates -----------------------------------------------------------------
-    def stage_checkpoint(self, model_path: str, load_format: str | None = None) -> StagedCheckpoint:
+    def stage_checkpoint(
+        self, model_path: str, load_format: str | None = None, cancel: threading.Event | None = None
+    ) -> StagedCheckpoint:
         """Read and validate a checkpoint without touching the model (any thread).
+
+        Every file it reads must be a regular, non-empty file (a FIFO, a device or a
+        ``/proc`` file is refused before anything is read). The bytes are read with
+        plain file I/O (:func:`~worker.model.checkpoint.read_checkpoint_chunked`),
+        so a hung file system blocks only the calling thread; once ``cancel`` is set
+        the read stops at its next chunk. Memory: the checkpoint's tensors (see there).
 
         Raises :class:`WeightUpdateError` with a caller-facing message.
         """
@@ -152,9 +161,10 @@ class ModelWorker:
         root = Path(model_path)
         if not root.is_dir():
             raise WeightUpdateError(f"model_path {model_path!r} is not an existing directory")
-        if not (root / "config.json").is_file():
+        if not (root / "config.json").exists():
             raise WeightUpdateError(f"model_path {model_path!r} has no config.json")
         try:
+            check_config_file(root)
             checkpoint_files(root)
             new_config = ModelConfig.from_dir(root)
         except (WeightLoadError, ModelConfigError) as exc:
@@ -164,7 +174,7 @@ class ModelWorker:
             detail = ", ".join(f"{f}: {getattr(new_config, f)!r} != {getattr(self.config, f)!r}" for f in mismatched)
             raise WeightUpdateError(f"checkpoint at {model_path!r} does not match the served model ({detail})")
         try:
-            tensors = list(read_checkpoint(root, self.dtype))
+            tensors = read_checkpoint_chunked(root, self.dtype, cancel=cancel)
             self.model.validate_weights(tensors, require_complete=True)
         except WeightLoadError as exc:
             raise WeightUpdateError(str(exc)) from None

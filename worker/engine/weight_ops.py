@@ -14,6 +14,7 @@ transaction:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.dataplane.buckets import NamedTensors
@@ -70,10 +71,21 @@ def apply_atomic(s: Scheduler, named: NamedTensors, *, abort_all: bool, require_
     return OpResult(True, "", {"num_aborted": len(aborted), "weights": "updated"})
 
 
-def apply_streamed(s: Scheduler, named: NamedTensors, failed: threading.Event) -> int:
-    """Streaming: write one received bucket (the update's later buckets are refused once it ``failed``)."""
+def apply_streamed(
+    s: Scheduler, named: NamedTensors, failed: threading.Event, verify: Callable[[], None] | None = None
+) -> int:
+    """Streaming: write one received bucket (the update's later buckets are refused once it ``failed``).
+
+    ``verify`` runs first (the bucket's checksum): if it raises, nothing of the bucket is
+    written and the update has ``failed``, so buckets queued after it are refused too."""
     if failed.is_set():
         raise RuntimeError("the update already failed; bucket not applied")
+    if verify is not None:
+        try:
+            verify()
+        except Exception:
+            failed.set()
+            raise
     return s.worker.apply_streamed(named)
 
 

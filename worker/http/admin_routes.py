@@ -30,6 +30,7 @@ from router.contract.admin import (
 )
 from router.contract.base import WireResponse
 from router.contract.errors import ApiError
+from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.engine import admin_ops
 from worker.engine.checker import engine_report
@@ -54,18 +55,21 @@ def admin_handler(fn: Handler) -> Handler:
     return wrapper
 
 
-def answer(endpoint: ep.Endpoint[Any, Any], body: WireResponse | dict[str, Any]) -> web.Response:
+def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], body: WireResponse | dict[str, Any]) -> web.Response:
     """The route's response model as JSON: 200, or 400 with ``error.message`` when it reports a failure.
 
-    A route that never writes weights says so (``weights: intact``); one that may write them
-    reports what it did, and its handler must have set it."""
+    ``weights`` says what the call left the weights as. A route that never writes them
+    leaves them ``intact``; one that may write them reports what it did (its handler sets
+    it). Either way, weights that are already a mix of versions (a failed update before)
+    are reported ``partial``: a router must not take them for the fleet's."""
     model = body if isinstance(body, WireResponse) else endpoint.response.model_validate(body)
-    if (
-        not endpoint.writes_weights
-        and "weights" in type(model).model_fields
-        and getattr(model, "weights", None) is None
-    ):
-        model = model.model_copy(update={"weights": "intact"})
+    if "weights" in type(model).model_fields:
+        said = getattr(model, "weights", None)
+        if said is None and not endpoint.writes_weights:
+            said = "intact"
+        if said == "intact" and request.app[COORDINATOR].worker.weights_partial:
+            said = "partial"
+        model = model.model_copy(update={"weights": said})
     payload = model.model_dump(mode="json")
     if model.ok:
         return web.json_response(payload)
@@ -73,8 +77,10 @@ def answer(endpoint: ep.Endpoint[Any, Any], body: WireResponse | dict[str, Any])
     return web.json_response(payload, status=400)
 
 
-def stage_answer(endpoint: ep.Endpoint[Any, Any], result: StageResult, **extra: Any) -> web.Response:
-    return answer(endpoint, result.body(**extra))
+def stage_answer(
+    request: web.Request, endpoint: ep.Endpoint[Any, Any], result: StageResult, **extra: Any
+) -> web.Response:
+    return answer(request, endpoint, result.body(**extra))
 
 
 async def _exclusive(
@@ -86,7 +92,7 @@ async def _exclusive(
     bound = endpoint.worker_bound(req)
     async with coord.admin_section(endpoint.name, bound):
         result = await coord.admin(endpoint.name, functools.partial(op, req=req), bound)
-    return stage_answer(endpoint, result, **extra)
+    return stage_answer(request, endpoint, result, **extra)
 
 
 # -- status --------------------------------------------------------------------------------
@@ -94,13 +100,13 @@ async def _exclusive(
 
 async def model_info(request: web.Request) -> web.Response:
     await parse_body(request, EmptyRequest)
-    return answer(ep.MODEL_INFO, request.app[COORDINATOR].model_info())
+    return answer(request, ep.MODEL_INFO, request.app[COORDINATOR].model_info())
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
     """``{"weight_version"}``. Upstream SGLang v0.5.9 answers 404 here (deprecated
     in favour of ``/model_info``); slime patches it back and its client calls it."""
-    return answer(ep.GET_WEIGHT_VERSION, {"weight_version": request.app[COORDINATOR].worker.weight_version})
+    return answer(request, ep.GET_WEIGHT_VERSION, {"weight_version": request.app[COORDINATOR].worker.weight_version})
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -115,7 +121,7 @@ async def server_info(request: web.Request) -> web.Response:
         "version": __version__,
     }
     info["weight_version"] = coord.worker.weight_version
-    return answer(ep.SERVER_INFO, info)
+    return answer(request, ep.SERVER_INFO, info)
 
 
 # -- weight version ----------------------------------------------------------------------
@@ -134,7 +140,7 @@ async def update_weight_version(request: web.Request) -> web.Response:
 async def pause_generation(request: web.Request) -> web.Response:
     req = await parse_body(request, PauseRequest)
     result = await request.app[COORDINATOR].pause(req, ep.PAUSE_GENERATION.worker_bound(req))
-    return stage_answer(ep.PAUSE_GENERATION, result, status="ok")
+    return stage_answer(request, ep.PAUSE_GENERATION, result, status="ok")
 
 
 @admin_handler
@@ -152,7 +158,7 @@ async def abort_request(request: web.Request) -> web.Response:
     result = await request.app[COORDINATOR].admin(
         "abort_request", functools.partial(admin_ops.abort_request, req=req), bound
     )
-    return stage_answer(ep.ABORT_REQUEST, result)
+    return stage_answer(request, ep.ABORT_REQUEST, result)
 
 
 @admin_handler
@@ -165,7 +171,7 @@ async def flush_cache(request: web.Request) -> web.Response:
     result = await request.app[COORDINATOR].flush_cache(req.timeout, ep.FLUSH_CACHE.worker_bound(req))
     if not result.success:
         raise ApiError(400, result.message)
-    return stage_answer(ep.FLUSH_CACHE, result)
+    return stage_answer(request, ep.FLUSH_CACHE, result)
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -175,7 +181,7 @@ async def flush_cache(request: web.Request) -> web.Response:
 async def update_weights_from_disk(request: web.Request) -> web.Response:
     req = await parse_body(request, UpdateWeightsFromDiskRequest, allow_empty=False)
     result = await request.app[COORDINATOR].update_weights_from_disk(req, ep.UPDATE_WEIGHTS_FROM_DISK.worker_bound(req))
-    return stage_answer(ep.UPDATE_WEIGHTS_FROM_DISK, result)
+    return stage_answer(request, ep.UPDATE_WEIGHTS_FROM_DISK, result)
 
 
 @admin_handler
@@ -185,7 +191,7 @@ async def weights_checker(request: web.Request) -> web.Response:
     result = await request.app[COORDINATOR].admin(
         "weights_checker", functools.partial(admin_ops.weights_checker, req=req), bound
     )
-    return stage_answer(ep.WEIGHTS_CHECKER, result, **engine_report(result.rank_data))
+    return stage_answer(request, ep.WEIGHTS_CHECKER, result, **engine_report(result.rank_data))
 
 
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
@@ -214,14 +220,26 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return await _exclusive(request, ep.RESUME_MEMORY_OCCUPATION, admin_ops.resume_memory, req)
 
 
-def endpoint_routes(endpoint: ep.Endpoint[Any, Any], handler: Handler) -> list[web.RouteDef]:
-    """``handler`` on every method of ``endpoint``, under its path and its older aliases."""
+def endpoint_routes(endpoint: ep.Endpoint[Any, Any], handler: Handler) -> list[Route]:
+    """``handler`` on every method of ``endpoint``, under its path and its older aliases.
+
+    A ``GET`` carries no body: its request fields are all defaults (or query parameters)."""
+    text = endpoint.summary
     return [
-        web.route(method, path, handler) for path in (endpoint.path, *endpoint.aliases) for method in endpoint.methods
+        Route(
+            method,
+            path,
+            handler,
+            text if path == endpoint.path else f"{text} (older name of {endpoint.path})",
+            body=endpoint.request if method != "GET" else None,
+            answer=endpoint.response,
+        )
+        for path in (endpoint.path, *endpoint.aliases)
+        for method in endpoint.methods
     ]
 
 
-ROUTES: list[web.RouteDef] = [
+ROUTES: list[Route] = [
     route
     for endpoint, handler in (
         (ep.MODEL_INFO, model_info),

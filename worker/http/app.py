@@ -14,11 +14,15 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from router import __version__
+from router.contract.generate import INSTANCE_HEADER
 from router.contract.web.auth import auth_middleware
 from router.contract.web.middleware import error_middleware
+from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
+from worker.engine.daemon_thread import abandon_pending
 from worker.engine.model_worker import ModelWorker
 from worker.engine.scheduler import Scheduler
 from worker.http import admin_routes, generate_routes, health_routes, weight_sync_routes
@@ -27,8 +31,17 @@ from worker.stage import Stage
 
 log = logging.getLogger(__name__)
 
-OPEN_PATHS = ("/health", "/health_generate")
-GENERATION_PATHS = ("/generate",)
+API_DESCRIPTION = (
+    "An inference worker with SGLang's generation and RL admin surface: weight updates from disk or "
+    "from a trainer's process group, checked byte for byte; refusals are 4xx with "
+    '{"error": {"message": ...}} and change nothing.'
+)
+
+
+def route_table() -> list[Route]:
+    """Every route the worker serves, ``/openapi.json`` included."""
+    table = [*health_routes.ROUTES, *generate_routes.ROUTES, *admin_routes.ROUTES, *weight_sync_routes.ROUTES]
+    return [*table, openapi_route("omni-worker", __version__, table, description=API_DESCRIPTION)]
 
 
 def build_coordinator(config: WorkerConfig) -> Coordinator:
@@ -59,9 +72,21 @@ async def _abort_on_shutdown(app: web.Application) -> None:
             log.exception("aborting requests at shutdown failed")
 
 
+async def _abandon_blocked_reads(app: web.Application) -> None:
+    """Give up reads stuck in the kernel (a hung mount) so their handlers answer now: the server
+    waits for busy handlers before it stops, and a stuck read would make SIGTERM wait for that."""
+    if abandoned := abandon_pending("the worker is shutting down"):
+        log.info("shutdown: gave up %d blocked read(s)", abandoned)
+
+
+async def _name_the_instance(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers[INSTANCE_HEADER] = request.app[COORDINATOR].instance_id
+
+
 def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> web.Application:
     """The worker app; pass ``coordinator`` to reuse an already loaded pipeline."""
     coord = coordinator or build_coordinator(config)
+    table = route_table()
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
         middlewares=[
@@ -69,15 +94,16 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
             auth_middleware(
                 admin_key=config.admin_api_key,
                 api_key=config.api_key,
-                open_paths=OPEN_PATHS,
-                generation_paths=GENERATION_PATHS,
+                open_paths=paths_with_access(table, "open"),
+                generation_paths=paths_with_access(table, "generation"),
             ),
         ],
     )
     app[CONFIG] = config
     app[COORDINATOR] = coord
-    app.add_routes([*health_routes.ROUTES, *generate_routes.ROUTES, *admin_routes.ROUTES, *weight_sync_routes.ROUTES])
+    app.add_routes(route_defs(table))
     # Cleanup runs in reverse: the controller cancels a receive in flight before the scheduler stops.
     app.cleanup_ctx.extend([_engine_ctx, weight_sync_routes.controller_ctx])
-    app.on_shutdown.append(_abort_on_shutdown)
+    app.on_response_prepare.append(_name_the_instance)
+    app.on_shutdown.extend([_abandon_blocked_reads, _abort_on_shutdown])
     return app

@@ -15,7 +15,8 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from router.contract.errors import ApiError, Unavailable, error_body
-from router.contract.generate import GenerateRequest, SamplingParams
+from router.contract.generate import GenerateRequest, GenerateResponse, SamplingParams
+from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker
@@ -191,7 +192,8 @@ async def _stream(
     return resp
 
 
+_SUMMARY = "Generate (SGLang's /generate; streams server-sent events when asked)"
 ROUTES = [
-    web.post("/generate", generate),
-    web.put("/generate", generate),
+    Route(method, "/generate", generate, _SUMMARY, access="generation", body=GenerateRequest, answer=GenerateResponse)
+    for method in ("POST", "PUT")
 ]

@@ -4,15 +4,30 @@ from __future__ import annotations
 
 from aiohttp import web
 
-from worker.http.keys import COORDINATOR
+from router.contract.admin import HealthStatus
+from router.contract.web.openapi import Route
+from worker.http.keys import COORDINATOR, WEIGHT_SYNC
 
 
 async def health(request: web.Request) -> web.Response:
-    """200 while the process serves, paused or not; 503 once the scheduler thread is gone."""
+    """200 while the process serves, paused or not; 503 once the scheduler thread is gone.
+
+    It also says which weights the process holds (version, state, instance): a router reads
+    them with every probe, so a worker that restarted or holds partial weights is taken out
+    of routing at the first probe that sees it; and the state of a prepared update's
+    receive, so that a router can end an update whose receives all failed."""
     coord = request.app[COORDINATOR]
     if not coord.alive:
         return web.json_response({"status": "unhealthy", "message": "the scheduler thread is not running"}, status=503)
-    return web.json_response({"status": "ok", "is_paused": coord.is_paused})
+    status = HealthStatus(
+        status="ok",
+        is_paused=coord.is_paused,
+        weight_version=coord.worker.weight_version,
+        weight_state=coord.weight_state,  # type: ignore[arg-type]
+        instance_id=coord.instance_id,
+        receive=request.app[WEIGHT_SYNC].receive_state,  # type: ignore[arg-type]
+    )
+    return web.json_response(status.model_dump())
 
 
 async def health_generate(request: web.Request) -> web.Response:
@@ -24,6 +39,6 @@ async def health_generate(request: web.Request) -> web.Response:
 
 
 ROUTES = [
-    web.get("/health", health),
-    web.get("/health_generate", health_generate),
+    Route("GET", "/health", health, "The process serves; which weights it holds", access="open", answer=HealthStatus),
+    Route("GET", "/health_generate", health_generate, "A one-token generation", access="open"),
 ]

@@ -26,6 +26,7 @@ from aiohttp import web
 
 from router.contract import endpoints as ep
 from router.contract.base import WireRequest, WireResponse
+from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
 from worker.http.keys import COORDINATOR, WEIGHT_SYNC
@@ -40,7 +41,7 @@ def _handler(endpoint: ep.Endpoint[Any, Any], call: Call, *, allow_empty: bool) 
     @admin_handler
     async def handle(request: web.Request) -> web.Response:
         req: WireRequest = await parse_body(request, endpoint.request, allow_empty=allow_empty)
-        return answer(endpoint, await call(request.app[WEIGHT_SYNC], req))
+        return answer(request, endpoint, await call(request.app[WEIGHT_SYNC], req))
 
     return handle
 
@@ -73,7 +74,7 @@ _TABLE: list[tuple[ep.Endpoint[Any, Any], Call, bool]] = [
     (ep.END_WEIGHT_UPDATE, _end, True),
 ]
 
-ROUTES: list[web.RouteDef] = [
+ROUTES: list[Route] = [
     route
     for endpoint, call, allow_empty in _TABLE
     for route in endpoint_routes(endpoint, _handler(endpoint, call, allow_empty=allow_empty))

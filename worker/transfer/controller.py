@@ -43,7 +43,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -64,13 +64,21 @@ from router.contract.weight_sync import (
     UpdateWeightsFromDistributedRequest,
     WeightSyncResponse,
 )
+from router.dataplane.buckets import NamedTensors
 from router.dataplane.formats import BucketFormat, for_load_format
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
 from worker.engine.weight_ops import CommitOptions
 from worker.stage import StageResult, held
 from worker.transfer.bracket import UpdateBracket
 from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
-from worker.transfer.validation import MetadataError, validate_buckets
+from worker.transfer.validation import (
+    ChecksumMismatch,
+    MetadataError,
+    announced_checksums,
+    validate_buckets,
+    verify_bucket,
+    verify_staged,
+)
 from worker.updates import UpdateFailed, UpdateRefused, UpdateTransaction
 
 if TYPE_CHECKING:
@@ -102,6 +110,8 @@ class _Update:
     atomic: bool
     weight_version: str | None
     names: tuple[str, ...]
+    #: Each bucket's announced checksum (``None``: none announced), verified before it is applied.
+    checksums: tuple[str | None, ...] = ()
     started: float = field(default_factory=time.monotonic)
     expiry: asyncio.Task[None] | None = None
 
@@ -136,6 +146,12 @@ class WeightSyncController:
         self._lock_holder: str | None = None
         # Joins and receive waits block for up to their timeouts: they get their own threads.
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync")
+
+    @property
+    def receive_state(self) -> str | None:
+        """The prepared update's receive state (``/health``'s ``receive``), or ``None`` when none is prepared."""
+        update = self._update
+        return update.receiver.state.value if update is not None else None
 
     # -- groups --------------------------------------------------------------------------------
 
@@ -433,13 +449,19 @@ class WeightSyncController:
         window = timeout_s or self.receive_timeout_s
         txn = await self.updates.begin(SYNC_ACTION, abort_all=abort_all, streaming=not atomic, timeout_s=window)
         names = tuple(s.name for layout in layouts for s in layout.slots)
+        checksums = announced_checksums(buckets)
+
+        def apply(index: int, named: NamedTensors) -> Future[Any]:
+            # Streaming: each bucket's checksum is verified in its apply step, before the write.
+            return self.updates.apply_streamed(txn, named, verify=partial(verify_bucket, checksums[index], named))
+
         receiver = BucketReceiver(
             group,
             layouts,
             fmt=fmt,
             device=self.coordinator.worker.device,
             buffers=self._buffers,
-            apply=None if atomic else lambda _index, named: self.updates.apply_streamed(txn, named),
+            apply=None if atomic else apply,
         )
         try:
             await self._in_thread(partial(receiver.start, window))
@@ -447,7 +469,13 @@ class WeightSyncController:
             await self.updates.end_refused(txn)
             raise UpdateRefused(str(exc)) from None
         return _Update(
-            group=group, txn=txn, receiver=receiver, atomic=atomic, weight_version=weight_version, names=names
+            group=group,
+            txn=txn,
+            receiver=receiver,
+            atomic=atomic,
+            weight_version=weight_version,
+            names=names,
+            checksums=checksums,
         )
 
     async def _finish(
@@ -456,7 +484,13 @@ class WeightSyncController:
         """After a successful receive: atomic updates write their staged buckets; then commit. Drops the buffers."""
         try:
             if update.atomic:
-                staged = [t for _, named in update.receiver.staged() for t in named]
+                buckets = update.receiver.staged()
+                if any(update.checksums):  # verified before anything is taken or written
+                    try:
+                        await self._in_thread(partial(verify_staged, buckets, update.checksums))
+                    except ChecksumMismatch as exc:
+                        raise UpdateFailed(str(exc), "intact") from None
+                staged = [t for _, named in buckets for t in named]
                 await self.updates.take(update.txn)
                 await self.updates.apply(update.txn, staged, require_complete=False)
         except (UpdateRefused, UpdateFailed):

@@ -4,9 +4,11 @@
 
     STARTING ──► RECEIVING ──► DRAINING ──► DONE        (streaming: every bucket applied)
                      │             │
-                     │             └──────► FAILED      (an apply failed or timed out)
+                     │             └──────► FAILED      (an apply failed or timed out, or a bucket's
+                     │                                   bytes did not match what was announced)
                      ├────────────────────► STAGED      (atomic: every bucket held, none applied)
-                     └────────────────────► FAILED      (a broadcast failed or timed out, or cancel())
+                     └────────────────────► FAILED      (a broadcast failed or timed out, or cancel();
+                                                         atomic: a bucket's bytes did not match)
 
 Wire contract (must match the sender broadcast for broadcast, in lockstep):
 buckets are received in order; within a bucket, the bucket format
@@ -23,7 +25,11 @@ Every wait is bounded by one deadline (``timeout_s`` from :meth:`start`). A
 broadcast that fails or runs past it marks the group broken (sender and
 receiver are out of lockstep). An apply that fails does not stop the loop: it
 keeps receiving into a scratch buffer, so the trainer's broadcasts finish and
-the group stays usable, and reports the apply error at the end.
+the group stays usable, and reports the apply error at the end. A bucket that
+arrives with another byte count than announced (the format raises
+:class:`~router.dataplane.canary.ByteMismatch`; over gloo only) is handled the
+same way: both sides completed the same broadcasts, so the group is still in
+lockstep; the bucket and every later one are neither applied nor staged.
 """
 
 from __future__ import annotations
@@ -41,8 +47,10 @@ import torch
 
 from router.contract.bucket_layout import BucketLayout
 from router.dataplane.buckets import NamedTensors, allocate, allocate_bytes, unpack
+from router.dataplane.canary import ByteMismatch, receive_slack
 from router.dataplane.formats import BucketFormat
 from router.dataplane.group import GroupError, WeightUpdateGroup
+from worker.transfer.validation import ChecksumMismatch
 
 log = logging.getLogger(__name__)
 #: Submit the apply of bucket ``index`` elsewhere; the future resolves when it has run.
@@ -106,8 +114,9 @@ class BucketReceiver:
         self.group = group
         self.buckets = list(buckets)
         self.fmt = fmt
-        # Where each tensor lands in the receive buffer (a per-tensor receive pads for alignment).
-        self._landing = [fmt.receive_layout(layout) for layout in self.buckets]
+        # Where each tensor lands in the receive buffer (a per-tensor receive pads for alignment;
+        # over gloo every broadcast has its slack after it).
+        self._landing = [fmt.receive_layout(layout, receive_slack(group)) for layout in self.buckets]
         self.atomic = apply is None
         self._apply = apply
         self.device = torch.device(device)
@@ -205,7 +214,7 @@ class BucketReceiver:
         buffers: list[torch.Tensor] = []
         pending: dict[int, Future[object]] = {}
         scratch: torch.Tensor | None = None
-        apply_error: str | None = None
+        failure: str | None = None  # the first failed apply or mismatched bucket: nothing is applied after it
         reusable = False  # set once no broadcast can still be writing into the buffers
         try:
             buffers = pool.lease(biggest, count, self.device)
@@ -213,39 +222,40 @@ class BucketReceiver:
             self._running.set()
             for index, layout in enumerate(self._landing):
                 self._check_cancelled()
-                if self.atomic:
-                    buffer = allocate(layout, self.device)
-                elif apply_error is None:
+                if not self.atomic and failure is None:
                     previous = pending.pop(index - 2, None)
-                    apply_error = self._settle(index - 2, previous) if previous is not None else None
-                    buffer = buffers[index % 2]
-                if not self.atomic and apply_error is not None:
+                    failure = self._settle(index - 2, previous) if previous is not None else None
+                if failure is not None:
                     # Keep the trainer's broadcasts flowing; pending applies may still hold the double buffers.
                     if scratch is None:
                         scratch = allocate_bytes(biggest, self.device)
                     buffer = scratch
-                self._receive(buffer, layout, index)
+                else:
+                    buffer = allocate(layout, self.device) if self.atomic else buffers[index % 2]
+                try:
+                    self._receive(buffer, index)
+                except ByteMismatch as exc:  # every broadcast completed: the group is still in lockstep
+                    failure = failure or exc.describe(f"bucket {index + 1}/{len(self.buckets)}")
                 self._check_cancelled()  # a bucket that lands after cancel() is neither staged nor applied
                 with self._lock:
                     self.buckets_received += 1
                     self.bytes_received += self.buckets[index].total_bytes
+                if failure is not None:
+                    continue
                 if self.atomic:
                     self._staged.append(buffer)
-                elif apply_error is None:
+                else:
                     pending[index] = self._apply(index, unpack(buffer, layout))  # type: ignore[misc]
             if self.atomic:
                 reusable = True
-                self._finish(ReceiveState.STAGED)
+                self._finish(ReceiveState.STAGED if failure is None else ReceiveState.FAILED, failure)
                 return
             self._set_state(ReceiveState.DRAINING)
             for index in sorted(pending):
                 err = self._settle(index, pending.pop(index))
-                apply_error = apply_error or err
+                failure = failure or err
             reusable = not self._apply_overran
-            if apply_error is not None:
-                self._finish(ReceiveState.FAILED, apply_error)
-            else:
-                self._finish(ReceiveState.DONE)
+            self._finish(ReceiveState.DONE if failure is None else ReceiveState.FAILED, failure)
         except GroupError as exc:
             self._finish(
                 ReceiveState.FAILED, f"receive failed at bucket {self.buckets_received + 1}/{len(self.buckets)}: {exc}"
@@ -262,8 +272,8 @@ class BucketReceiver:
             self._running.set()
             self._finished.set()
 
-    def _receive(self, buffer: torch.Tensor, layout: BucketLayout, index: int) -> None:
-        self.fmt.receive(self.group, layout, buffer, lambda: self._remaining(index))
+    def _receive(self, buffer: torch.Tensor, index: int) -> None:
+        self.fmt.receive(self.group, self.buckets[index], buffer, lambda: self._remaining(index))
         if self.device.type == "cuda":
             # The apply runs on another thread (another stream): make the bytes visible first.
             torch.cuda.current_stream(self.device).synchronize()
@@ -275,6 +285,8 @@ class BucketReceiver:
         except FutureTimeout:
             self._apply_overran = True  # it may still read its buffer
             return f"applying bucket {index + 1} did not finish before the update's deadline"
+        except ChecksumMismatch as exc:  # verified before the write: nothing of this bucket was applied
+            return f"bucket {index + 1}/{len(self.buckets)} not applied: {exc}"
         except Exception as exc:
             return f"applying bucket {index + 1} failed: {exc}"
         with self._lock:

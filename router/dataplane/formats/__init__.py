@@ -8,11 +8,15 @@ name                ``load_format``        one bucket on the wire
 ==================  =====================  ============================================
 
 :func:`for_load_format` maps a request's ``load_format`` to its format;
-:func:`register` adds one (a duplicate name is refused).
+:func:`register` adds one (a duplicate name is refused). Over gloo every format
+receives each broadcast with :data:`RECEIVE_SLACK_BYTES` of slack and canaries, and
+raises :class:`ByteMismatch` when one carried another byte count than announced
+(:mod:`router.dataplane.canary`).
 """
 
 from __future__ import annotations
 
+from router.dataplane.canary import RECEIVE_SLACK_BYTES, ByteMismatch, receive_slack
 from router.dataplane.formats.base import BucketFormat
 from router.dataplane.formats.flattened_bucket import FlattenedBucket
 from router.dataplane.formats.per_tensor import PerTensor
@@ -45,4 +49,14 @@ def for_load_format(load_format: str | None) -> BucketFormat:
 register(PerTensor())
 register(FlattenedBucket())
 
-__all__ = ["BucketFormat", "FlattenedBucket", "PerTensor", "for_load_format", "get_format", "register"]
+__all__ = [
+    "RECEIVE_SLACK_BYTES",
+    "BucketFormat",
+    "ByteMismatch",
+    "FlattenedBucket",
+    "PerTensor",
+    "for_load_format",
+    "get_format",
+    "receive_slack",
+    "register",
+]

@@ -5,6 +5,15 @@ for broadcast, in order, on every rank: the trainer's :meth:`BucketFormat.post_s
 (rank 0) and each receiver's :meth:`BucketFormat.receive`. Buckets themselves
 go in plan order; the receive loop and the sender own that order, the buffers
 and the waits between buckets.
+
+A receive holds every broadcast to the bytes announced for it. Over gloo each
+broadcast lands in a ``uint8`` view of its announced bytes plus
+:data:`~router.dataplane.canary.RECEIVE_SLACK_BYTES`, guarded by canaries
+(:mod:`router.dataplane.canary`), and a message of another length fails the
+bucket with :class:`~router.dataplane.canary.ByteMismatch` while the group stays
+usable; one longer than the slack still aborts the process inside gloo. Over
+NCCL counts must match on every rank, so the receive posts exactly the announced
+bytes and cannot see a mismatch (see :meth:`BucketFormat.receive`).
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ class BucketFormat(ABC):
     packs: ClassVar[bool]
     """The sender copies a bucket into a staging buffer of ``layout.total_bytes`` before sending it."""
 
-    def receive_layout(self, layout: BucketLayout) -> BucketLayout:
-        """Where each tensor lands in the receiver's buffer (the bucket's own layout unless the format may pad)."""
-        return layout
+    @abstractmethod
+    def receive_layout(self, layout: BucketLayout, slack: int = 0) -> BucketLayout:
+        """Where each tensor lands in the receiver's buffer, with ``slack`` free bytes after each
+        broadcast's announced bytes; its ``total_bytes`` is the buffer size a receive needs."""
 
     @abstractmethod
     def post_send(
@@ -53,4 +63,22 @@ class BucketFormat(ABC):
     def receive(
         self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining
     ) -> None:
-        """A receiver: post and wait every broadcast of one bucket into ``buffer`` (laid out by :meth:`receive_layout`)."""
+        """A receiver: post and wait every broadcast of the bucket announced as ``layout`` into
+        ``buffer``, laid out by ``receive_layout(layout, receive_slack(group))``.
+
+        Raises :class:`~router.dataplane.group.GroupError` when a broadcast fails or
+        times out (the group is broken), and, over gloo,
+        :class:`~router.dataplane.canary.ByteMismatch` when every broadcast completed
+        but one carried another byte count than announced (the group stays usable).
+
+        Over NCCL nothing here can see a wrong byte count: NCCL does not frame its
+        messages, and a broadcast whose count differs between ranks is undefined —
+        usually a hang until the group's timeout (reported, and the group is marked
+        broken), possibly wrong bytes with no error at all. Against that, a
+        hand-written SGLang-style trainer is protected only by what it sends besides
+        the bytes: the metadata check before the receive (names, dtypes, shapes),
+        and, in the two-phase protocol, the bucket's ``nbytes`` (checked at prepare)
+        and ``checksum`` (checked after the receive, before the bucket is applied).
+        One that sends no checksum (SGLang's own trainers send none) and broadcasts
+        other bytes than it announced is not protected.
+        """

@@ -3,6 +3,9 @@
 Each tensor is sent from its own storage, so nothing is packed on the sender;
 the receiver posts every broadcast of the bucket first and then waits
 (SGLang's pattern), into views of one buffer laid out with each tensor aligned.
+Over gloo every tensor's view is ``uint8`` and has its own slack and canaries
+(:mod:`router.dataplane.canary`): one broadcast each, so each can be short or long
+on its own.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from router.contract.bucket_layout import BucketLayout
+from router.dataplane import canary
 from router.dataplane.buckets import dtype_name, slot_view
 from router.dataplane.formats.base import BucketFormat, Remaining
 from router.dataplane.group import WeightUpdateGroup
@@ -25,9 +29,9 @@ class PerTensor(BucketFormat):
     requires_aligned: ClassVar[bool] = False
     packs: ClassVar[bool] = False
 
-    def receive_layout(self, layout: BucketLayout) -> BucketLayout:
-        # Each tensor arrives on its own: pad so that every view starts aligned.
-        return layout.padded()
+    def receive_layout(self, layout: BucketLayout, slack: int = 0) -> BucketLayout:
+        # Each tensor arrives on its own: pad so that every view starts aligned, each with its own slack.
+        return layout.padded(gap=slack)
 
     def post_send(
         self,
@@ -49,6 +53,21 @@ class PerTensor(BucketFormat):
     def receive(
         self, group: WeightUpdateGroup, layout: BucketLayout, buffer: torch.Tensor, remaining: Remaining
     ) -> None:
-        works = [group.broadcast_async(slot_view(buffer, slot)) for slot in layout.slots]
-        for work in works:
+        slack = canary.receive_slack(group)
+        landing = self.receive_layout(layout, slack)
+        if not slack:  # NCCL: exact counts on every rank, nothing to guard with
+            works = [group.broadcast_async(slot_view(buffer, slot)) for slot in landing.slots]
+            for work in works:
+                group.wait(work, remaining())
+            return
+        sequence = canary.sequence_for(group)
+        posted = []
+        for slot in landing.slots:
+            view = buffer[slot.offset : slot.end + slack]
+            armed = canary.arm(view, slot.nbytes, sequence.next())
+            posted.append((slot.name, view, armed, group.broadcast_async(view)))
+        for _, _, _, work in posted:
             group.wait(work, remaining())
+        problems = [(name, v) for name, view, armed, _ in posted if (v := canary.check(view, armed)) is not None]
+        if problems:
+            raise canary.ByteMismatch(problems)

@@ -17,9 +17,9 @@ async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcom
     """Lock if serialized, fence if fenced, fan out, settle; refresh versions after a weight change."""
     async with AdminRun.open(op, ctx) as run:
         targets = ctx.live_targets()
-        run.fence_targets(targets)
+        await run.fence_targets(targets)
         results = await run.fan_out(targets, call)
-        outcome = run.settle(results)
-        if outcome.ok and op.changes_weights:
-            await ctx.refresh_versions(targets)
+        outcome = await run.settle(results)
+        if op.changes_weights:
+            await ctx.record_weight_change(targets, results)
         return outcome

@@ -36,37 +36,49 @@ class Fence:
     settled: bool = field(default=False)
 
     @classmethod
-    def raise_around(cls, targets: Sequence[Worker], path: str, journal: UpdateJournal) -> Fence:
+    async def raise_around(cls, targets: Sequence[Worker], path: str, journal: UpdateJournal) -> Fence:
         """Journal the targets durably, then disable them. Raises (changing nothing) if either step cannot start."""
         require_no_pending_failure(journal)
-        journal.begin(path, [(w.id, w.url, w.disabled) for w in targets])
+        await journal.begin(path, [(w.id, w.url, w.disabled) for w in targets])
         previous = {w.id: w.disabled for w in targets}
         for w in targets:
             w.disabled = True
             w.update_holds += 1
         return cls(path=path, targets=list(targets), previous=previous, journal=journal)
 
-    def succeed(self) -> None:
-        """Known-good outcome: restore every target's previous flag and drop the journal entry."""
-        if self._settle():
-            for w in self.targets:
-                w.disabled = self.previous[w.id]
-            self.journal.clear()
+    async def settle(self, kept_ids: Sequence[str], reason: str) -> None:
+        """Restore every target's previous flag except ``kept_ids``, which stay disabled; the journal
+        entry is dropped when none is kept, else narrowed to them until an operator resolves it."""
+        if not self._settle(kept_ids):
+            return
+        if kept_ids:
+            await self.journal.fail(kept_ids, reason)
+            log.warning("%s failed (%s); %d target(s) kept disabled", self.path, reason, len(kept_ids))
+        else:
+            await self.journal.clear()
 
-    def fail(self, failed_ids: Sequence[str], reason: str) -> None:
-        """Uncertain outcome: every target stays disabled until an operator resolves it."""
-        if self._settle():
-            for w in self.targets:
-                w.disabled = True
-            self.journal.fail(failed_ids, reason)
-            log.error("%s failed (%s); %d target(s) kept disabled", self.path, reason, len(self.targets))
+    async def succeed(self) -> None:
+        await self.settle((), "")
 
-    def _settle(self) -> bool:
+    async def fail(self, reason: str) -> None:
+        """Every target's outcome is uncertain: all stay disabled."""
+        await self.settle([w.id for w in self.targets], reason)
+
+    def fail_now(self, reason: str) -> None:
+        """:meth:`fail` without awaiting (an interrupted operation, perhaps at shutdown)."""
+        kept = [w.id for w in self.targets]
+        if self._settle(kept):
+            self.journal.fail_now(kept, reason)
+            log.warning("%s interrupted (%s); %d target(s) kept disabled", self.path, reason, len(kept))
+
+    def _settle(self, kept_ids: Sequence[str]) -> bool:
         if self.settled:
             return False
         self.settled = True
+        kept = set(kept_ids)
         for w in self.targets:
             w.update_holds = max(0, w.update_holds - 1)
+            w.disabled = True if w.id in kept else self.previous[w.id]
         return True
 
 

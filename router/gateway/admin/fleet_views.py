@@ -53,10 +53,24 @@ class FleetViews:
             if worker is None or version is None:
                 continue
             worker.weight_version = version
-            if isinstance(r.body, ModelInfo) and r.body.tp_size >= 1:
-                worker.tp_size = r.body.tp_size
+            if isinstance(r.body, ModelInfo):
+                worker.weight_state = r.body.weight_state
+                worker.instance_id = r.body.instance_id or worker.instance_id
+                if r.body.tp_size >= 1:
+                    worker.tp_size = r.body.tp_size
+
+    def _is_mixed(self, worker_id: str) -> bool:
+        worker = self._ctx.registry.find(worker_id)
+        return worker is not None and worker.weight_state in ("partial", "writing")
 
     def _common_version(self, results: list[WorkerResult[Any]]) -> str:
+        partial = [r.worker for r in results if isinstance(r.body, ModelInfo) and r.body.weights_partial]
+        if partial:
+            raise Conflict(
+                f"the fleet does not hold whole weights: worker(s) {', '.join(partial)} hold a mix of versions",
+                partial_workers=partial,
+                results=[r.model_dump(mode="json") for r in results],
+            )
         versions = {r.worker: _version_of(r) for r in results}
         distinct = set(versions.values())
         if len(distinct) != 1 or None in distinct:
@@ -98,7 +112,9 @@ class FleetViews:
             bodies = {r.worker: r.body if isinstance(r.body, WeightsCheckerResult) else None for r in answer.results}
             sums = {w: (b.per_engine_checksum or b.per_gpu_checksum) if b else None for w, b in bodies.items()}
             values = set(sums.values())
+            partial = [r.worker for r in answer.results if self._is_mixed(r.worker)]
             answer.worker_checksums = sums
             answer.rank_checksums = {w: b.checksums_per_rank() if b else [] for w, b in bodies.items()}
-            answer.identical = outcome.ok and None not in values and len(values) == 1
+            answer.partial_workers = partial
+            answer.identical = outcome.ok and None not in values and len(values) == 1 and not partial
         return outcome

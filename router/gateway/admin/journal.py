@@ -1,9 +1,10 @@
 """Crash-safe record of an admin update whose outcome is not known to be good.
 
 Before an update disables its targets, the router writes their ids (and each
-one's previous ``disabled`` flag) to ``<state_dir>/update_journal.json``:
-tmp file, fsync, ``os.replace``, fsync of the directory. The entry is removed
-only when the update ends known-good. If the router dies mid-update, the next
+one's previous ``disabled`` flag) to ``<state_dir>/update_journal.json``
+(:func:`~router.gateway.state_file.write_atomic`, on a worker thread). When the
+update ends the entry is removed, or narrowed to the workers whose weights may
+differ from the fleet's, which stay disabled. If the router dies mid-update, the next
 start finds the entry and keeps those workers disabled: once a broadcast has
 started, every target's weights are uncertain.
 
@@ -18,8 +19,8 @@ closed, but a router crash forgets them (the CLI warns about this).
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import os
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -28,6 +29,7 @@ from pydantic import ValidationError
 
 from router.contract.errors import Unavailable
 from router.contract.fleet import JournalState, JournalTarget
+from router.gateway import state_file
 
 log = logging.getLogger(__name__)
 
@@ -46,24 +48,22 @@ class UpdateJournal:
         return None if self.state_dir is None else self.state_dir / JOURNAL_FILE
 
     def load(self) -> JournalState | None:
-        """Read the entry left by a previous run.
+        """Read the entry left by a previous run (at start-up, before the event loop serves).
 
         An entry still ``in_flight`` means the router died mid-update; it becomes
-        ``failed``. A file that exists but cannot be read yields ``None`` and
-        raises nothing: the caller treats that as "every worker uncertain"
-        (see :meth:`load_or_unreadable`).
+        ``failed``. A file that exists but cannot be read raises; the caller
+        treats that as "every worker uncertain" (see :meth:`load_or_unreadable`).
         """
         self.pending = None
         path = self.path
         if path is None or not path.exists():
             return None
-        raw = path.read_text()
-        state = JournalState.model_validate_json(raw)
+        state = JournalState.model_validate_json(path.read_text())
         if state.state == "in_flight":
             state.state = "failed"
             state.reason = f"router stopped during {state.path}; targets' weights are uncertain"
             state.failed = [t.id for t in state.targets]
-            self._write(state)
+            self._persist(state)
         self.pending = state
         return state
 
@@ -82,10 +82,10 @@ class UpdateJournal:
             )
             state.failed = [t.id for t in state.targets]
             self.pending = state
-            self._write(state)
+            self._persist(state)
             return state
 
-    def begin(self, path: str, targets: Iterable[tuple[str, str, bool]]) -> None:
+    async def begin(self, path: str, targets: Iterable[tuple[str, str, bool]]) -> None:
         """Record an update about to start; raise 503 (and change nothing) if it cannot be made durable."""
         state = JournalState(
             state="in_flight",
@@ -94,35 +94,35 @@ class UpdateJournal:
             targets=[JournalTarget(id=i, url=u, previous_disabled=d) for i, u, d in targets],
         )
         try:
-            self._write(state)
+            await asyncio.to_thread(self._persist, state)
         except OSError as exc:
             raise Unavailable(f"update refused: cannot write the update journal ({exc})") from None
         self.pending = state
 
-    def fail(self, failed_ids: Iterable[str], reason: str) -> None:
-        """Keep the entry: the update ended with its targets' weights uncertain."""
-        if self.pending is None:
-            return
-        self.pending.state = "failed"
-        self.pending.failed = sorted(set(failed_ids))
-        self.pending.reason = reason
-        try:
-            self._write(self.pending)
-        except OSError as exc:  # the in-memory entry still fences the workers
-            log.error("could not persist failed update journal: %s", exc)
+    async def fail(self, kept_ids: Iterable[str], reason: str) -> None:
+        """The update ended with these targets' weights uncertain: the entry keeps exactly them."""
+        if self._mark_failed(kept_ids, reason):
+            await self._save()
 
-    def clear(self) -> None:
+    def fail_now(self, kept_ids: Iterable[str], reason: str) -> None:
+        """:meth:`fail` without leaving the calling thread (an interrupted operation, perhaps at shutdown)."""
+        if self._mark_failed(kept_ids, reason):
+            try:
+                self._persist(self.pending)
+            except OSError as exc:  # the in-memory entry still fences the workers
+                log.error("could not persist the failed update journal: %s", exc)
+
+    async def clear(self) -> None:
         self.pending = None
         path = self.path
         if path is None:
             return
         try:
-            path.unlink(missing_ok=True)
-            self._fsync_dir()
+            await asyncio.to_thread(state_file.remove, path)
         except OSError as exc:
             log.error("could not remove update journal %s: %s", path, exc)
 
-    def discard_target(self, worker_id: str) -> bool:
+    async def discard_target(self, worker_id: str) -> bool:
         """Drop one worker from a failed entry (the operator re-enabled it); True if it was there."""
         state = self.pending
         if state is None or state.state != "failed":
@@ -131,41 +131,38 @@ class UpdateJournal:
         if len(remaining) == len(state.targets):
             return False
         if not remaining:
-            self.clear()
+            await self.clear()
             return True
         state.targets = remaining
         state.failed = [f for f in state.failed if f != worker_id]
-        try:
-            self._write(state)
-        except OSError as exc:
-            log.error("could not persist update journal: %s", exc)
+        await self._save()
         return True
 
     def names(self, worker_id: str) -> bool:
         return self.pending is not None and any(t.id == worker_id for t in self.pending.targets)
 
-    def _write(self, state: JournalState) -> None:
-        path = self.path
-        if path is None:
-            return
-        assert self.state_dir is not None
-        self.state_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
-        fd = os.open(tmp, flags, 0o600)
-        try:
-            os.write(fd, state.model_dump_json(indent=1).encode())
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-        self._fsync_dir()
+    def _mark_failed(self, kept_ids: Iterable[str], reason: str) -> bool:
+        state = self.pending
+        if state is None:
+            return False
+        kept = set(kept_ids)
+        state.state = "failed"
+        state.targets = [t for t in state.targets if t.id in kept]
+        state.failed = sorted(kept)
+        state.reason = reason
+        return True
 
-    def _fsync_dir(self) -> None:
-        if self.state_dir is None:
+    async def _save(self) -> None:
+        state = self.pending
+        if state is None:
             return
-        fd = os.open(self.state_dir, os.O_RDONLY)
         try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+            await asyncio.to_thread(self._persist, state)
+        except OSError as exc:  # the in-memory entry still fences the workers
+            log.error("could not persist the update journal: %s", exc)
+
+    def _persist(self, state: JournalState | None) -> None:
+        path = self.path
+        if path is None or state is None:
+            return
+        state_file.write_atomic(path, state.model_dump_json(indent=1).encode())

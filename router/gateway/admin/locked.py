@@ -33,6 +33,7 @@ from router.gateway.admin.fence import RESOLVE_HINT, Fence
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.health import WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
@@ -58,6 +59,15 @@ class AdminContext:
     async def refresh_versions(self, workers: Sequence[Worker]) -> None:
         """Read each worker's ``weight_version`` and ``tp_size`` again (after a change, or when unknown)."""
         await asyncio.gather(*(self.prober.refresh_metadata(w) for w in workers))
+
+    async def record_weight_change(self, targets: Sequence[Worker], results: Sequence[WorkerResult[Any]]) -> None:
+        """After a weight change: the targets that succeeded now hold the fleet's weights (read back
+        from them); every other worker is pending until an update brings it there."""
+        succeeded = {r.worker for r in results if r.success}
+        done = [w for w in targets if w.id in succeeded]
+        if done:
+            await self.refresh_versions(done)
+            await self.registry.fleet.changed((w.id, w.weights) for w in done)
 
 
 class LockHold:
@@ -106,42 +116,50 @@ class AdminRun:
             yield run
         except BaseException:
             if run.fence is not None and not run.fence.settled:
-                run.fence.fail([w.id for w in run.fence.targets], f"{run.name} interrupted")
+                run.fence.fail_now(f"{run.name} interrupted")
             raise
         finally:
             run.end()
 
-    def fence_targets(self, targets: Sequence[Worker]) -> Fence | None:
+    async def fence_targets(self, targets: Sequence[Worker]) -> Fence | None:
         """Journal and disable ``targets`` if this operation is fenced (refuses with 409/503, changing nothing)."""
         if self.op.fenced:
-            self.fence = Fence.raise_around(targets, self.op.path, self.ctx.journal)
+            self.fence = await Fence.raise_around(targets, self.op.path, self.ctx.journal)
         return self.fence
 
     async def fan_out(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
         return await self.ctx.fanout.to_all(targets, call)
 
-    def settle(self, results: list[WorkerResult[Any]], **fields: Any) -> Outcome:
-        """The caller's answer, and the fence settled: restored if every target succeeded, else failed closed.
+    async def settle(self, results: list[WorkerResult[Any]], **fields: Any) -> Outcome:
+        """The caller's answer, and the fence settled worker by worker (:mod:`~router.gateway.admin.verdicts`).
 
         When every target answers 501, nothing can have changed and the fence is restored.
         """
         failed = [r for r in results if not r.success]
         not_implemented = bool(results) and all(r.status_code == 501 for r in results)
+        verdict = judge(self.op, results)
+        kept = () if not_implemented else verdict.kept
         if self.fence is not None:
-            if not failed or not_implemented:
-                self.fence.succeed()
-            else:
-                self.fence.fail([r.worker for r in failed], summarize(failed))
-        self.outcome = "success" if not failed else "failure"
+            await self.fence.settle(kept, summarize([r for r in failed if r.worker in kept]))
+        self.outcome = "success" if not failed else "refused" if verdict.all_refused else "failure"
         if not failed:
             return Outcome(200, fleet_answer(self.op, results, "ok", **fields))
         if not_implemented:
-            return Outcome(
-                501, fleet_answer(self.op, results, f"{self.op.path} is not implemented by the workers", **fields)
+            message = f"{self.op.path} is not implemented by the workers"
+            return Outcome(501, fleet_answer(self.op, results, message, error={"message": message}, **fields))
+        if verdict.all_refused:
+            reasons = {r.reason() for r in results}
+            message = (
+                reasons.pop() if len(reasons) == 1 else f"every worker refused {self.op.path}: {summarize(failed)}"
             )
+            answer = fleet_answer(self.op, results, message, error={"message": message}, **fields)
+            return Outcome(verdict.refusal_status, answer)
         message = f"{len(failed)} of {len(results)} worker(s) failed {self.op.path}: {summarize(failed)}"
-        if self.fence is not None:
-            message += f". All {len(self.fence.targets)} target(s) stay disabled (fail closed); {RESOLVE_HINT}"
+        if kept:
+            message += (
+                f". {len(kept)} target(s) whose weights may differ from the fleet's stay disabled (fail closed): "
+                f"{', '.join(kept)}; {RESOLVE_HINT}"
+            )
         return Outcome(502, fleet_answer(self.op, results, message, **fields))
 
     def keep_lock(self) -> LockHold:

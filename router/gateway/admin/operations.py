@@ -7,7 +7,8 @@ rows add the router's policy:
 - ``locked`` (the endpoint is *serialized*): one at a time under the admin update lock;
 - ``fenced``: the targets are also taken out of request routing for the whole
   broadcast, journaled, and kept disabled unless every target succeeds;
-- ``changes_weights``: after success the router refreshes each target's ``weight_version``.
+- ``changes_weights``: afterwards the targets that succeeded define the fleet's weights
+  (:mod:`router.gateway.fleet.weights`); every other worker is pending until an update reaches it.
 """
 
 from __future__ import annotations

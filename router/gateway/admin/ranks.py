@@ -110,6 +110,6 @@ class GroupInitializer:
             call = AdminCall(
                 INIT, "POST", req, headers, timeout_s=INIT.router_wait(req), request_for=lambda w: per_worker[w.id]
             )
-            run.fence_targets(targets)
+            await run.fence_targets(targets)
             results = await run.fan_out(targets, call)
-            return run.settle(results, ranks=[s.assignment() for s in slots])
+            return await run.settle(results, ranks=[s.assignment() for s in slots])

@@ -12,7 +12,11 @@ across the two HTTP calls. ``/complete_weights_update`` ends it: every worker
 succeeds with the announced bucket count → targets restored; otherwise they stay
 disabled. ``/abort_weights_update`` ends it when the trainer will not broadcast.
 A prepared update nobody ends expires once its receive window has passed (plus
-one margin) and fails closed. Each of the three ends runs as an
+one margin) and fails closed. It ends sooner when it cannot succeed any more: the
+router reads its targets' ``/health`` every :data:`RECEIVE_POLL_S`, and once no
+target can still complete (its receive ``failed``, its process restarted or lost
+the update, or it stopped answering) the update is aborted and settled at once,
+instead of holding the admin lock until expiry; a later complete or abort is told why. Each of the three ends runs as an
 :class:`~router.gateway.admin.locked.AdminRun` that adopts the update's lock,
 so the lock is released in that run's ``end``, like every other operation's.
 """
@@ -26,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from router.contract import endpoints as ep
+from router.contract.admin import HealthStatus
 from router.contract.budget import DEFAULT_RECEIVE_TIMEOUT_S, HOP_MARGIN_S
 from router.contract.errors import Conflict
 from router.contract.fleet import WorkerResult
@@ -40,10 +45,16 @@ from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.fence import Fence
 from router.gateway.admin.locked import AdminContext, AdminRun, LockHold
 from router.gateway.admin.operations import OPERATIONS
+from router.gateway.admin.verdicts import refused_untouched
 from router.gateway.fleet.registry import Worker
 from router.gateway.tasks import TaskSet
 
 log = logging.getLogger(__name__)
+
+#: How often a prepared update reads its targets' ``/health`` to see whether any receive can still succeed.
+RECEIVE_POLL_S = 1.0
+#: Consecutive unanswered polls after which a target counts as unable to complete (it died or hung).
+UNANSWERED_POLLS = 3
 
 PREPARE = OPERATIONS[ep.PREPARE_WEIGHTS_UPDATE.path]
 COMPLETE = OPERATIONS[ep.COMPLETE_WEIGHTS_UPDATE.path]
@@ -59,6 +70,8 @@ class PreparedUpdate:
     fence: Fence
     targets: list[Worker]
     expected_buckets: int
+    instances: dict[str, str | None]
+    """Each target's process instance at prepare: another one later has lost the update."""
     receive_deadline: float
     """``time.monotonic()`` past which the workers stop receiving (prepare's ``timeout_s`` from ready on)."""
     expiry: asyncio.Task[None] | None = None
@@ -80,11 +93,14 @@ class TwoPhaseCoordinator:
         # The router's own credentials, for calls no caller is waiting on (expiry).
         self._service_headers = service_headers
         self.prepared: PreparedUpdate | None = None
+        #: Why the router itself ended the last prepared update of each group (told to a late complete or abort).
+        self._ended: dict[str, str] = {}
 
     async def prepare(self, req: PrepareWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
         async with AdminRun.open(PREPARE, self._ctx) as run:
+            self._ended.pop(req.group_name, None)
             targets = self._ctx.live_targets()
-            fence = run.fence_targets(targets)
+            fence = await run.fence_targets(targets)
             assert fence is not None  # prepare is fenced
             call = AdminCall(PREPARE, "POST", req, headers, timeout_s=PREPARE.router_wait(req))
             results = await run.fan_out(targets, call)
@@ -98,6 +114,7 @@ class TwoPhaseCoordinator:
                 fence=fence,
                 targets=targets,
                 expected_buckets=req.num_buckets,
+                instances={w.id: w.instance_id for w in targets},
                 receive_deadline=time.monotonic() + window,
             )
             life = self._prepared_life_s if self._prepared_life_s is not None else window + HOP_MARGIN_S
@@ -109,24 +126,28 @@ class TwoPhaseCoordinator:
     async def _drop_ready(
         self, fence: Fence, targets: list[Worker], results: list[WorkerResult[Any]], group: str, headers: dict[str, str]
     ) -> Outcome:
-        """Some target is not ready: the ready ones drop their receive; known-good only if every drop succeeds."""
+        """Some target is not ready: the ready ones drop their receive. A worker stays fenced only if it
+        gave no usable answer or could not drop its receive; a refusal touched nothing."""
         ready_ids = {r.worker for r in results if r.success}
         ready = [w for w in targets if w.id in ready_ids]
         aborts = await self._ctx.fanout.to_all(ready, self._abort_call(group, headers)) if ready else []
         failed = [r for r in results if not r.success]
+        undropped = [a for a in aborts if not a.success]
+        kept = [r.worker for r in failed if not refused_untouched(PREPARE, r)] + [a.worker for a in undropped]
+        reason = summarize([r for r in failed if r.worker in kept] + undropped)
+        await fence.settle(kept, reason)
         message = f"{len(failed)} of {len(results)} worker(s) not ready: {summarize(failed)}; no broadcast may start"
-        if all(a.success for a in aborts):
-            # Nobody received anything and every started receive was dropped: weights untouched.
-            fence.succeed()
-            if ready:
-                message += f"; the {len(ready)} ready worker(s) dropped their receive"
-        else:
-            bad = [a for a in aborts if not a.success]
-            fence.fail(
-                [r.worker for r in failed] + [a.worker for a in bad],
-                "prepare failed and a receive could not be dropped",
-            )
-            message += f"; could not release {summarize(bad)}; all targets stay disabled (fail closed)"
+        if not ready and not kept:
+            # Every target refused before starting anything: nothing changed anywhere.
+            statuses = {r.status_code for r in failed}
+            status = statuses.pop() if len(statuses) == 1 and None not in statuses else 400
+            error = {"message": message}
+            answer = fleet_answer(PREPARE, results, message, success=False, status="error", aborts=aborts, error=error)
+            return Outcome(status or 400, answer)
+        if ready:
+            message += f"; the {len(ready) - len(undropped)} ready worker(s) dropped their receive"
+        if kept:
+            message += f"; {', '.join(kept)} stay disabled (fail closed)"
         return Outcome(502, fleet_answer(PREPARE, results, message, success=False, status="error", aborts=aborts))
 
     async def complete(self, req: CompleteWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
@@ -140,11 +161,10 @@ class TwoPhaseCoordinator:
             _check_counts(results, prepared.expected_buckets)
             checksums = {r.worker: r.body.checksum if r.body is not None else None for r in results}
             values = set(checksums.values())
-            outcome = run.settle(
+            outcome = await run.settle(
                 results, checksums=checksums, checksums_match=None if None in values else len(values) == 1
             )
-            if outcome.ok:
-                await self._ctx.refresh_versions(prepared.targets)
+            await self._ctx.record_weight_change(prepared.targets, results)
             return outcome
 
     async def abort(self, req: AbortWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
@@ -160,7 +180,7 @@ class TwoPhaseCoordinator:
             for r in results:
                 if r.body is not None and getattr(r.body, "weights_partial", False):
                     r.success = False
-            return run.settle(results)
+            return await run.settle(results)
 
     # ------------------------------------------------------------------ internals
 
@@ -169,6 +189,8 @@ class TwoPhaseCoordinator:
         prepared = self.prepared
         if prepared is None or prepared.group_name != group:
             have = f"the prepared one is for group {prepared.group_name!r}" if prepared else "no update is prepared"
+            if group in self._ended:
+                have += f"; the router ended the last one itself: {self._ended[group]}"
             raise Conflict(f"no prepared weight update for group {group!r} ({have}); {hint}")
         self._detach(prepared)
         return prepared
@@ -183,24 +205,56 @@ class TwoPhaseCoordinator:
         return AdminCall(ABORT, "POST", req, headers, timeout_s=ABORT.router_wait(req))
 
     async def _expire(self, prepared: PreparedUpdate, life_s: float) -> None:
-        await asyncio.sleep(life_s)
-        if self.prepared is not prepared:
-            return
-        log.error(
-            "prepared update of group %s expired after %.0fs without complete; failing closed",
-            prepared.group_name,
-            life_s,
-        )
+        """End ``prepared`` at its expiry, or as soon as no target can complete it any more."""
+        deadline = time.monotonic() + life_s
+        unanswered = dict.fromkeys(prepared.instances, 0)
+        reason: str | None = None
+        while reason is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = f"expired after {life_s:.0f}s without complete"
+                break
+            await asyncio.sleep(min(RECEIVE_POLL_S, left))
+            if self.prepared is not prepared:
+                return
+            answers = await asyncio.gather(*(self._ctx.prober.health(w) for w in prepared.targets))
+            if self.prepared is not prepared:
+                return
+            reason = self._cannot_complete(prepared, answers, unanswered)
+        log.warning("prepared update of group %s ended by the router: %s; failing closed", prepared.group_name, reason)
+        self._ended[prepared.group_name] = reason
         self._detach(prepared)
-        async with AdminRun.open(ABORT, self._ctx, name="prepared_update_expired", adopt=prepared.lock) as run:
+        async with AdminRun.open(ABORT, self._ctx, name="prepared_update_ended", adopt=prepared.lock) as run:
             run.fence = prepared.fence
-            try:
-                await run.fan_out(prepared.targets, self._abort_call(prepared.group_name, self._service_headers))
-            finally:
-                prepared.fence.fail(
-                    [w.id for w in prepared.targets], f"no /complete_weights_update within {life_s:.0f}s"
-                )
-                run.outcome = "failure"
+            # Workers that confirm the receive was dropped with nothing applied come back; the rest stay out.
+            results = await run.fan_out(prepared.targets, self._abort_call(prepared.group_name, self._service_headers))
+            await run.settle(results)
+            run.outcome = "failure"
+
+    @staticmethod
+    def _cannot_complete(
+        prepared: PreparedUpdate, answers: list[HealthStatus | None], unanswered: dict[str, int]
+    ) -> str | None:
+        """Why no target can complete ``prepared`` any more, or ``None`` while one still can."""
+        why: list[str] = []
+        for worker, status in zip(prepared.targets, answers, strict=True):
+            if status is None:
+                unanswered[worker.id] += 1
+                if unanswered[worker.id] < UNANSWERED_POLLS:
+                    return None
+                why.append(f"{worker.id}: no answer to {unanswered[worker.id]} health probes")
+                continue
+            unanswered[worker.id] = 0
+            known = prepared.instances[worker.id]
+            if known is not None and status.instance_id != known:
+                why.append(f"{worker.id}: its process restarted")
+            elif status.receive is None:
+                why.append(f"{worker.id}: holds no prepared update")
+            elif status.receive == "failed":
+                why.append(f"{worker.id}: its receive failed")
+            else:
+                return None
+        return "no worker can complete it (" + "; ".join(why) + ")"
 
 
 def _check_counts(results: list[WorkerResult[Any]], expected: int) -> None:

@@ -17,7 +17,7 @@ from typing import TypeVar
 import aiohttp
 from pydantic import ValidationError
 
-from router.contract.admin import ModelInfo, ServerInfo
+from router.contract.admin import HealthStatus, ModelInfo, ServerInfo
 from router.contract.base import WireResponse
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 
@@ -26,17 +26,25 @@ log = logging.getLogger(__name__)
 M = TypeVar("M", bound=WireResponse)
 
 
+#: Errors that mean "no usable answer" from a worker (``ValueError``: a URL that cannot be encoded).
+_UNREACHABLE = (TimeoutError, aiohttp.ClientError, OSError, ValueError)
+
+
 class WorkerProber:
-    """Talks to one worker's health and metadata routes."""
+    """Talks to one worker's health and metadata routes.
+
+    ``/health`` is open on every worker, so it is probed without credentials; the
+    metadata routes get ``headers`` (the router's own worker key), never a caller's key.
+    """
 
     def __init__(self, session: aiohttp.ClientSession, *, timeout_s: float, headers: dict[str, str] | None = None):
         self._session = session
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
         self._headers = headers or {}
 
-    async def _get(self, worker: Worker, path: str, model: type[M]) -> M | None:
+    async def _get(self, worker: Worker, path: str, model: type[M], headers: dict[str, str]) -> M | None:
         """The worker's answer parsed as ``model``; ``None`` unless it answered 200 with one."""
-        async with self._session.get(worker.url + path, timeout=self._timeout, headers=self._headers) as resp:
+        async with self._session.get(worker.url + path, timeout=self._timeout, headers=headers) as resp:
             if resp.status != 200:
                 return None
             try:
@@ -44,28 +52,43 @@ class WorkerProber:
             except ValidationError:
                 return None
 
-    async def is_healthy(self, worker: Worker) -> bool:
+    async def probe(self, worker: Worker) -> bool:
+        """One health probe; what the worker says of its weights is recorded on the way."""
         try:
-            async with self._session.get(worker.url + "/health", timeout=self._timeout, headers=self._headers) as resp:
-                return resp.status == 200
-        except (TimeoutError, aiohttp.ClientError, OSError):
+            status = await self._get(worker, "/health", HealthStatus, {})
+        except _UNREACHABLE:
             return False
+        if status is None:
+            return False
+        worker.weight_version = status.weight_version or worker.weight_version
+        worker.weight_state = status.weight_state
+        worker.instance_id = status.instance_id
+        return True
+
+    async def health(self, worker: Worker) -> HealthStatus | None:
+        """The worker's ``/health`` answer (nothing recorded), or ``None`` when it gave no usable one."""
+        try:
+            return await self._get(worker, "/health", HealthStatus, {})
+        except _UNREACHABLE:
+            return None
 
     async def refresh_metadata(self, worker: Worker) -> bool:
-        """Update ``weight_version`` and ``tp_size`` from the worker; False if it did not answer."""
+        """Update the worker's version, weight state, instance and ``tp_size``; False if it did not answer."""
         try:
-            info = await self._get(worker, "/model_info", ModelInfo)
+            info = await self._get(worker, "/model_info", ModelInfo, self._headers)
             if info is not None:
                 worker.weight_version = info.weight_version
+                worker.weight_state = info.weight_state
+                worker.instance_id = info.instance_id
                 if "tp_size" in info.model_fields_set and info.tp_size >= 1:
                     worker.tp_size = info.tp_size
                     return True
-            server = await self._get(worker, "/server_info", ServerInfo)
+            server = await self._get(worker, "/server_info", ServerInfo, self._headers)
             if server is not None:
                 if "tp_size" in server.model_fields_set and server.tp_size >= 1:
                     worker.tp_size = server.tp_size
                 return True
-        except (TimeoutError, aiohttp.ClientError, OSError):
+        except _UNREACHABLE:
             return False
         return False
 
@@ -79,7 +102,7 @@ class HealthChecker:
         self._interval = interval_s
 
     async def check(self, worker: Worker) -> None:
-        ok = await self._prober.is_healthy(worker)
+        ok = await self._prober.probe(worker)
         if self._registry.observe_probe(worker, ok):
             log.info("worker %s (%s) is now %s", worker.id, worker.url, worker.health)
         if ok and worker.update_holds == 0:

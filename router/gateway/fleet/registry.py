@@ -1,10 +1,12 @@
 """The worker registry: who the workers are, whether they may take traffic.
 
-Two independent facts decide routing: ``health`` (what probes observed) and
-``disabled`` (what an operator or an in-flight update decided). A worker is
-*routable* only when it is healthy and not disabled; it is a *broadcast target*
-whenever it is not dead, disabled or not, because a disabled worker must still
-receive the update that will make it consistent again.
+Three facts decide routing: ``health`` (what probes observed), ``disabled``
+(what an operator or an in-flight update decided) and whether the worker holds
+the fleet's weights (:mod:`router.gateway.fleet.weights`; a worker that does not
+is *pending*). A worker is *routable* only when it is healthy, not disabled and
+not pending; it is a *broadcast target* whenever it is not dead, disabled or
+pending or not, because such a worker must still receive the update that will
+make it consistent again.
 """
 
 from __future__ import annotations
@@ -15,8 +17,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
+from router.contract.base import check_host
 from router.contract.errors import BadRequest, Conflict, NotFound
 from router.contract.fleet import HealthState, WorkerRecord
+from router.gateway.fleet.weights import FleetWeights, WorkerWeights
 
 # Hosts a worker URL may never point at: cloud metadata endpoints.
 _FORBIDDEN_HOSTS = frozenset({"169.254.169.254", "metadata.google.internal", "fd00:ec2::254"})
@@ -43,6 +47,10 @@ def normalize_url(raw: str) -> str:
     if parts.path not in ("", "/") or parts.query or parts.fragment:
         raise BadRequest(f"invalid worker url {raw!r}: give only scheme://host:port")
     host = parts.hostname.lower()
+    try:
+        check_host(host)
+    except ValueError as exc:
+        raise BadRequest(f"invalid worker url {raw!r}: {exc}") from None
     if host in _FORBIDDEN_HOSTS:
         raise BadRequest(f"invalid worker url {raw!r}: metadata hosts are not allowed")
     try:
@@ -73,6 +81,8 @@ class Worker:
     inflight: int = 0
     weight_version: str | None = None
     tp_size: int | None = None
+    weight_state: str | None = None
+    instance_id: str | None = None
     consecutive_failures: int = 0
     consecutive_successes: int = 0
     ever_healthy: bool = False
@@ -86,18 +96,9 @@ class Worker:
         return self.health == "dead"
 
     @property
-    def routable(self) -> bool:
-        return self.health == "healthy" and not self.disabled and not self.removed
-
-    def record(self) -> WorkerRecord:
-        return WorkerRecord(
-            id=self.id,
-            url=self.url,
-            health=self.health,
-            disabled=self.disabled,
-            inflight=self.inflight,
-            weight_version=self.weight_version,
-            tp_size=self.tp_size,
+    def weights(self) -> WorkerWeights:
+        return WorkerWeights(
+            weight_version=self.weight_version, weight_state=self.weight_state, instance_id=self.instance_id
         )
 
 
@@ -115,6 +116,7 @@ class WorkerRegistry:
     """Workers in registration order (the order rank assignment follows)."""
 
     thresholds: HealthThresholds = field(default_factory=HealthThresholds)
+    fleet: FleetWeights = field(default_factory=lambda: FleetWeights(None))
     _workers: dict[str, Worker] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[Worker]:
@@ -156,8 +158,35 @@ class WorkerRegistry:
         worker.removed = True
         return worker
 
+    def pending_reason(self, worker: Worker) -> str | None:
+        """Why ``worker`` may not take generation traffic although it is healthy, or ``None``."""
+        return self.fleet.why_not_serving(worker.id, worker.weights)
+
+    def is_routable(self, worker: Worker) -> bool:
+        return (
+            worker.health == "healthy"
+            and not worker.disabled
+            and not worker.removed
+            and self.pending_reason(worker) is None
+        )
+
     def routable(self) -> list[Worker]:
-        return [w for w in self._workers.values() if w.routable]
+        return [w for w in self._workers.values() if self.is_routable(w)]
+
+    def record(self, worker: Worker) -> WorkerRecord:
+        """The worker as ``GET /workers`` shows it, with the reason it is pending, if it is."""
+        return WorkerRecord(
+            id=worker.id,
+            url=worker.url,
+            health=worker.health,
+            disabled=worker.disabled,
+            inflight=worker.inflight,
+            weight_version=worker.weight_version,
+            tp_size=worker.tp_size,
+            weight_state=worker.weight_state,
+            instance_id=worker.instance_id,
+            pending=self.pending_reason(worker),
+        )
 
     def live(self) -> list[Worker]:
         """Broadcast targets: every worker that is not dead, disabled ones included."""

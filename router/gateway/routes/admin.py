@@ -4,7 +4,7 @@ Each handler parses the body (query parameters fill missing fields) into the
 route's request model, once: a caller's mistake is a 400 here, before any
 worker is touched or fenced. The model is passed on typed and serialized again
 for the workers (:meth:`~router.contract.base.WireRequest.to_json`: the fields
-the caller set, unknown fields included), with the caller's ``Authorization``.
+the caller set, unknown fields included), with the router's own worker key.
 """
 
 from __future__ import annotations
@@ -13,10 +13,13 @@ from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from router.contract import endpoints as ep
 from router.contract.admin import WeightsCheckerRequest
 from router.contract.base import WireRequest, WireResponse
+from router.contract.fleet import FleetModelInfo, FleetWeightVersion, WorldSizeResponse
+from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_model, read_json
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
@@ -34,11 +37,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _forward_headers(request: web.Request) -> dict[str, str]:
-    headers = {"Content-Type": "application/json"}
-    auth = request.headers.get("Authorization")
-    if auth is not None:
-        headers["Authorization"] = auth
-    return headers
+    """The router talks to workers with its own worker key, never with the caller's."""
+    return request.app[keys.SERVICE_HEADERS]
 
 
 async def _parse(request: web.Request, op: Operation) -> Any:
@@ -126,11 +126,29 @@ _SPECIAL: dict[str, Handler] = {
     ep.ABORT_WEIGHTS_UPDATE.path: abort_weights_update,
 }
 
+#: The router's answer where it is not the workers' answers lifted to the fleet.
+_ANSWERS: dict[str, type[BaseModel]] = {
+    ep.MODEL_INFO.path: FleetModelInfo,
+    ep.GET_WEIGHT_VERSION.path: FleetWeightVersion,
+}
 
-def routes() -> list[web.RouteDef]:
+
+def routes() -> list[Route]:
     """One route per method of every operation, plus the router's own ``/get_world_size``."""
-    table = [web.get("/get_world_size", get_world_size)]
+    table = [
+        Route(
+            "GET",
+            "/get_world_size",
+            get_world_size,
+            "Ranks the fleet takes in a weight-update group",
+            answer=WorldSizeResponse,
+        )
+    ]
     for path, op in OPERATIONS.items():
         handler = _SPECIAL.get(path, broadcast_route)
-        table.extend(web.route(method, path, handler) for method in op.endpoint.methods)
+        summary = f"Every live worker: {op.endpoint.summary}" + (" (fenced; fails closed)" if op.fenced else "")
+        answer = _ANSWERS.get(path, op.answer_model())
+        for method in op.endpoint.methods:
+            body = op.endpoint.request if method != "GET" else None
+            table.append(Route(method, path, handler, summary, body=body, answer=answer))
     return table

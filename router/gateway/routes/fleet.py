@@ -40,19 +40,20 @@ async def _add(request: web.Request, url: str, disabled: bool) -> Worker:
 
 
 async def list_workers(request: web.Request) -> web.Response:
-    body = WorkerList(workers=[w.record() for w in request.app[keys.REGISTRY]])
+    registry = request.app[keys.REGISTRY]
+    body = WorkerList(workers=[registry.record(w) for w in registry])
     return web.json_response(body.model_dump())
 
 
 async def add_worker(request: web.Request) -> web.Response:
     req = await parse_body(request, AddWorkerRequest)
     worker = await _add(request, req.url, req.disabled)
-    return web.json_response(worker.record().model_dump(), status=201)
+    return web.json_response(request.app[keys.REGISTRY].record(worker).model_dump(), status=201)
 
 
 async def get_worker(request: web.Request) -> web.Response:
     worker = request.app[keys.REGISTRY].get(request.match_info["worker_id"])
-    return web.json_response(worker.record().model_dump())
+    return web.json_response(request.app[keys.REGISTRY].record(worker).model_dump())
 
 
 async def update_worker(request: web.Request) -> web.Response:
@@ -61,21 +62,25 @@ async def update_worker(request: web.Request) -> web.Response:
     worker = request.app[keys.REGISTRY].get(request.match_info["worker_id"])
     worker.disabled = req.disabled
     if not req.disabled:
-        request.app[keys.JOURNAL].discard_target(worker.id)
-    return web.json_response(worker.record().model_dump())
+        await request.app[keys.JOURNAL].discard_target(worker.id)
+    return web.json_response(request.app[keys.REGISTRY].record(worker).model_dump())
 
 
 async def delete_worker(request: web.Request) -> web.Response:
     _guard_registry_change(request)
     worker = request.app[keys.REGISTRY].remove(request.match_info["worker_id"])
-    return web.json_response({"removed": worker.record().model_dump()})
+    return web.json_response({"removed": request.app[keys.REGISTRY].record(worker).model_dump()})
 
 
 async def legacy_add_worker(request: web.Request) -> web.Response:
     query = parse_model(WorkerUrlQuery, dict(request.query))
     worker = await _add(request, query.url, False)
     return web.json_response(
-        {"success": True, "message": f"added {worker.url}", "worker": worker.record().model_dump()}
+        {
+            "success": True,
+            "message": f"added {worker.url}",
+            "worker": request.app[keys.REGISTRY].record(worker).model_dump(),
+        }
     )
 
 
@@ -89,7 +94,9 @@ async def legacy_remove_worker(request: web.Request) -> web.Response:
 async def legacy_list_workers(request: web.Request) -> web.Response:
     registry: WorkerRegistry = request.app[keys.REGISTRY]
     workers = list(registry)
-    return web.json_response({"urls": [w.url for w in workers], "workers": [w.record().model_dump() for w in workers]})
+    return web.json_response(
+        {"urls": [w.url for w in workers], "workers": [registry.record(w).model_dump() for w in workers]}
+    )
 
 
 async def health(request: web.Request) -> web.Response:
@@ -128,8 +135,8 @@ async def resolve_journal(request: web.Request) -> web.Response:
             worker = registry.find(target.id)
             if worker is not None:
                 worker.disabled = target.previous_disabled
-                restored.append(worker.record().model_dump())
-        journal.clear()
+                restored.append(registry.record(worker).model_dump())
+        await journal.clear()
     return web.json_response({"success": True, "resolved": pending is not None, "workers": restored})
 
 

@@ -25,6 +25,7 @@ from aiohttp import web
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
 from router.contract.errors import ApiError, Unavailable
+from router.contract.generate import INSTANCE_HEADER
 from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
@@ -36,7 +37,8 @@ log = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({502, 503, 504})
 STREAM_CHUNK = 64 * 1024
 WORKER_HEADER = "X-Omni-Worker"
-_FORWARD_HEADERS = ("Authorization", "Content-Type", "Accept")
+#: What the caller's request says about its body; its ``Authorization`` is never forwarded.
+_FORWARD_HEADERS = ("Content-Type", "Accept")
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 
@@ -67,9 +69,12 @@ def describe_fleet(registry: WorkerRegistry) -> str:
         return "no workers are registered"
     disabled = sum(w.disabled for w in workers)
     counts = {s: sum(w.health == s for w in workers) for s in ("healthy", "unhealthy", "dead")}
+    pending = [w for w in workers if registry.pending_reason(w) is not None]
+    reason = f" ({pending[0].id}: {registry.pending_reason(pending[0])})" if pending else ""
     return (
         f"no routable worker: {len(workers)} registered, {counts['healthy']} healthy, "
-        f"{counts['unhealthy']} unhealthy, {counts['dead']} dead, {disabled} disabled"
+        f"{counts['unhealthy']} unhealthy, {counts['dead']} dead, {disabled} disabled, "
+        f"{len(pending)} pending{reason}"
     )
 
 
@@ -131,6 +136,8 @@ class GenerateProxy:
         body, rid, _ = prepare_payload(raw)
         headers = {k: request.headers[k] for k in _FORWARD_HEADERS if k in request.headers}
         headers.setdefault("Content-Type", "application/json")
+        if "Authorization" in self._service_headers:  # the router's own worker key
+            headers["Authorization"] = self._service_headers["Authorization"]
         tried: set[str] = set()
         last: _Retryable | None = None
         retrying = AsyncRetrying(
@@ -195,6 +202,14 @@ class GenerateProxy:
                     data,
                     upstream.content_type,
                 )
+            restarted = upstream.headers.get(INSTANCE_HEADER)
+            if restarted is not None and worker.instance_id is not None and restarted != worker.instance_id:
+                # Another process than the last probe saw: it came back with its boot weights. Its answer is
+                # dropped, and the worker is pending until a weight update reaches the new process.
+                worker.instance_id = restarted
+                await upstream.read()
+                reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
+                raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())
             return await self._relay(request, worker, upstream, rid)
         except asyncio.CancelledError:
             # The caller disconnected (handler cancelled): stop the work on the worker too.

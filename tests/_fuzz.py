@@ -1,0 +1,235 @@
+"""Fuzzing a live server from its own ``GET /openapi.json`` (schemathesis + hypothesis).
+
+Every operation the server describes is exercised with cases schemathesis generates from
+its pydantic wire models: valid ones (positive) and ones that break the schema (negative),
+plus structural garbage the schema cannot describe (deep nesting, huge fields, bodies
+that are not JSON objects). A new route is fuzzed as soon as it is in a route table.
+
+Loopback only: before a case is sent, every field that names an address to connect to
+(``master_address``, worker ``url``) is rewritten to a 127.0.0.0/8 address, and every
+wait the caller controls (``timeout_s``, ``timeout``, ``max_new_tokens``, batch sizes) is
+capped, so no case connects outside this machine and none runs long.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import hypothesis
+import hypothesis.errors
+import schemathesis
+from hypothesis import HealthCheck, Phase, settings
+from schemathesis import GenerationMode
+
+#: One case slower than this is a hang.
+HANG_S = 30.0
+#: Bounds put on the fields that make a server wait or work.
+CAPS = {"timeout_s": 2.0, "timeout": 1.0, "max_new_tokens": 8}
+MAX_BATCH = 4
+#: Operations that wait for a peer: a body without ``timeout_s`` gets this bound.
+WAITING_PATHS = frozenset(
+    {
+        "/init_weights_update_group",
+        "/update_weights_from_distributed",
+        "/prepare_weights_update",
+        "/complete_weights_update",
+    }
+)
+
+
+def loopback_url(rng: random.Random) -> str:
+    return f"http://127.0.0.{rng.randint(2, 250)}:{rng.randint(1, 65535)}"
+
+
+def make_safe(value: Any, rng: random.Random, *, path: str = "") -> Any:
+    """``value`` with every address rewritten into 127.0.0.0/8 and every wait capped (in place for dicts)."""
+    if isinstance(value, list):
+        return [make_safe(v, rng) for v in value[: MAX_BATCH * 4]]
+    if not isinstance(value, dict):
+        return value
+    for key in list(value):
+        item = value[key]
+        if key == "master_address" and isinstance(item, str):
+            value[key] = f"127.0.0.{rng.randint(1, 250)}"
+        elif key == "url" and isinstance(item, str):
+            value[key] = loopback_url(rng)
+        elif key in CAPS and isinstance(item, (int, float)) and not isinstance(item, bool) and item > CAPS[key]:
+            value[key] = type(item)(CAPS[key])
+        elif key in ("text", "input_ids") and isinstance(item, list):
+            value[key] = item[:MAX_BATCH]
+        else:
+            value[key] = make_safe(item, rng)
+    if path in WAITING_PATHS and "timeout_s" not in value:
+        value["timeout_s"] = CAPS["timeout_s"]
+    if path == "/generate" and isinstance(value.get("sampling_params"), (dict, list)):
+        params = value["sampling_params"]
+        for sp in params if isinstance(params, list) else [params]:
+            if isinstance(sp, dict) and not isinstance(sp.get("max_new_tokens"), int):
+                sp.setdefault("max_new_tokens", CAPS["max_new_tokens"])
+    elif path == "/generate" and "sampling_params" not in value:
+        value["sampling_params"] = {"max_new_tokens": CAPS["max_new_tokens"]}
+    return value
+
+
+@dataclass
+class Answer:
+    status: int
+    body: Any
+    seconds: float
+
+
+def send(
+    method: str,
+    url: str,
+    *,
+    data: bytes | None,
+    headers: dict[str, str],
+    timeout: float = HANG_S + 30,
+) -> Answer:
+    req = urllib.request.Request(url, data=data, method=method, headers=headers)
+    start = time.monotonic()
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw, status = resp.read(), resp.status
+    except urllib.error.HTTPError as exc:
+        raw, status = exc.read(), exc.code
+    try:
+        body: Any = json.loads(raw) if raw else None
+    except ValueError:
+        body = raw[:200].decode(errors="replace")
+    return Answer(status, body, time.monotonic() - start)
+
+
+@dataclass
+class Tally:
+    """What a fuzz run did, for the assertion and the README's figures."""
+
+    cases: int = 0
+    statuses: Counter[int] = field(default_factory=Counter)
+    problems: list[str] = field(default_factory=list)
+    slowest_s: float = 0.0
+
+    def record(self, label: str, answer: Answer, detail: str, *, allowed_5xx: Callable[[int, Any], bool]) -> None:
+        self.cases += 1
+        self.statuses[answer.status] += 1
+        self.slowest_s = max(self.slowest_s, answer.seconds)
+        where = f"{label}: {answer.status} after {answer.seconds:.1f}s for {detail[:300]}"
+        if answer.seconds > HANG_S:
+            self.problems.append(f"hang: {where}")
+        if answer.status == 500:
+            self.problems.append(f"500: {where} -> {str(answer.body)[:300]}")
+        elif answer.status > 500 and not allowed_5xx(answer.status, answer.body):
+            self.problems.append(f"unexpected {answer.status}: {where} -> {str(answer.body)[:300]}")
+        elif 400 <= answer.status < 500 and not _has_error_message(answer.body):
+            self.problems.append(f"4xx without error.message: {where} -> {str(answer.body)[:300]}")
+
+    def summary(self) -> str:
+        codes = ", ".join(f"{code}: {n}" for code, n in sorted(self.statuses.items()))
+        return f"{self.cases} cases ({codes}); slowest {self.slowest_s:.1f}s"
+
+
+def _has_error_message(body: Any) -> bool:
+    return (
+        isinstance(body, dict) and isinstance(body.get("error"), dict) and isinstance(body["error"].get("message"), str)
+    )
+
+
+def operations(doc: dict[str, Any]) -> list[Any]:
+    schema = schemathesis.openapi.from_dict(doc)
+    return [result.ok() for result in schema.get_all_operations()]
+
+
+def run_generated(
+    op: Any,
+    mode: GenerationMode,
+    examples: int,
+    execute: Callable[[Any], None],
+) -> None:
+    """Draw up to ``examples`` cases of ``op`` in ``mode`` and hand each to ``execute``.
+
+    Hypothesis only generates here: the checks are made by ``execute`` and collected, so
+    one run reports every problem, not the first one shrunk."""
+    strategy = op.as_strategy(generation_mode=mode)
+
+    @settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+        verbosity=hypothesis.Verbosity.quiet,
+    )
+    @hypothesis.given(case=strategy)
+    def drive(case: Any) -> None:
+        execute(case)
+
+    try:
+        drive()
+    except hypothesis.errors.Unsatisfiable:
+        pass  # nothing in this operation can be made invalid (a GET without parameters)
+
+
+def case_request(case: Any, base_url: str, rng: random.Random) -> tuple[str, str, bytes | None, str]:
+    """The (method, url, body bytes, description) of a generated case, made safe."""
+    path = case.operation.path
+    formatted = case.formatted_path
+    query = dict(case.query or {})
+    if "url" in query:
+        query["url"] = loopback_url(rng)
+    url = base_url + formatted
+    if query:
+        url += "?" + urllib.parse.urlencode({k: v if isinstance(v, str) else json.dumps(v) for k, v in query.items()})
+    body = case.body
+    data: bytes | None = None
+    if case.method.upper() in ("POST", "PUT") and not isinstance(body, schemathesis.core.NotSet):
+        if isinstance(body, bytes):  # a negative case that is not JSON at all
+            data = body
+        else:
+            body = make_safe(body, rng, path=path)
+            data = json.dumps(body, default=repr).encode()
+    elif path == "/generate":
+        data = None
+    return case.method.upper(), url, data, f"{case.method.upper()} {formatted} {str(body)[:200]}"
+
+
+def garbage_bodies(doc: dict[str, Any], doc_op: dict[str, Any]) -> list[tuple[str, bytes]]:
+    """Bodies no schema describes: not JSON, not an object, nested past any limit, fields of megabytes."""
+    cases = [
+        ("not JSON", b"{'this': is not json"),
+        ("invalid UTF-8", b'{"a": "\xff\xfe"}'),
+        ("a JSON array", b"[1, 2, 3]"),
+        ("a JSON string", b'"hello"'),
+        ("NaN", b'{"x": NaN}'),
+        ("nested 100000 deep", b"[" * 100_000 + b"]" * 100_000),
+        ("object nested 5000 deep", b'{"a":' * 5000 + b"1" + b"}" * 5000),
+        ("unbalanced 200000 brackets", b"{" * 200_000),
+    ]
+    props = _request_properties(doc, doc_op)
+    for name, schema in props.items():
+        kind = schema.get("type")
+        if kind == "string" or "anyOf" in schema:
+            cases.append((f"{name} of 5 MB", json.dumps({name: "x" * (5 * 1024 * 1024)}).encode()))
+            break
+    for name in props:
+        cases.append((f"{name} as a 3000-item list", json.dumps({name: list(range(3000))}).encode()))
+        break
+    return cases
+
+
+def _request_properties(doc: dict[str, Any], doc_op: dict[str, Any]) -> dict[str, Any]:
+    content = doc_op.get("requestBody", {}).get("content", {}).get("application/json", {})
+    schema = content.get("schema", {})
+    ref = schema.get("$ref", "")
+    if ref.startswith("#/components/schemas/"):
+        schema = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    return schema.get("properties", {}) if isinstance(schema, dict) else {}

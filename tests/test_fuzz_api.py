@@ -1,0 +1,151 @@
+"""Fuzz every route of a live router and a live worker from their own ``/openapi.json``.
+
+Real processes: one worker behind a router, a second worker fuzzed directly (so a
+case that relabels or pauses it cannot starve the router's run). Each operation gets
+schemathesis cases (valid and schema-breaking) and structural garbage; every case must
+answer within the hang bound, never 500, 5xx only where a worker really failed or the
+route is documented as not implemented, and a 4xx must carry ``error.message``.
+
+Fences: after every refused (4xx) call through the router, no worker is disabled that
+was not before, no worker is pending, and the update journal is empty: a caller's
+mistake changes nothing.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import pytest
+from schemathesis import GenerationMode
+
+from tests import _fuzz
+from tests._router_fixtures import ADMIN_KEY, auth, start_router, start_workers, workers
+from tests.procs import http_json
+
+pytestmark = pytest.mark.timeout(900)
+
+#: Cases per operation and generation mode: enough to reach every field, small enough for CI.
+EXAMPLES = 10
+#: Routes that answer 501 by design (their payload is pickled tensors; see the README).
+NOT_IMPLEMENTED = ("/update_weights_from_tensor",)
+
+
+@pytest.fixture(scope="module")
+def servers(checkpoints, tmp_path_factory):
+    procs = start_workers(checkpoints["llama"], 2, extra_args=["--admin-api-key", ADMIN_KEY])
+    (_, behind), (_, direct) = procs
+    router, url = start_router([behind], admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("fuzz-state"))
+    yield {"router": url, "behind": behind, "worker": direct, "procs": [router] + [p for p, _ in procs]}
+    router.stop()
+    for p, _ in procs:
+        p.stop()
+
+
+def _doc(url: str) -> dict[str, Any]:
+    status, doc = http_json("GET", url + "/openapi.json", timeout=10)  # open: no key
+    assert status == 200 and doc["openapi"].startswith("3.1"), doc
+    return doc
+
+
+def _allowed_5xx(path: str, *, via_router: bool) -> Any:
+    def allowed(status: int, body: Any) -> bool:
+        if status == 501:
+            return path in NOT_IMPLEMENTED
+        if not (isinstance(body, dict) and ("error" in body or "results" in body or "message" in body)):
+            return False  # a 5xx must say why
+        if via_router and status == 502:
+            # The router blames a worker only with that worker's answer (or its silence) attached.
+            return isinstance(body.get("results"), list)
+        return status in (502, 503, 504)
+
+    return allowed
+
+
+def _fence_state(url: str) -> tuple[Any, ...]:
+    fleet = workers(url, ADMIN_KEY)
+    journal = http_json("GET", url + "/weight_update_journal", headers=auth(), timeout=10)[1]
+    return (
+        sorted(w["id"] for w in fleet if w["disabled"]),
+        sorted(w["id"] for w in fleet if w.get("pending")),
+        journal["pending"] is not None,
+    )
+
+
+def _restore_router(url: str, keep: set[str]) -> None:
+    """Undo what a successful or failed case left: extra workers, fences, a paused or released worker."""
+    for w in workers(url, ADMIN_KEY):
+        if w["id"] not in keep:
+            http_json("DELETE", f"{url}/workers/{w['id']}", headers=auth(), timeout=10)
+        elif w["disabled"]:
+            http_json("PUT", f"{url}/workers/{w['id']}", {"disabled": False}, headers=auth(), timeout=10)
+    http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": True}, headers=auth(), timeout=10)
+    _restore_worker(url)
+
+
+def _restore_worker(url: str) -> None:
+    for path in ("/destroy_weights_update_group", "/resume_memory_occupation", "/continue_generation"):
+        http_json("POST", url + path, {}, headers=auth(), timeout=30)
+
+
+def _run_fuzz(base: str, *, via_router: bool, restore: Any, check_fences: bool) -> _fuzz.Tally:
+    doc = _doc(base)
+    rng = random.Random(0)
+    tally = _fuzz.Tally()
+    headers = {**auth(), "Content-Type": "application/json"}
+    baseline = _fence_state(base) if check_fences else None
+
+    def execute(label: str, method: str, url: str, data: bytes | None, detail: str, path: str) -> None:
+        answer = _fuzz.send(method, url, data=data, headers=headers)
+        tally.record(label, answer, detail, allowed_5xx=_allowed_5xx(path, via_router=via_router))
+        if check_fences and 400 <= answer.status < 500:
+            after = _fence_state(base)
+            if after != baseline:
+                tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {after}")
+        if check_fences or answer.status >= 500 or (answer.status < 400 and method != "GET"):
+            restore()
+
+    for op in _fuzz.operations(doc):
+        path, method = op.path, op.method.upper()
+        label = f"{method} {path}"
+        doc_op = doc["paths"][path][op.method.lower()]
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+
+            def run_case(case: Any, tag: str = f"{label} [{mode.value}]", path: str = path) -> None:
+                m, url, data, detail = _fuzz.case_request(case, base, rng)
+                execute(tag, m, url, data, detail, path)
+
+            _fuzz.run_generated(op, mode, EXAMPLES, run_case)
+        if method in ("POST", "PUT") and "{" not in path:
+            for what, raw in _fuzz.garbage_bodies(doc, doc_op):
+                execute(f"{label} [garbage]", method, base + path, raw, what, path)
+    return tally
+
+
+def _processes_alive(servers) -> None:
+    for proc in servers["procs"]:
+        assert proc.alive, proc.log_text()
+
+
+def test_fuzz_every_router_route(servers):
+    url = servers["router"]
+    keep = {w["id"] for w in workers(url, ADMIN_KEY)}
+    tally = _run_fuzz(url, via_router=True, restore=lambda: _restore_router(url, keep), check_fences=True)
+    print(f"router fuzz: {tally.summary()}")
+    assert not tally.problems, "\n".join(tally.problems[:40])
+    assert tally.cases >= 300, tally.summary()
+    _processes_alive(servers)
+    # The fleet is whole and serves afterwards.
+    _restore_router(url, keep)
+    assert all(not w["disabled"] and not w.get("pending") for w in workers(url, ADMIN_KEY))
+
+
+def test_fuzz_every_worker_route(servers):
+    url = servers["worker"]
+    tally = _run_fuzz(url, via_router=False, restore=lambda: _restore_worker(url), check_fences=False)
+    print(f"worker fuzz: {tally.summary()}")
+    assert not tally.problems, "\n".join(tally.problems[:40])
+    assert tally.cases >= 300, tally.summary()
+    _processes_alive(servers)
+    status, body = http_json("GET", url + "/health", timeout=10)
+    assert status == 200 and body["weight_state"] == "serving", body

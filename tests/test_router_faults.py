@@ -1,0 +1,209 @@
+"""Faults between the layers, through the router, with real processes.
+
+* A trainer that dies mid-sync (both two-phase modes): the router ends the
+  prepared update as soon as every worker's receive has failed, instead of
+  holding its admin lock until the update expires. Atomic: the old weights are
+  kept and served at once. Streaming: the partial workers are never routed, not
+  even after an operator resolves the journal; ``/generate`` answers 503 at once
+  rather than waiting; the next sync makes them routable again.
+* A worker that restarts between syncs comes back with its boot checkpoint: it is
+  *pending* (no generation traffic, the reason in ``GET /workers``) until a weight
+  update brings it to the fleet's weights.
+
+Real parts: omni-workers on a tiny llama, an omni-router, and trainer processes
+(``tests._router_trainer``) that sync through the project's client over gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from router.contract.weight_sync import DEFAULT_GROUP_NAME
+from tests._router_fixtures import (
+    ADMIN_KEY,
+    auth,
+    by_url,
+    generate_via,
+    make_tiny_checkpoint,
+    start_router,
+    start_workers,
+    wait_for,
+    workers,
+)
+from tests._router_trainer import DIED
+from tests._weight_sync_fixtures import WORKER_ARGS
+from tests.procs import free_port, http_json
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+#: The sync's receive window: the prepared update would live this long plus a margin if
+#: nothing ended it; every wait below is far shorter, so passing shows it ended early.
+SYNC_TIMEOUT_S = 60
+ENDED_WITHIN_S = 25
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("faults") / "model")
+    procs = start_workers(model, 2, extra_args=["--admin-api-key", ADMIN_KEY, *WORKER_ARGS])
+    yield model, procs
+    for proc, _ in procs:
+        proc.stop()
+
+
+def run_trainer(router_url: str, model: Path, out: Path, steps: list[Any]) -> subprocess.CompletedProcess[str]:
+    cfg = {
+        "router": router_url,
+        "admin_key": ADMIN_KEY,
+        "model": str(model),
+        "port": free_port(),
+        "out": str(out),
+        "bucket_bytes": 64 * 1024,
+        "steps": steps,
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+
+
+def journal_pending(url: str) -> dict[str, Any] | None:
+    return http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"]
+
+
+def checksums(url: str) -> list[str]:
+    body = http_json("POST", url + "/weights_checker", {"action": "checksum"}, headers=auth())[1]
+    return [c for per in body["rank_checksums"].values() for c in per]
+
+
+def call(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
+    return http_json("POST", url + path, body, headers=auth(), timeout=60)
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
+def test_trainer_killed_mid_sync(pair, tmp_path: Path, atomic: bool) -> None:
+    model, procs = pair
+    router, url = start_router([u for _, u in procs], admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
+    try:
+        before = checksums(url)
+        killed = run_trainer(
+            url,
+            model,
+            tmp_path / "dead.json",
+            [["two_phase", "flattened_bucket", {"atomic": atomic, "die_at_bucket": 2}]],
+        )
+        assert killed.returncode == DIED, killed.stderr[-3000:]
+        died_at = time.monotonic()
+        # The trainer's sockets closed with it: every receive fails, and the router ends the update
+        # at once (its admin lock free again) rather than at its expiry (receive window + margin).
+        if atomic:
+            wait_for(lambda: not any(w["disabled"] for w in workers(url, ADMIN_KEY)), ENDED_WITHIN_S, router, "ended")
+            assert journal_pending(url) is None
+            assert time.monotonic() - died_at < SYNC_TIMEOUT_S
+            # Nothing was applied: the old weights, served at once.
+            assert checksums(url) == before
+            # The dead trainer had paused generation; resuming it is the caller's call, not the router's.
+            assert call(url, "/continue_generation", {})[0] == 200
+            assert generate_via(url)[0] == 200
+        else:
+            # In flight while prepared; failed (closed) once the router ended it.
+            wait_for(lambda: (journal_pending(url) or {}).get("state") == "failed", ENDED_WITHIN_S, router, "ended")
+            assert time.monotonic() - died_at < SYNC_TIMEOUT_S
+            assert all(w["disabled"] for w in workers(url, ADMIN_KEY))
+            # The operator vouches for the fleet as the 409s suggest: the workers are enabled but still
+            # pending (partial weights), so nothing is routed to them and /generate is 503 at once.
+            status, body = call(url, "/weight_update_journal/resolve", {"acknowledge": True})
+            assert status == 200 and body["resolved"], body
+            fleet = workers(url, ADMIN_KEY)
+            assert not any(w["disabled"] for w in fleet)
+            assert all(w["pending"] for w in fleet), json.dumps(fleet)
+            # What each worker says of itself reaches the router with its next health probe.
+            for _, worker_url in procs:
+                assert http_json("GET", worker_url + "/health")[1]["weight_state"] == "partial"
+            partial = lambda: all("partial" in (w["pending"] or "") for w in workers(url, ADMIN_KEY))  # noqa: E731
+            wait_for(partial, 30, router, "pending: partial")
+            started = time.monotonic()
+            status, body, served = generate_via(url, timeout=30)
+            assert status == 503 and served is None, body
+            assert time.monotonic() - started < 10
+            # The router reports the fleet as it is: partial.
+            status, info = http_json("GET", url + "/model_info", headers=auth())
+            assert status == 409 and "does not hold whole weights" in info["error"]["message"], info
+        # A complete after the end is told why the update is gone.
+        status, body = call(url, "/complete_weights_update", {"group_name": DEFAULT_GROUP_NAME})
+        assert status == 409 and "ended the last one itself" in body["error"]["message"], body
+        assert "receive failed" in body["error"]["message"]
+
+        # The next trainer (a restarted process) rebuilds the group and syncs: everyone routable.
+        status, body = call(url, "/destroy_weights_update_group", {"group_name": DEFAULT_GROUP_NAME})
+        assert status == 200, body
+        again = run_trainer(
+            url, model, tmp_path / "again.json", [["two_phase", "flattened_bucket", {"atomic": atomic}]]
+        )
+        report = json.loads((tmp_path / "again.json").read_text())
+        assert again.returncode == 0 and "error" not in report, (report, again.stderr[-3000:])
+        assert report["steps"][0]["matches_expected"] is True
+        fleet = workers(url, ADMIN_KEY)
+        assert [(w["disabled"], w["pending"]) for w in fleet] == [(False, None), (False, None)], fleet
+        assert generate_via(url)[0] == 200
+    finally:
+        router.stop()
+
+
+@pytest.mark.parametrize("probe_interval_s", [0.5, 60.0], ids=["seen-by-a-probe", "seen-by-the-proxy"])
+def test_worker_restarted_between_syncs_is_pending_until_the_next_update(
+    pair, tmp_path: Path, probe_interval_s: float
+) -> None:
+    """With frequent probes the router sees the new process before any request does; with
+    rare ones the first answer from it (a header names its instance) is dropped and retried
+    on another worker. Either way no rollout comes from the boot checkpoint."""
+    _, procs = pair
+    (_, stay_url), (restarted, restarted_url) = procs
+    other = make_tiny_checkpoint(tmp_path / "other", seed=7)
+    router, url = start_router(
+        [stay_url, restarted_url],
+        admin_key=ADMIN_KEY,
+        state_dir=tmp_path / "state",
+        extra_args=["--health-check-interval-s", str(probe_interval_s)],
+    )
+    try:
+        status, body = call(url, "/update_weights_from_disk", {"model_path": str(other), "weight_version": "v2"})
+        assert status == 200 and body["success"], body
+        ids = {u: w["id"] for u, w in by_url(url, ADMIN_KEY).items()}
+        restarted.kill()
+        restarted.start()
+        restarted.wait_http_ready(restarted_url + "/health", timeout=120)
+        if probe_interval_s < 1:
+
+            def back_and_pending() -> bool:
+                view = by_url(url, ADMIN_KEY)[restarted_url]
+                return view["health"] == "healthy" and bool(view["pending"])
+
+            wait_for(back_and_pending, 30, router, "restarted worker healthy and pending")
+        served = [generate_via(url)[2] for _ in range(8)]
+        assert served == [ids[stay_url]] * 8  # no rollout from the old policy
+        # Back with its boot checkpoint and a new instance: pending, with the reason.
+        view = by_url(url, ADMIN_KEY)[restarted_url]
+        assert not view["disabled"] and view["pending"], view
+        assert "restarted" in view["pending"] or "weight_version" in view["pending"], view
+        # The fleet answers say the fleet is mixed.
+        status, versions = http_json("GET", url + "/get_weight_version", headers=auth())
+        assert status == 409 and "mixed worker weight_version" in versions["error"]["message"], versions
+        # The next update reaches it too (a pending worker is still a broadcast target): routable again.
+        status, body = call(url, "/update_weights_from_disk", {"model_path": str(other), "weight_version": "v3"})
+        assert status == 200 and body["success"], body
+        wait_for(lambda: by_url(url, ADMIN_KEY)[restarted_url]["pending"] is None, 20, router, "routable again")
+        assert len(set(checksums(url))) == 1
+        served = [generate_via(url)[2] for _ in range(12)]
+        assert set(served) == {ids[stay_url], ids[restarted_url]}
+    finally:
+        router.stop()
