@@ -117,11 +117,15 @@ class Tally:
     statuses: Counter[int] = field(default_factory=Counter)
     problems: list[str] = field(default_factory=list)
     slowest_s: float = 0.0
+    #: Which route each 5xx came from (``"502 POST /init_weights_update_group"``), for the summary.
+    server_errors: Counter[str] = field(default_factory=Counter)
 
     def record(self, label: str, answer: Answer, detail: str, *, allowed_5xx: Callable[[int, Any], bool]) -> None:
         self.cases += 1
         self.statuses[answer.status] += 1
         self.slowest_s = max(self.slowest_s, answer.seconds)
+        if answer.status >= 500:
+            self.server_errors[f"{answer.status} {label}"] += 1
         where = f"{label}: {answer.status} after {answer.seconds:.1f}s for {detail[:300]}"
         if answer.seconds > HANG_S:
             self.problems.append(f"hang: {where}")
@@ -134,7 +138,8 @@ class Tally:
 
     def summary(self) -> str:
         codes = ", ".join(f"{code}: {n}" for code, n in sorted(self.statuses.items()))
-        return f"{self.cases} cases ({codes}); slowest {self.slowest_s:.1f}s"
+        errors = ", ".join(f"{where} x{n}" for where, n in sorted(self.server_errors.items()))
+        return f"{self.cases} cases ({codes}); slowest {self.slowest_s:.1f}s; 5xx from: {errors or 'none'}"
 
 
 def _has_error_message(body: Any) -> bool:

@@ -12,7 +12,9 @@ A step is ``[protocol, load_format]`` or ``[protocol, load_format, options]``;
 options: ``atomic`` (two-phase mode), ``fail_at_bucket`` (the broadcast
 callable raises instead of sending that bucket) and ``die_at_bucket`` (the
 process exits at once, with no clean-up, instead of sending that bucket: a
-trainer that crashed mid-sync). A step with ``fail_at_bucket``
+trainer that crashed mid-sync), ``short_by`` / ``long_by`` (bucket ``at`` is
+broadcast with that many bytes fewer or more than announced: a buggy trainer;
+the step is expected to fail like a ``fail_at_bucket`` one). A step with ``fail_at_bucket``
 is expected to fail: its :class:`SyncError` is recorded in the step's entry,
 followed by what the router says right after (``after_failure``), and the
 next step goes on with the same client. ``"client": "async"`` in the config
@@ -40,6 +42,7 @@ from router.trainer import (
     TrainerWeightSender,
     sent_checksum,
 )
+from tests._transfer_peer import tampered_broadcasts
 from worker.model.checkpoint import read_checkpoint
 
 #: The router's admin-lock wait as the tests configure it: a router still holding its
@@ -99,16 +102,25 @@ def main(cfg: dict) -> dict:
             options = more[0] if more else {}
             fail_at = options.get("fail_at_bucket")
             die_at = options.get("die_at_bucket")
+            tamper = {k: options[k] for k in ("short_by", "long_by") if k in options}
+            tamper_at = options.get("at", 1) if tamper else None
             with torch.no_grad():
                 for t in tensors.values():
                     t.add_(0.001 * (step + 1))
             expected = sent_checksum(tensors.items())
 
-            def broadcast(i: int, fmt=fmt, fail_at=fail_at, die_at=die_at) -> None:
+            def broadcast(i: int, fmt=fmt, fail_at=fail_at, die_at=die_at, tamper_at=tamper_at, tamper=tamper) -> None:
                 if i == die_at:
                     os._exit(DIED)
                 if i == fail_at:
                     raise InjectedFailure(f"the trainer failed before sending bucket {i}")
+                if i == tamper_at:
+                    assert sender.group is not None
+                    delta = tamper.get("long_by", 0) - tamper.get("short_by", 0)
+                    messages = tampered_broadcasts(plan.buckets[i], tensors, fmt, delta, 0)
+                    for work in [sender.group.broadcast_async(m) for m in messages]:
+                        sender.group.wait(work, 60)
+                    return
                 sender.send(BucketPlan((plan.buckets[i],), plan.budget_bytes), tensors, load_format=fmt)
 
             stages: list[str] = []
@@ -129,7 +141,7 @@ def main(cfg: dict) -> dict:
                     ),
                 )
             except SyncError as exc:
-                if fail_at is None:
+                if fail_at is None and tamper_at is None:
                     raise
                 report["steps"].append(
                     {
@@ -139,6 +151,7 @@ def main(cfg: dict) -> dict:
                             "message": str(exc),
                             "cause": type(exc.cause).__name__,
                             "recovery": exc.recovery,
+                            "results": [r.model_dump(mode="json") for r in exc.results],
                         },
                         "stages": stages,
                         "after_failure": after_failure(syncing),

@@ -159,6 +159,43 @@ def test_trainer_killed_mid_sync(pair, tmp_path: Path, atomic: bool) -> None:
         router.stop()
 
 
+def test_broadcasts_of_other_sizes_than_announced_fail_through_the_router(pair, tmp_path: Path) -> None:
+    """A buggy trainer (no checksums sent): fewer or more bytes than announced, in both formats. Every
+    sync fails, no process is lost, the old weights stay (atomic), nothing stays fenced; the next
+    correct sync on the same client succeeds."""
+    model, procs = pair
+    router, url = start_router([u for _, u in procs], admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
+    try:
+        before = checksums(url)
+        cases = [
+            ("flattened_bucket", {"short_by": 4096}, "fewer"),
+            ("flattened_bucket", {"long_by": 4096}, "more"),
+            (None, {"short_by": 64}, "fewer"),
+            (None, {"long_by": 16}, "more"),
+        ]
+        steps = [["two_phase", fmt, {"atomic": True, **tamper}] for fmt, tamper, _ in cases]
+        steps.append(["two_phase", "flattened_bucket", {"atomic": True}])
+        done = run_trainer(url, model, tmp_path / "report.json", steps)
+        report = json.loads((tmp_path / "report.json").read_text())
+        assert done.returncode == 0 and "error" not in report, (report.get("error"), done.stderr[-3000:])
+        for step, (fmt, _, verdict) in zip(report["steps"], cases, strict=False):
+            failed = step["failed"]
+            assert failed["stage"] == "complete", (fmt, failed)
+            messages = [r["body"]["message"] for r in failed["results"] if r.get("body")]
+            assert len(messages) == 2 and all(f"received {verdict} bytes than announced" in m for m in messages), (
+                fmt,
+                messages,
+            )
+            seen = step["after_failure"]
+            kept = [c for per in seen["checksums"].values() for c in per]
+            assert kept == before and seen["disabled"] == [] and seen["journal_pending"] is None, seen
+        assert all(p.alive for p, _ in procs)
+        good = report["steps"][-1]
+        assert good["matches_expected"] is True and good["fleet_identical"] is True
+    finally:
+        router.stop()
+
+
 @pytest.mark.parametrize("probe_interval_s", [0.5, 60.0], ids=["seen-by-a-probe", "seen-by-the-proxy"])
 def test_worker_restarted_between_syncs_is_pending_until_the_next_update(
     pair, tmp_path: Path, probe_interval_s: float
