@@ -56,9 +56,13 @@ def standin_app() -> web.Application:
     """A contract-speaking stand-in worker (benchmark only): fixed, instant answers."""
     ok = json.dumps({"success": True, "message": "ok"}).encode()
     info = json.dumps({"model_path": "standin", "weight_version": "default", "tp_size": 1}).encode()
+    health = json.dumps({"status": "ok", "weight_version": "default", "weight_state": "serving"}).encode()
 
     async def reply_ok(_: web.Request) -> web.Response:
         return web.Response(body=ok, content_type="application/json")
+
+    async def reply_health(_: web.Request) -> web.Response:
+        return web.Response(body=health, content_type="application/json")
 
     async def model_info(_: web.Request) -> web.Response:
         return web.Response(body=info, content_type="application/json")
@@ -70,7 +74,7 @@ def standin_app() -> web.Application:
     app = web.Application()
     app.router.add_routes(
         [
-            web.get("/health", reply_ok),
+            web.get("/health", reply_health),
             web.get("/model_info", model_info),
             web.post("/generate", generate),
             *(

@@ -100,11 +100,14 @@ def e2e_section() -> None:
         )
         assert answer.get("success"), answer
 
-        def two_phase() -> float:
+        plain = plan.prepare_request(sender.group_name, load_format="flattened_bucket")
+        # Each bucket with nbytes and its crc32 (what RouterClient users send via plan.metadata(tensors));
+        # the worker verifies every bucket before applying it. Computed before the pause, as a trainer does.
+        checked = plan.prepare_request(sender.group_name, tensors=tensors, load_format="flattened_bucket")
+
+        def two_phase(request: Any = plain) -> float:
             post(url + "/pause_generation", {"mode": "retract"})
-            ready = post(
-                url + "/prepare_weights_update", plan.prepare_request(sender.group_name, load_format="flattened_bucket")
-            )
+            ready = post(url + "/prepare_weights_update", request)
             assert ready.get("status") == "ready", ready
             transfer = sender.send(plan, tensors, load_format="flattened_bucket").elapsed_s
             done = post(url + "/complete_weights_update", {"group_name": sender.group_name})
@@ -138,7 +141,15 @@ def e2e_section() -> None:
             post(url + "/continue_generation", {})
             return transfer
 
-        rows = [("two-phase flattened", *timed(two_phase)), ("single-phase per-tensor (SGLang)", *timed(single_phase))]
+        rows = [
+            ("two-phase flattened", *timed(two_phase)),
+            ("two-phase flattened, checksums", *timed(lambda: two_phase(checked))),
+            ("single-phase per-tensor (SGLang)", *timed(single_phase)),
+        ]
+        started = time.perf_counter()
+        for _ in range(5):
+            plan.metadata(tensors)
+        metadata_s = (time.perf_counter() - started) / 5
         post(url + "/destroy_weights_update_group", {"group_name": sender.group_name})
     finally:
         sender.close()
@@ -151,3 +162,5 @@ def e2e_section() -> None:
     print(f"{'path':36s} {'pause->resume s':>16s} {'broadcast s':>12s} {'window/broadcast':>17s}")
     for name, window, transfer in rows:
         print(f"{name:36s} {window:16.3f} {transfer:12.3f} {window / transfer:16.2f}x")
+    gbps = plan.total_bytes / metadata_s / 1e9
+    print(f"trainer side, sizes + crc32 of every bucket (before the pause): {metadata_s:.3f} s ({gbps:.2f} GB/s)")
