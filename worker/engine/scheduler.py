@@ -155,9 +155,10 @@ class Scheduler:
         if not abort_all and not rid:
             return []
         victims = [r for r in (*self._running, *self._waiting) if abort_all or r.rid.startswith(rid or "")]
+        # Counted first: a state snapshot taken from another thread never shows the requests gone but not counted.
+        self.stats.aborted_requests += len(victims)
         for req in victims:
             self._finish(req, abort_reason(message))
-        self.stats.aborted_requests += len(victims)
         return [r.rid for r in victims]
 
     def abort_all(self, message: str = "Aborted") -> list[str]:
