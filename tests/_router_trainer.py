@@ -42,7 +42,7 @@ from router.trainer import (
     TrainerWeightSender,
     sent_checksum,
 )
-from tests._transfer_peer import tampered_broadcasts
+from tests._transfer_peer import send_tampered_bucket
 from worker.model.checkpoint import read_checkpoint
 
 #: The router's admin-lock wait as the tests configure it: a router still holding its
@@ -116,10 +116,7 @@ def main(cfg: dict) -> dict:
                     raise InjectedFailure(f"the trainer failed before sending bucket {i}")
                 if i == tamper_at:
                     assert sender.group is not None
-                    delta = tamper.get("long_by", 0) - tamper.get("short_by", 0)
-                    messages = tampered_broadcasts(plan.buckets[i], tensors, fmt, delta, 0)
-                    for work in [sender.group.broadcast_async(m) for m in messages]:
-                        sender.group.wait(work, 60)
+                    send_tampered_bucket(sender.group, plan.buckets[i], tensors, fmt, tamper, 60)
                     return
                 sender.send(BucketPlan((plan.buckets[i],), plan.budget_bytes), tensors, load_format=fmt)
 

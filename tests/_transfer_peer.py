@@ -112,15 +112,28 @@ def send_tampered(
     (default 3) with ``short_by`` fewer or ``long_by`` more bytes in one of its messages."""
     fmt = for_load_format(load_format)
     at = tamper.get("at", 3)
-    delta = tamper.get("long_by", 0) - tamper.get("short_by", 0)
     for index, layout in enumerate(plan.buckets):
         if index == at:
-            messages = tampered_broadcasts(layout, tensors, load_format, delta, tamper.get("tensor", 0))
-            works = [group.broadcast_async(m) for m in messages]
-        else:
-            works = fmt.post_send(group, layout, tensors, None)
-        for work in works:
+            send_tampered_bucket(group, layout, tensors, load_format, tamper, timeout_s)
+            continue
+        for work in fmt.post_send(group, layout, tensors, None):
             group.wait(work, timeout_s)
+
+
+def send_tampered_bucket(
+    group: WeightUpdateGroup,
+    layout: BucketLayout,
+    tensors: dict[str, torch.Tensor],
+    load_format: str | None,
+    tamper: dict[str, int],
+    timeout_s: float,
+) -> None:
+    """Broadcast one bucket as the format would, but with ``short_by`` fewer or ``long_by`` more
+    bytes in one message (the packed bucket, or per-tensor message number ``tensor``)."""
+    delta = tamper.get("long_by", 0) - tamper.get("short_by", 0)
+    messages = tampered_broadcasts(layout, tensors, load_format, delta, tamper.get("tensor", 0))
+    for work in [group.broadcast_async(m) for m in messages]:
+        group.wait(work, timeout_s)
 
 
 def run_trainer(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,7 @@ from router.contract.generate import GenerateRequest, GenerateResponse
 from router.contract.web.auth import auth_middleware
 from router.contract.web.middleware import Handler, error_middleware
 from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
+from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
@@ -246,7 +247,7 @@ def create_app(config: RouterConfig) -> web.Application:
                 generation_paths=paths_with_access(table, "generation"),
             ),
         ],
-        client_max_size=64 * 1024 * 1024,
+        client_max_size=MAX_BODY_BYTES,
     )
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry

@@ -54,10 +54,7 @@ class WorkerProber:
 
     async def probe(self, worker: Worker) -> bool:
         """One health probe; what the worker says of its weights is recorded on the way."""
-        try:
-            status = await self._get(worker, "/health", HealthStatus, {})
-        except _UNREACHABLE:
-            return False
+        status = await self.health(worker)
         if status is None:
             return False
         worker.weight_version = status.weight_version or worker.weight_version
