@@ -35,17 +35,21 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     return out_dir
 
 
-def start_workers(model_dir: Path, n: int, *, extra_args: Sequence[str] = ()) -> list[tuple[ManagedProcess, str]]:
-    """Start ``n`` workers (concurrently: torch import dominates start-up)."""
+def start_workers(
+    model_dir: Path, n: int, *, extra_args: Sequence[str] = (), hosts: Sequence[str] = ()
+) -> list[tuple[ManagedProcess, str]]:
+    """Start ``n`` workers (concurrently: torch import dominates start-up), on ``hosts[i]``
+    (loopback addresses such as 127.0.0.2, standing in for pod IPs) or 127.0.0.1."""
     ports = [free_port() for _ in range(n)]
+    addresses = [hosts[i] if i < len(hosts) else "127.0.0.1" for i in range(n)]
     procs = []
-    for port in ports:
+    for port, host in zip(ports, addresses, strict=True):
         argv = [
             cli("omni-worker"),
             "--model-path",
             str(model_dir),
             "--host",
-            "127.0.0.1",
+            host,
             "--port",
             str(port),
             *extra_args,
@@ -53,8 +57,8 @@ def start_workers(model_dir: Path, n: int, *, extra_args: Sequence[str] = ()) ->
         procs.append(ManagedProcess(f"worker-{port}", argv).start())
     out = []
     try:
-        for proc, port in zip(procs, ports, strict=True):
-            url = f"http://127.0.0.1:{port}"
+        for proc, port, host in zip(procs, ports, addresses, strict=True):
+            url = f"http://{host}:{port}"
             proc.wait_http_ready(url + "/health", timeout=120)
             out.append((proc, url))
     except BaseException:
@@ -72,6 +76,7 @@ def start_router(
     extra_args: Sequence[str] = (),
     port: int | None = None,
     wait_healthy: int | None = None,
+    env: dict[str, str] | None = None,
 ) -> tuple[ManagedProcess, str]:
     """Start ``omni-router`` and wait for ``/liveness`` (and ``wait_healthy`` healthy workers)."""
     port = port or free_port()
@@ -93,7 +98,7 @@ def start_router(
     if state_dir is not None:
         argv += ["--state-dir", str(state_dir)]
     argv += list(extra_args)
-    proc = ManagedProcess(f"router-{port}", argv).start()
+    proc = ManagedProcess(f"router-{port}", argv, env=env).start()
     url = f"http://127.0.0.1:{port}"
     proc.wait_http_ready(url + "/liveness", timeout=60)
     n = len(worker_urls) if wait_healthy is None else wait_healthy

@@ -89,7 +89,7 @@ def main(cfg: dict) -> dict:
     group = GroupSpec(
         master_address="127.0.0.1",
         master_port=cfg["port"],
-        join=lambda _world: sender.join(cancel=group.cancel),
+        join=lambda world: sender.join(cancel=group.cancel, world_size=world),
         leave=sender.close,
         timeout_s=60,
     )

@@ -2,6 +2,7 @@
 
     omni-worker --model-path DIR [--host H] [--port P] [--device cpu|cuda] [--dtype float32|bfloat16]
                 [--admin-api-key K] [--api-key K] [--max-running-requests N] [--num-threads N] [--log-level L]
+                [--shutdown-grace-s 30]
     omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N]
 
 The admin key falls back to ``SGLANG_OMNI_ADMIN_KEY`` here, when the flags are
@@ -9,6 +10,10 @@ read, exactly as in ``omni-router``: a :class:`WorkerConfig` built in code holds
 the key it was given.
 
 Logs exactly one "omni-worker ready on http://HOST:PORT ..." line once it accepts requests.
+On SIGTERM (or SIGINT) it drains: new generations get 503 and ``/health`` 503 ``draining`` at
+once while ``/liveness`` stays 200; running ones may finish for ``--shutdown-grace-s``, then
+the rest are aborted (their callers get an ``abort`` answer), every weight-update group is
+left, and the process exits 0. A second signal ends the drain at once.
 """
 
 from __future__ import annotations
@@ -71,6 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="testing aid: milliseconds to sleep after every forward step, so requests stay in flight",
     )
+    p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=d.shutdown_grace_s,
+        help="seconds that generations in flight may run to completion after SIGTERM (new ones get 503, "
+        "/health says draining) before the rest are aborted; keep it below Kubernetes' "
+        "terminationGracePeriodSeconds minus about 15 s (leaving a weight-update group, stopping)",
+    )
     return p
 
 
@@ -88,6 +101,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         log_level=args.log_level,
         step_delay_s=args.step_delay_ms / 1000.0,
         num_threads=args.num_threads,
+        shutdown_grace_s=args.shutdown_grace_s,
     )
 
 
@@ -109,17 +123,37 @@ async def serve(config: WorkerConfig) -> int:
     from worker.http.keys import COORDINATOR
 
     app = create_app(config)
+    coord = app[COORDINATOR]
+    # The drain happens before the runner's cleanup, so aiohttp's own wait for busy handlers
+    # only covers what is left then (admin calls; generations have their answers by then).
     runner = web.AppRunner(app, access_log=log if config.log_level == "debug" else None, shutdown_timeout=5.0)
     await runner.setup()
     stop = asyncio.Event()
+    hurry = asyncio.Event()
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.info("%s again: aborting what still runs now", sig.name)
+            hurry.set()
+            return
+        coord.start_draining()  # in the handler itself: the very next /generate is refused
+        log.info(
+            "%s: shutting down; new /generate gets 503 and /health says draining; %d generation(s) in flight "
+            "may finish within %gs",
+            sig.name,
+            coord.num_in_flight,
+            config.shutdown_grace_s,
+        )
+        stop.set()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal, sig)
     try:
         site = web.TCPSite(runner, config.host, config.port)
         await site.start()
         host, port = runner.addresses[0][:2]
-        worker = app[COORDINATOR].worker
+        worker = coord.worker
         log.info(
             "omni-worker ready on http://%s:%d (model %s, %s %s, weight_version %s)",
             host,
@@ -130,8 +164,17 @@ async def serve(config: WorkerConfig) -> int:
             worker.weight_version,
         )
         await stop.wait()
+        finished, aborted = await coord.drain(config.shutdown_grace_s, cut_short=hurry)
+        log.info(
+            "shutdown: %d generation(s) finished, %d aborted (shutdown grace %gs)",
+            finished,
+            aborted,
+            config.shutdown_grace_s,
+        )
     finally:
+        # Stops listening, then leaves every weight-update group (bounded) and stops the scheduler.
         await runner.cleanup()
+    log.info("omni-worker stopped")
     return 0
 
 
@@ -148,6 +191,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--max-running-requests must be at least 1")
     if args.num_threads is not None and args.num_threads < 1:
         parser.error("--num-threads must be at least 1")
+    if not args.shutdown_grace_s >= 0:
+        parser.error("--shutdown-grace-s must be >= 0")
     _check_device(parser, args.device)
     config = config_from_args(args)
     if config.num_threads is not None:

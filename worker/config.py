@@ -30,6 +30,10 @@ class WorkerConfig:
     """Testing aid: sleep this long after each forward step, to make a tiny
     model behave like a slow one (requests stay in flight long enough to be
     paused, retracted or aborted deterministically)."""
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM: how long generations in flight may run to completion (new ones are refused
+    with 503 and ``/health`` says ``draining`` at once) before the rest are aborted. Keep it below
+    Kubernetes' ``terminationGracePeriodSeconds`` with room for leaving a weight-update group."""
 
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for ``/server_info``)."""

@@ -38,6 +38,10 @@ log = logging.getLogger(__name__)
 
 #: Aborting requests on the scheduler thread: the budget of ``/abort_request``.
 ABORT_WAIT_S = ep.ABORT_REQUEST.budget.work_s
+#: At shutdown, once the grace is over: how long the abort of what is left and its callers' answers
+#: may take together (the scheduler acts between two steps, so this is far more than needed).
+SHUTDOWN_ABORT_WAIT_S = 5.0
+SHUTTING_DOWN = "the worker is shutting down"
 
 
 class Coordinator:
@@ -52,6 +56,7 @@ class Coordinator:
         """Every weight update of this worker goes through this one pipeline."""
         self.instance_id = uuid.uuid4().hex
         """Tells a router that this process is new (a restarted worker holds its boot checkpoint)."""
+        self._draining = False
 
     # -- accessors -------------------------------------------------------------------
     @property
@@ -69,6 +74,16 @@ class Coordinator:
     @property
     def is_paused(self) -> bool:
         return self.scheduler.is_paused
+
+    @property
+    def draining(self) -> bool:
+        """The process is shutting down: no new generation is admitted."""
+        return self._draining
+
+    @property
+    def num_in_flight(self) -> int:
+        """Generations admitted and not yet answered (a batch counts each of its prompts)."""
+        return len(self._inflight)
 
     @property
     def weight_state(self) -> str:
@@ -280,6 +295,44 @@ class Coordinator:
             return False, f"no output within {self.health_check_timeout_s:g}s"
         finally:
             self.release(handle)
+
+    # -- shutdown --------------------------------------------------------------------------
+    def start_draining(self) -> None:
+        """Admit no new generation from now on (``/generate`` answers 503, ``/health`` ``draining``),
+        so that a router retries elsewhere and a readiness probe takes this worker out of service."""
+        self._draining = True
+
+    async def drain(self, grace_s: float, cut_short: asyncio.Event | None = None) -> tuple[int, int]:
+        """Stop admitting, let the generations in flight finish for up to ``grace_s`` (less if
+        ``cut_short`` is set), then abort the rest and wait, bounded, until their callers have
+        their answers (``finish_reason`` ``abort`` with the partial output). Returns how many
+        finished and how many were aborted."""
+        self.start_draining()
+        handles = list(self._inflight.values())
+
+        async def all_returned() -> None:
+            for handle in handles:
+                await handle.returned.wait()
+
+        if handles:
+            waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(all_returned())}
+            if cut_short is not None:
+                waits.add(asyncio.ensure_future(cut_short.wait()))
+            try:
+                await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for wait in waits:
+                    wait.cancel()
+        left = [h.rid for h in handles if not h.returned.is_set()]
+        if left and self.alive:
+            deadline = time.monotonic() + SHUTDOWN_ABORT_WAIT_S
+            aborted = self.scheduler.submit_abort(None, abort_all=True, message=f"Aborted: {SHUTTING_DOWN}")
+            try:
+                await asyncio.wait_for(asyncio.wrap_future(aborted), SHUTDOWN_ABORT_WAIT_S)
+            except TimeoutError:
+                log.warning("the scheduler did not abort the remaining requests within %.0fs", SHUTDOWN_ABORT_WAIT_S)
+            await self.wait_returned(left, _left(deadline))
+        return len(handles) - len(left), len(left)
 
     # -- status ----------------------------------------------------------------------------
     def model_info(self) -> dict[str, Any]:

@@ -32,6 +32,9 @@ R = TypeVar("R", bound=WireResponse)
 PER_WORKER_FIELDS = frozenset({"success", "message", "status", "rank_results", "error"})
 
 
+WorkerSource = Literal["static", "api", "discovery"]
+
+
 class WorkerRecord(WireResponse):
     """One worker as the registry sees it."""
 
@@ -46,6 +49,12 @@ class WorkerRecord(WireResponse):
     instance_id: str | None = None
     pending: str | None = None
     """Why the worker takes no generation traffic although healthy: it does not hold the fleet's weights."""
+    source: WorkerSource = "static"
+    """How it was registered: ``--worker-urls`` (static), ``POST /workers`` (api) or service discovery."""
+    pod: str | None = None
+    """The pod it runs in (``namespace/name``), for discovered workers."""
+    departed: str | None = None
+    """Why discovery no longer lists it (removed from the registry once no update holds the lock)."""
 
 
 class WorkerList(WireResponse):
@@ -179,11 +188,28 @@ class GroupInitFleetAnswer(FleetAnswer[WeightSyncResponse], WeightSyncResponse):
     ranks: list[RankAssignment] = Field(default_factory=list)
 
 
+class GroupMembership(WireResponse):
+    """A weight-update group the router built, and whether the fleet still matches it."""
+
+    group_name: str
+    world_size: int
+    """The group's world size, the trainer's ranks included (what its init asked for)."""
+    members: list[RankAssignment]
+    matches_fleet: bool
+    """False once a worker joined, left, died or restarted since: updates on it are refused (409)."""
+    changes: list[str] = Field(default_factory=list)
+
+
 class WorldSizeResponse(WireResponse):
     """``GET /get_world_size``: ranks held by workers, the trainer's rank 0 excluded."""
 
     world_size: int
     workers: list[RankAssignment] = Field(default_factory=list)
+    groups: list[GroupMembership] = Field(default_factory=list)
+    """The groups the router built; a trainer rebuilds one whose ``matches_fleet`` is false."""
+
+    def group(self, name: str) -> GroupMembership | None:
+        return next((g for g in self.groups if g.group_name == name), None)
 
 
 class WeightsCheckerFleetAnswer(FleetAnswer[WeightsCheckerResult], WeightsCheckerResult):

@@ -37,12 +37,15 @@ from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
+from router.gateway.admin.groups import WeightGroups
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.ranks import GroupInitializer
 from router.gateway.admin.two_phase import TwoPhaseCoordinator
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.config import RouterConfig
+from router.gateway.discovery.k8s import KubernetesPods
+from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FleetWeights
@@ -174,6 +177,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics=app[keys.METRICS],
         fanout=fanout,
         prober=prober,
+        groups=WeightGroups(cfg.state_dir),
     )
     app[keys.ADMIN] = ctx
     app[keys.PROXY] = GenerateProxy(
@@ -202,6 +206,39 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         await app[keys.TASKS].close()
         fanout.close()
         await session.close()
+
+
+async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
+    """Service discovery (``--service-discovery k8s``): the pod watch and the registry reconciler."""
+    cfg = app[keys.CONFIG]
+    if cfg.service_discovery != "k8s":
+        yield
+        return
+    fleet = DiscoveredFleet(app[keys.REGISTRY], app[keys.GATE], app[keys.JOURNAL], app[keys.HEALTH])
+    pods = KubernetesPods(
+        selector=cfg.selector, on_change=fleet.offer, namespace=cfg.discovery_namespace, port=cfg.discovery_port
+    )
+    app[keys.DISCOVERY] = fleet
+    app[keys.DISCOVERY_STATUS] = pods.status
+    loop = asyncio.get_running_loop()
+    tasks = [
+        loop.create_task(pods.run(), name="k8s-pod-watch"),
+        loop.create_task(fleet.run(), name="discovered-fleet"),
+    ]
+    tasks[0].add_done_callback(_report_crash)
+    tasks[1].add_done_callback(_report_crash)
+    app[keys.DISCOVERY_TASKS] = tasks
+    try:
+        yield
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _report_crash(task: asyncio.Task[None]) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        log.error("%s stopped: %r; the registry keeps the workers it has", task.get_name(), task.exception())
 
 
 def _restore_journal(registry: WorkerRegistry, journal: UpdateJournal) -> None:
@@ -258,4 +295,5 @@ def create_app(config: RouterConfig) -> web.Application:
     app[keys.SERVICE_HEADERS] = _service_headers(config)
     app.router.add_routes(route_defs(table))
     app.cleanup_ctx.append(upstream_ctx)
+    app.cleanup_ctx.append(discovery_ctx)
     return app

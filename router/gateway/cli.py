@@ -18,8 +18,9 @@ from aiohttp import web
 from router import __version__
 from router.contract.errors import ApiError
 from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
+from router.contract.web.middleware import Handler
 from router.gateway.app import create_app
-from router.gateway.config import POLICY_NAMES, RouterConfig
+from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, RouterConfig
 
 log = logging.getLogger("router")
 
@@ -47,6 +48,13 @@ def setup_logging(level: str, fmt: str) -> None:
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+def _label(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -137,6 +145,13 @@ def build_parser() -> argparse.ArgumentParser:
         "default) plus one margin",
     )
     p.add_argument(
+        "--shutdown-grace-s",
+        type=float,
+        default=d.shutdown_grace_s,
+        help="seconds that requests in flight (streams included) may run to completion after SIGTERM or SIGINT, "
+        "once the router stopped accepting connections; the rest are then cancelled and aborted on their workers",
+    )
+    p.add_argument(
         "--state-dir",
         type=Path,
         default=None,
@@ -144,6 +159,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-connections", type=int, default=d.max_connections, help="size of the connection pool to workers"
+    )
+    p.add_argument(
+        "--service-discovery",
+        choices=DISCOVERY_NAMES,
+        default=d.service_discovery,
+        help="static: --worker-urls and POST /workers only; k8s: also the Running, Ready pods matching --selector "
+        "(needs omni-router[k8s]; credentials: the pod's service account, else KUBECONFIG, else ~/.kube/config)",
+    )
+    p.add_argument(
+        "--selector",
+        nargs="+",
+        default=[],
+        metavar="KEY=VALUE",
+        type=_label,
+        help="labels every worker pod carries, e.g. app=omni-worker",
+    )
+    p.add_argument(
+        "--service-discovery-namespace",
+        default=None,
+        help="namespace to watch for worker pods; default: the router's own (or the kubeconfig context's)",
+    )
+    p.add_argument(
+        "--service-discovery-port",
+        type=int,
+        default=None,
+        help="worker port on each pod; default: the container port named 'http'",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
@@ -167,16 +208,70 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_dead_threshold=args.health_dead_threshold,
         health_success_threshold=args.health_success_threshold,
         update_session_timeout_s=args.update_session_timeout_s,
+        shutdown_grace_s=args.shutdown_grace_s,
         state_dir=args.state_dir,
         max_connections=args.max_connections,
+        service_discovery=args.service_discovery,
+        selector=dict(args.selector),
+        discovery_namespace=args.service_discovery_namespace,
+        discovery_port=args.service_discovery_port,
     )
 
 
 async def serve(app: web.Application, host: str, port: int, config: RouterConfig) -> None:
-    # handler_cancellation: a caller that disconnects cancels its handler, which
-    # is how the proxy learns to abort the request on the worker.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    """Serve until SIGTERM or SIGINT, then stop gracefully: stop listening at once, let the requests in
+    flight (streams included) finish for up to ``config.shutdown_grace_s``, cancel what is left (the proxy
+    aborts a cancelled request on its worker), close the app's cleanup context, log what was drained."""
+    grace = config.shutdown_grace_s
+    handlers: set[asyncio.Task[object]] = set()
+    cut: set[asyncio.Task[object]] = set()
+    finished = 0
+    stop = asyncio.Event()
+    hurry = asyncio.Event()
+
+    # Outermost middleware: which handlers are running, so that the shutdown can count them and
+    # cancel them at the grace. aiohttp's own connection shutdown waits for a busy handler up to
+    # shutdown_timeout and then signals it only through the request's payload (which a proxy that
+    # has read its body never looks at) and waits as long again; cancelling here keeps the bound.
+    @web.middleware
+    async def track(request: web.Request, handler: Handler) -> web.StreamResponse:
+        nonlocal finished
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)
+        try:
+            return await handler(request)
+        finally:
+            handlers.discard(task)
+            if stop.is_set() and task not in cut:
+                finished += 1
+
+    app.middlewares.insert(0, track)
+    # handler_cancellation: a caller that disconnects cancels its handler, which is how the proxy
+    # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop (since
+    # 3.9 it waits for busy handlers after the sites stopped) is the drain.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace)
     await runner.setup()
+    loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.info("%s again: cancelling the requests still in flight now", sig.name)
+            hurry.set()
+        else:
+            log.info("%s: shutting down", sig.name)
+            stop.set()
+
+    async def cancel_at_grace() -> None:
+        try:
+            await asyncio.wait_for(hurry.wait(), grace)
+        except TimeoutError:
+            pass
+        cut.update(handlers)
+        for task in list(cut):
+            task.cancel()
+
+    cutter: asyncio.Task[None] | None = None
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
@@ -192,19 +287,38 @@ async def serve(app: web.Application, host: str, port: int, config: RouterConfig
         )
         # Start-up objects never die: keep them out of every later GC pass (shorter pauses).
         gc.freeze()
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, on_signal, sig)
         await stop.wait()
+        # Closing the listening socket first: from here a new connection is refused (a Kubernetes
+        # Service has already been told, or is being told, to send nothing more here).
+        for running_site in list(runner.sites):
+            await running_site.stop()
+        in_flight = len(handlers)
+        log.info("stopped accepting connections; %d request(s) in flight may finish within %gs", in_flight, grace)
+        cutter = loop.create_task(cancel_at_grace(), name="shutdown-grace")
     finally:
+        # Waits for the busy handlers (at most the grace: the cutter cancels the rest), then closes the
+        # cleanup context: the health task, the owned tasks (aborts sent for cancelled requests, an
+        # interrupted update settled or left journaled) and the upstream session.
         await runner.cleanup()
+        if cutter is not None:
+            cutter.cancel()
+    log.info(
+        "shutdown: %d request(s) finished during the drain, %d cancelled (shutdown grace %gs)",
+        finished,
+        len(cut),
+        grace,
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     config = config_from_args(args)
+    if not config.shutdown_grace_s >= 0:
+        log.error("cannot start: --shutdown-grace-s must be >= 0, got %s", config.shutdown_grace_s)
+        return 2
     try:
         app = create_app(config)
     except (ValueError, ApiError) as exc:  # bad flags or worker URLs: say which, exit non-zero

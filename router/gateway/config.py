@@ -10,6 +10,8 @@ from router.contract.budget import DEFAULT_LOCK_WAIT_S
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
+DiscoveryName = Literal["static", "k8s"]
+DISCOVERY_NAMES: tuple[str, ...] = get_args(DiscoveryName)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -64,11 +66,28 @@ class RouterConfig:
     the router fails the update closed. ``None``: the prepare's receive window (its
     ``timeout_s``, else the workers' default) plus one margin of the timeout budget."""
 
+    shutdown_grace_s: float = 30.0
+    """On SIGTERM or SIGINT: how long requests in flight (streams included) may run to completion
+    after the router stopped accepting connections; what is still running then is cancelled
+    (and aborted on its worker). Keep it below Kubernetes' ``terminationGracePeriodSeconds``."""
+
     state_dir: Path | None = None
     """Where the update journal lives. ``None``: in-memory only (no crash safety)."""
 
     max_connections: int = 1024
     """Size of the shared connection pool; admitted calls should not wait inside it."""
+
+    service_discovery: DiscoveryName = "static"
+    """``static``: only ``worker_urls`` and ``POST /workers``; ``k8s``: also the pods that match ``selector``."""
+
+    selector: dict[str, str] = field(default_factory=dict)
+    """Pod labels a worker pod carries (every one must match)."""
+
+    discovery_namespace: str | None = None
+    """Namespace to watch; ``None``: the client configuration's (the pod's own inside a cluster)."""
+
+    discovery_port: int | None = None
+    """Worker port on each pod; ``None``: the container port named ``http``."""
 
     @property
     def key_for_workers(self) -> str | None:
@@ -101,3 +120,9 @@ class RouterConfig:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}")
+        if self.service_discovery not in DISCOVERY_NAMES:
+            raise ValueError(f"unknown service discovery {self.service_discovery!r}")
+        if self.service_discovery == "k8s" and not self.selector:
+            raise ValueError("--service-discovery k8s needs --selector k=v (which pods are workers)")
+        if self.discovery_port is not None and not 1 <= self.discovery_port <= 65535:
+            raise ValueError(f"discovery_port must be a TCP port, got {self.discovery_port}")

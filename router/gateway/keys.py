@@ -14,6 +14,8 @@ from router.gateway.admin.ranks import GroupInitializer
 from router.gateway.admin.two_phase import TwoPhaseCoordinator
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.config import RouterConfig
+from router.gateway.discovery.k8s import DiscoveryStatus
+from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.health import HealthChecker
 from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.metrics import RouterMetrics
@@ -38,3 +40,6 @@ TWO_PHASE = web.AppKey("two_phase", TwoPhaseCoordinator)
 VIEWS = web.AppKey("fleet_views", FleetViews)
 HEALTH = web.AppKey("health_checker", HealthChecker)
 HEALTH_TASK = web.AppKey("health_task", asyncio.Task[None])
+DISCOVERY = web.AppKey("discovered_fleet", DiscoveredFleet)
+DISCOVERY_STATUS = web.AppKey("discovery_status", DiscoveryStatus)
+DISCOVERY_TASKS = web.AppKey("discovery_tasks", list[asyncio.Task[None]])

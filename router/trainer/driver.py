@@ -1,6 +1,6 @@
 """The trainer's whole weight-sync cycle through one router URL.
 
-    group init (once per group) -> pause -> prepare -> broadcast -> complete -> verify -> continue
+    group init (when the group is new or the fleet outgrew it) -> pause -> prepare -> broadcast -> complete -> verify -> continue
 
 The tensors themselves never pass through here: the caller supplies
 ``broadcast(bucket_index)``, which sends one bucket over the process group
@@ -108,6 +108,8 @@ class SyncReport(BaseModel):
     matches_expected: bool | None = None
     group_init: GroupInitFleetAnswer | None = None
     """The router's answer to the group init (per-worker ``ranks``), on the sync that created the group."""
+    group_rebuilt: str | None = None
+    """Why this sync rebuilt the group first (the fleet changed since it was built), if it did."""
 
 
 def _log_progress(stage: str, info: dict[str, Any]) -> None:
@@ -153,6 +155,7 @@ class WeightSync:
         self.progress = progress or _log_progress
         self._stages: dict[str, float] = {}
         self._group_init: GroupInitFleetAnswer | None = None
+        self._rebuild_reason: str | None = None
         # From a ready prepare until the router has answered complete: the router holds a
         # prepared update (and its admin lock) for this group.
         self._router_holds_update = False
@@ -175,11 +178,31 @@ class WeightSync:
         return value
 
     def ensure_group(self) -> int | None:
+        """Initialize the group unless it exists and still matches the fleet; returns the new world size.
+
+        A group the router reports as outgrown (a worker joined, left, died or
+        restarted since it was built), or no longer knows, is torn down and built
+        again with the fleet's current world size, so a trainer loop survives
+        scale-up and pod restarts unchanged.
+        """
         joined = self.client.joined_groups
-        if self.group.group_name in joined:
-            return None
-        world = self.client.get_world_size().world_size + 1
         g = self.group
+        fleet = self.client.get_world_size()
+        if g.group_name in joined:
+            view = fleet.group(g.group_name)
+            if view is not None and view.matches_fleet:
+                return None
+            why = "; ".join(view.changes) if view is not None else "the router has no record of it"
+            self._rebuild_reason = why
+            left: dict[str, str] = {}
+            self._leave_group(left)
+            log.warning(
+                "weight-update group %r no longer matches the fleet (%s): left it (%s), rebuilding",
+                g.group_name,
+                why,
+                left,
+            )
+        world = fleet.world_size + 1
         g.cancel.clear()
         self._group_init = alongside(
             lambda: self.client.init_weights_update_group(
@@ -245,6 +268,7 @@ class WeightSync:
             world_size=world,
             stage_seconds=self._stages,
             group_init=self._group_init,
+            group_rebuilt=self._rebuild_reason,
         )
         if complete is not None:
             report.checksums = dict(complete.checksums)
@@ -297,16 +321,21 @@ class WeightSync:
         self._router_holds_update = holds
         return answer
 
+    def _leave_group(self, done: dict[str, str]) -> None:
+        """The workers and the trainer leave the group and the client forgets it (best effort, recorded in ``done``)."""
+        g = self.group
+        done["destroy_weights_update_group"] = _attempt(lambda: self.client.destroy_weights_update_group(g.group_name))
+        if g.leave is not None:
+            done["leave"] = _attempt(g.leave)
+        self.client.joined_groups.discard(g.group_name)
+
     def _rebuild_group_after(self, error: SyncError) -> None:
         """End the router's prepared update, have everyone leave the group, forget it (best effort, recorded)."""
         g, done = self.group, error.recovery
         if self._router_holds_update:
             done["abort_weights_update"] = _attempt(lambda: self.client.abort_weights_update(g.group_name))
             self._router_holds_update = False
-        done["destroy_weights_update_group"] = _attempt(lambda: self.client.destroy_weights_update_group(g.group_name))
-        if g.leave is not None:
-            done["leave"] = _attempt(g.leave)
-        self.client.joined_groups.discard(g.group_name)
+        self._leave_group(done)
         log.warning(
             "weight sync failed at %s; group %r torn down, the next sync initializes it again: %s",
             error.stage,

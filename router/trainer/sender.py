@@ -192,12 +192,17 @@ class TrainerWeightSender:
 
     # -- group lifecycle -----------------------------------------------------------------------
 
-    def join(self, cancel: threading.Event | None = None) -> WeightUpdateGroup:
+    def join(self, cancel: threading.Event | None = None, *, world_size: int | None = None) -> WeightUpdateGroup:
         """Host the rendezvous and join as rank 0 (blocks until every rank arrives, or
         until ``cancel`` is set: then :class:`GroupError` at once, e.g. when the router
-        refused the workers' side of the init; ``GroupSpec.cancel`` is such an event)."""
+        refused the workers' side of the init; ``GroupSpec.cancel`` is such an event).
+
+        ``world_size`` replaces the one given at construction: a group rebuilt after the
+        fleet grew or shrank has another (``GroupSpec.join`` receives it)."""
         if self.group is not None and self.group.pg is not None:
             raise GroupError(f"already joined group {self.group_name!r}; call close() first")
+        if world_size is not None:
+            self.world_size = world_size
         self.group = init_weight_update_group(
             master_address=self.master_address,
             master_port=self.master_port,

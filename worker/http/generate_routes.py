@@ -4,7 +4,9 @@ One prompt returns one ``{"text", "output_ids", "meta_info"}`` object, a batch a
 list of them; with ``stream=true`` the cumulative object of each prompt is sent
 as SSE chunks (``index`` added for a batch). Requests aborted by a pause or
 ``/abort_request`` return 200 with ``finish_reason.type == "abort"`` and their
-partial output. A caller that disconnects gets its requests aborted.
+partial output. A caller that disconnects gets its requests aborted. While the
+worker shuts down a new request is a 503 at once (a router retries it elsewhere);
+those already running finish, or end aborted at the shutdown grace.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from router.contract.errors import ApiError, Unavailable, error_body
 from router.contract.generate import GenerateRequest, GenerateResponse, SamplingParams
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
-from worker.coordinator import Coordinator
+from worker.coordinator import SHUTTING_DOWN, Coordinator
 from worker.engine.model_worker import ModelWorker
 from worker.engine.request import GenerationParams
 from worker.generation import GenerationHandle
@@ -101,6 +103,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         items.append((ids, generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num), rid))
     if not coord.alive:
         raise ApiError(503, "the scheduler thread is not running")
+    if coord.draining:  # checked with no await before the submit: nothing new slips into the drain
+        raise Unavailable(SHUTTING_DOWN)
     why = coord.cannot_serve
     if why is not None:
         raise Unavailable(f"this worker cannot serve: {why}")

@@ -522,7 +522,9 @@ class WeightSyncController:
             update.txn.end()
         groups, self._groups = list(self._groups.values()), {}
         for group in groups:
-            await self._in_thread(group.destroy)
+            # Bounded (DESTROY_TIMEOUT_S): a leave that hangs is abandoned and logged by ``destroy``.
+            if await self._in_thread(group.destroy):
+                log.info("shutdown: left weight-update group %r (rank %d/%d)", group.name, group.rank, group.world_size)
         self._threads.shutdown(wait=False, cancel_futures=True)
 
 

@@ -2,13 +2,16 @@
 
 Targets are every worker that is not dead, disabled ones included (a disabled
 worker must still receive the update that makes it consistent again). The
-operation runs in the one shape of :mod:`router.gateway.admin.locked`.
+operation runs in the one shape of :mod:`router.gateway.admin.locked`. An
+update over a weight-update group is refused (409) when the fleet no longer
+matches the group; a group's destroy goes to its members only.
 """
 
 from __future__ import annotations
 
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
+from router.gateway.admin.groups import group_name_of
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import Operation
 
@@ -17,8 +20,18 @@ async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcom
     """Lock if serialized, fence if fenced, fan out, settle; refresh versions after a weight change."""
     async with AdminRun.open(op, ctx) as run:
         targets = ctx.live_targets()
+        group = group_name_of(call.request)
+        if op.in_group:
+            ctx.groups.check(group, targets)
+        if op.ends_group:
+            targets = ctx.groups.members_among(group, targets) or targets
         await run.fence_targets(targets)
-        results = await run.fan_out(targets, call)
+        try:
+            results = await run.fan_out(targets, call)
+        finally:
+            if op.ends_group:
+                # Whatever the answers, the group no longer has a known membership.
+                await ctx.groups.dropped(group)
         outcome = await run.settle(results)
         if op.changes_weights:
             await ctx.record_weight_change(targets, results)

@@ -30,6 +30,7 @@ from router.contract.fleet import WorkerResult
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.fanout import AdminCall, FanOut
 from router.gateway.admin.fence import RESOLVE_HINT, Fence
+from router.gateway.admin.groups import WeightGroups
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.update_gate import UpdateGate
@@ -49,6 +50,7 @@ class AdminContext:
     metrics: RouterMetrics
     fanout: FanOut
     prober: WorkerProber
+    groups: WeightGroups
 
     def live_targets(self) -> list[Worker]:
         targets = self.registry.live()
@@ -135,6 +137,8 @@ class AdminRun:
 
         When every target answers 501, nothing can have changed and the fence is restored.
         """
+        if self.fence is not None:
+            self._fail_departed(results)
         failed = [r for r in results if not r.success]
         not_implemented = bool(results) and all(r.status_code == 501 for r in results)
         verdict = judge(self.op, results)
@@ -161,6 +165,14 @@ class AdminRun:
                 f"{', '.join(kept)}; {RESOLVE_HINT}"
             )
         return Outcome(502, fleet_answer(self.op, results, message, **fields))
+
+    def _fail_departed(self, results: list[WorkerResult[Any]]) -> None:
+        """A target whose pod left the fleet during the update did not succeed, whatever it answered."""
+        for r in results:
+            worker = self.ctx.registry.find(r.worker)
+            if r.success and worker is not None and worker.departed is not None:
+                r.success = False
+                r.error = f"its pod left the fleet during {self.op.path} ({worker.departed})"
 
     def keep_lock(self) -> LockHold:
         """Hand the lock to a prepared update: this run ends without releasing it."""

@@ -8,7 +8,10 @@ rows add the router's policy:
 - ``fenced``: the targets are also taken out of request routing for the whole
   broadcast, journaled, and kept disabled unless every target succeeds;
 - ``changes_weights``: afterwards the targets that succeeded define the fleet's weights
-  (:mod:`router.gateway.fleet.weights`); every other worker is pending until an update reaches it.
+  (:mod:`router.gateway.fleet.weights`); every other worker is pending until an update reaches it;
+- ``in_group``: sent over a weight-update group, so refused (409) when the fleet no longer matches
+  the group's members (:mod:`router.gateway.admin.groups`); ``ends_group``: goes to the group's
+  members only, and the router forgets the group afterwards.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ class Operation:
     endpoint: ep.Endpoint[Any, Any]
     fenced: bool = False
     changes_weights: bool = False
+    in_group: bool = False
+    ends_group: bool = False
     answer: type[FleetAnswer[Any]] | None = None
     """The router's answer model; by default the worker's answer lifted to the fleet."""
 
@@ -64,10 +69,10 @@ OPERATIONS: dict[str, Operation] = {
         Operation(ep.PAUSE_GENERATION, fenced=True),
         Operation(ep.UPDATE_WEIGHTS_FROM_DISK, fenced=True, changes_weights=True),
         Operation(ep.UPDATE_WEIGHTS_FROM_TENSOR, fenced=True, changes_weights=True),
-        Operation(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, fenced=True, changes_weights=True),
+        Operation(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, fenced=True, changes_weights=True, in_group=True),
         Operation(ep.INIT_WEIGHTS_UPDATE_GROUP, fenced=True, answer=GroupInitFleetAnswer),
-        Operation(ep.DESTROY_WEIGHTS_UPDATE_GROUP, fenced=True),
-        Operation(ep.PREPARE_WEIGHTS_UPDATE, fenced=True, answer=PrepareFleetAnswer),
+        Operation(ep.DESTROY_WEIGHTS_UPDATE_GROUP, fenced=True, ends_group=True),
+        Operation(ep.PREPARE_WEIGHTS_UPDATE, fenced=True, in_group=True, answer=PrepareFleetAnswer),
         Operation(ep.UPDATE_WEIGHT_VERSION, fenced=True, changes_weights=True),
         Operation(ep.RELEASE_MEMORY_OCCUPATION, fenced=True),
         Operation(ep.RESUME_MEMORY_OCCUPATION, fenced=True, changes_weights=True),

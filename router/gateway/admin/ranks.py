@@ -91,18 +91,25 @@ class GroupInitializer:
         self._ctx = ctx
 
     async def world_size(self) -> WorldSizeResponse:
+        """The ranks the live fleet takes now (it changes at once when a worker joins or leaves),
+        and whether each group the router built still matches it."""
         targets = self._ctx.live_targets()
         await self._ctx.refresh_versions([w for w in targets if w.tp_size is None])
         slots = plan_ranks(
             [(w.id, w.url, w.tp_size) for w in targets],
             world_size=DEFAULT_RANK_OFFSET + total_worker_ranks([w.tp_size for w in targets]),
         )
-        return WorldSizeResponse(world_size=sum(s.tp_size for s in slots), workers=[s.assignment() for s in slots])
+        return WorldSizeResponse(
+            world_size=sum(s.tp_size for s in slots),
+            workers=[s.assignment() for s in slots],
+            groups=self._ctx.groups.views(targets),
+        )
 
     async def init(self, req: InitWeightsUpdateGroupRequest, headers: dict[str, str]) -> Outcome:
         async with AdminRun.open(INIT, self._ctx) as run:
             targets = self._ctx.live_targets()
-            await self._ctx.refresh_versions([w for w in targets if w.tp_size is None])
+            # Every target's process is read before it joins: the group record names those processes.
+            await self._ctx.refresh_versions(targets)
             slots = plan_ranks(
                 [(w.id, w.url, w.tp_size) for w in targets], world_size=req.world_size, rank_offset=req.rank_offset
             )
@@ -112,4 +119,10 @@ class GroupInitializer:
             )
             await run.fence_targets(targets)
             results = await run.fan_out(targets, call)
-            return await run.settle(results, ranks=[s.assignment() for s in slots])
+            ranks = [s.assignment() for s in slots]
+            outcome = await run.settle(results, ranks=ranks)
+            if outcome.status == 200:
+                await self._ctx.groups.built(req.group_name, req.world_size, ranks, targets)
+            else:
+                await self._ctx.groups.dropped(req.group_name)
+            return outcome

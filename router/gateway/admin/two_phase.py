@@ -100,6 +100,7 @@ class TwoPhaseCoordinator:
         async with AdminRun.open(PREPARE, self._ctx) as run:
             self._ended.pop(req.group_name, None)
             targets = self._ctx.live_targets()
+            self._ctx.groups.check(req.group_name, targets)
             fence = await run.fence_targets(targets)
             assert fence is not None  # prepare is fenced
             call = AdminCall(PREPARE, "POST", req, headers, timeout_s=PREPARE.router_wait(req))

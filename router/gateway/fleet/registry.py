@@ -19,7 +19,7 @@ from urllib.parse import unquote, urlsplit
 
 from router.contract.base import check_host
 from router.contract.errors import BadRequest, Conflict, NotFound
-from router.contract.fleet import HealthState, WorkerRecord
+from router.contract.fleet import HealthState, WorkerRecord, WorkerSource
 from router.gateway.fleet.weights import FleetWeights, WorkerWeights
 
 # Hosts a worker URL may never point at: cloud metadata endpoints.
@@ -90,6 +90,11 @@ class Worker:
     """How many in-flight broadcasts target this worker; while > 0 failed probes are
     not counted, so a worker busy loading weights is not declared dead for being slow."""
     removed: bool = False
+    source: WorkerSource = "static"
+    pod: str | None = None
+    departed: str | None = None
+    """Set when discovery stops listing the worker's pod: no traffic from then on, and an update
+    that targets it counts it as failed; it leaves the registry once no update holds the lock."""
 
     @property
     def is_dead(self) -> bool:
@@ -125,12 +130,14 @@ class WorkerRegistry:
     def __len__(self) -> int:
         return len(self._workers)
 
-    def add(self, raw_url: str, *, disabled: bool = False) -> Worker:
+    def add(
+        self, raw_url: str, *, disabled: bool = False, source: WorkerSource = "static", pod: str | None = None
+    ) -> Worker:
         url = normalize_url(raw_url)
         wid = worker_id_for(url)
         if wid in self._workers:
             raise Conflict(f"worker {url} is already registered as {wid}")
-        worker = Worker(id=wid, url=url, disabled=disabled)
+        worker = Worker(id=wid, url=url, disabled=disabled, source=source, pod=pod)
         self._workers[wid] = worker
         return worker
 
@@ -167,6 +174,7 @@ class WorkerRegistry:
             worker.health == "healthy"
             and not worker.disabled
             and not worker.removed
+            and worker.departed is None
             and self.pending_reason(worker) is None
         )
 
@@ -186,6 +194,9 @@ class WorkerRegistry:
             weight_state=worker.weight_state,
             instance_id=worker.instance_id,
             pending=self.pending_reason(worker),
+            source=worker.source,
+            pod=worker.pod,
+            departed=worker.departed,
         )
 
     def live(self) -> list[Worker]:

@@ -31,7 +31,7 @@ def _guard_registry_change(request: web.Request) -> None:
 async def _add(request: web.Request, url: str, disabled: bool) -> Worker:
     _guard_registry_change(request)
     app = request.app
-    worker = app[keys.REGISTRY].add(url, disabled=disabled)
+    worker = app[keys.REGISTRY].add(url, disabled=disabled, source="api")
     if app[keys.JOURNAL].names(worker.id):
         worker.disabled = True  # an unresolved failed update named this worker
     # First probe outside the update lock: a blackholed worker must not stall updates.
@@ -100,8 +100,14 @@ async def legacy_list_workers(request: web.Request) -> web.Response:
 
 
 async def health(request: web.Request) -> web.Response:
+    """200 while the process serves, whatever the workers' state: a trainer must reach the admin routes
+    even when no worker is routable. Says how discovery fares when it is on."""
     routable = len(request.app[keys.REGISTRY].routable())
-    return web.json_response({"status": "ok", "routable_workers": routable})
+    body: dict[str, object] = {"status": "ok", "routable_workers": routable}
+    status = request.app.get(keys.DISCOVERY_STATUS)
+    if status is not None:
+        body["discovery"] = status.view()
+    return web.json_response(body)
 
 
 async def liveness(request: web.Request) -> web.Response:

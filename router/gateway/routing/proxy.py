@@ -246,7 +246,10 @@ class GenerateProxy:
             error = json.dumps({"error": {"message": f"worker {worker.id} stream broke: {type(exc).__name__}"}})
             await resp.write(f"data: {error}\n\n".encode())
             return resp
-        await resp.write_eof()
+        try:
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+            pass  # the caller hung up after the last event: the worker already finished, nothing to abort
         return resp
 
     def _abort_on_worker(self, worker: Worker, rid: Any) -> None:

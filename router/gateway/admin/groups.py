@@ -1,0 +1,162 @@
+"""The weight-update groups the router built, and whether the fleet still matches them.
+
+A weight-update group has a fixed world size: the trainer and exactly the
+workers that joined it. When the fleet changes after the group was built (a
+worker is added by ``POST /workers`` or discovery, removed, declared dead, or
+its process restarted and so left the group), a broadcast on that group could
+not reach the newcomer and would wait for ranks that are gone. So the router
+remembers, per group, which worker processes joined it (worker id → instance),
+and refuses an update on a group whose membership no longer matches the fleet
+with 409 naming the change, before anything is fenced or broadcast. The trainer
+rebuilds the group (destroy, init with the new world size); ``GET
+/get_world_size`` says whether each group still matches.
+
+Records live in ``<state_dir>/weight_groups.json`` (written atomically, off the
+event loop), so a router restart keeps refusing stale groups. A group the router
+has no record of (built before it ran without a state dir) is not judged here:
+the workers decide, and a worker outside it refuses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from pydantic import BaseModel, Field, ValidationError
+
+from router.contract.base import WireRequest
+from router.contract.errors import Conflict
+from router.contract.fleet import GroupMembership, RankAssignment
+from router.contract.weight_sync import DEFAULT_GROUP_NAME
+from router.gateway import state_file
+from router.gateway.fleet.registry import Worker
+
+log = logging.getLogger(__name__)
+
+GROUPS_FILE = "weight_groups.json"
+
+
+class GroupMember(BaseModel):
+    """One worker process in a group: its ranks, and the process that joined."""
+
+    rank: RankAssignment
+    instance_id: str | None
+
+
+class GroupRecord(BaseModel):
+    world_size: int
+    created_at: float
+    members: list[GroupMember]
+
+    def instances(self) -> dict[str, str | None]:
+        return {m.rank.worker: m.instance_id for m in self.members}
+
+
+class _Records(BaseModel):
+    groups: dict[str, GroupRecord] = Field(default_factory=dict)
+
+
+def group_name_of(request: WireRequest) -> str:
+    """The group a request is sent over (SGLang's default name when it names none)."""
+    name = getattr(request, "group_name", None)
+    return name if isinstance(name, str) else DEFAULT_GROUP_NAME
+
+
+def membership_changes(record: GroupRecord, targets: Sequence[Worker]) -> list[str]:
+    """How the live fleet differs from the group's members (empty when it matches)."""
+    joined = record.instances()
+    now = {w.id: w for w in targets}
+    changes = [f"{wid} joined the fleet" for wid in now if wid not in joined]
+    for wid, instance in joined.items():
+        worker = now.get(wid)
+        if worker is None:
+            changes.append(f"{wid} left the fleet (removed or dead)")
+        elif instance is not None and worker.instance_id is not None and worker.instance_id != instance:
+            changes.append(f"{wid} restarted (its new process is not in the group)")
+    return changes
+
+
+class WeightGroups:
+    """Group records by name, with the rule that refuses updates on a group the fleet outgrew."""
+
+    def __init__(self, state_dir: Path | None):
+        self._path = None if state_dir is None else state_dir / GROUPS_FILE
+        self._records = self._load()
+
+    def _load(self) -> _Records:
+        if self._path is None or not self._path.exists():
+            return _Records()
+        try:
+            return _Records.model_validate_json(self._path.read_text())
+        except (OSError, ValueError, ValidationError) as exc:
+            # Without the record every group is unknown: the workers decide, as for a group built elsewhere.
+            log.error(
+                "weight group record %s is unreadable (%s); groups are not checked until rebuilt", self._path, exc
+            )
+            return _Records()
+
+    def get(self, name: str) -> GroupRecord | None:
+        return self._records.groups.get(name)
+
+    def check(self, name: str, targets: Sequence[Worker]) -> None:
+        """Raise 409 when the fleet no longer matches group ``name`` (before anything is touched)."""
+        record = self.get(name)
+        if record is None:
+            return
+        changes = membership_changes(record, targets)
+        if changes:
+            raise Conflict(
+                f"weight-update group {name!r} no longer matches the fleet: {'; '.join(changes)}. It was built "
+                f"with world_size {record.world_size}; destroy it and initialize it again (GET /get_world_size "
+                "gives the new world size). Nothing was broadcast",
+                group_changes=changes,
+            )
+
+    def members_among(self, name: str, targets: Sequence[Worker]) -> list[Worker]:
+        """The live workers that joined group ``name`` (all of ``targets`` when it is unknown)."""
+        record = self.get(name)
+        if record is None:
+            return list(targets)
+        joined = record.instances()
+        return [w for w in targets if w.id in joined]
+
+    def views(self, targets: Sequence[Worker]) -> list[GroupMembership]:
+        out = []
+        for name, record in sorted(self._records.groups.items()):
+            changes = membership_changes(record, targets)
+            out.append(
+                GroupMembership(
+                    group_name=name,
+                    world_size=record.world_size,
+                    members=[m.rank for m in record.members],
+                    matches_fleet=not changes,
+                    changes=changes,
+                )
+            )
+        return out
+
+    async def built(
+        self, name: str, world_size: int, ranks: Iterable[RankAssignment], targets: Sequence[Worker]
+    ) -> None:
+        """Group ``name`` now holds exactly ``targets`` (in the processes probed before they joined)."""
+        instances = {w.id: w.instance_id for w in targets}
+        members = [GroupMember(rank=r, instance_id=instances.get(r.worker)) for r in ranks]
+        self._records.groups[name] = GroupRecord(world_size=world_size, created_at=time.time(), members=members)
+        await self._save()
+
+    async def dropped(self, name: str) -> None:
+        """Group ``name`` was destroyed or failed to form: forget it."""
+        if self._records.groups.pop(name, None) is not None:
+            await self._save()
+
+    async def _save(self) -> None:
+        if self._path is None:
+            return
+        data = self._records.model_dump_json(indent=1).encode()
+        try:
+            await asyncio.to_thread(state_file.write_atomic, self._path, data)
+        except OSError as exc:  # the in-memory record still decides
+            log.error("could not persist the weight group record %s: %s", self._path, exc)

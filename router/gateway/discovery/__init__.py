@@ -1,0 +1,1 @@
+"""Where workers come from besides --worker-urls and POST /workers."""
