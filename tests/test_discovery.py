@@ -103,6 +103,13 @@ def served(url: str, n: int) -> set[str]:
     return out
 
 
+def both_pods_ready(api: StandInApiServer, router: tuple[ManagedProcess, str], pod_workers: list[str]) -> None:
+    """worker-a and worker-b, Ready, and registered and healthy in the router."""
+    for name, url in zip(("worker-a", "worker-b"), pod_workers, strict=True):
+        api.add_pod(name, namespace=NS, labels=LABELS, **as_pod(url))
+    wait_pods(router[1], router[0], {"worker-a", "worker-b"})
+
+
 def discovery_health(url: str) -> dict[str, Any]:
     return http_json("GET", url + "/health", timeout=10)[1]["discovery"]
 
@@ -139,10 +146,7 @@ def test_ready_pods_are_routed_and_notready_or_terminating_ones_leave(api, route
 
 def test_a_pod_deleted_while_the_watch_is_down_is_gone_after_the_relist(api, router, pod_workers) -> None:
     proc, url = router
-    a, b = pod_workers
-    api.add_pod("worker-a", namespace=NS, labels=LABELS, **as_pod(a))
-    api.add_pod("worker-b", namespace=NS, labels=LABELS, **as_pod(b))
-    wait_pods(url, proc, {"worker-a", "worker-b"})
+    both_pods_ready(api, router, pod_workers)
     lists = api.list_count
 
     # The API server goes away; meanwhile a pod is deleted and the history that held its DELETED event is
@@ -162,10 +166,7 @@ def test_a_pod_deleted_while_the_watch_is_down_is_gone_after_the_relist(api, rou
 
 def test_the_router_keeps_serving_while_the_api_server_is_away(api, router, pod_workers) -> None:
     proc, url = router
-    a, b = pod_workers
-    api.add_pod("worker-a", namespace=NS, labels=LABELS, **as_pod(a))
-    api.add_pod("worker-b", namespace=NS, labels=LABELS, **as_pod(b))
-    wait_pods(url, proc, {"worker-a", "worker-b"})
+    both_pods_ready(api, router, pod_workers)
     ids = {w["id"] for w in discovered(url).values()}
 
     api.suspend()

@@ -157,6 +157,16 @@ def _held(worker: Worker, pool: ThreadPoolExecutor, url: str, bodies: list[dict[
 # -- the router ---------------------------------------------------------------------------------
 
 
+def resume_and_expect_whole_answers(worker: Worker, bodies: list[dict[str, Any]], futures: list[Future[Any]]) -> None:
+    """Resume the paused worker: every held request must then finish whole (nothing lost to the drain)."""
+    worker.ok("POST", "/continue_generation", {})
+    for body, fut in zip(bodies, futures, strict=True):
+        status, answer, whole = fut.result(timeout=60)
+        assert status == 200 and whole, (body, answer)
+        out = final(answer)
+        assert len(out["output_ids"]) == TOKENS and out["meta_info"]["finish_reason"]["type"] == "length", out
+
+
 def test_router_drains_requests_in_flight_and_refuses_new_connections(fleet, pool, tmp_path):
     worker = fleet["behind_router"]
     router, url = start_router([worker.url], state_dir=tmp_path)
@@ -170,12 +180,7 @@ def test_router_drains_requests_in_flight_and_refuses_new_connections(fleet, poo
         assert in_flight(futures)  # held on the paused worker: the router is waiting for them
         assert router.alive
 
-        worker.ok("POST", "/continue_generation", {})
-        for body, fut in zip(bodies, futures, strict=True):
-            status, answer, whole = fut.result(timeout=60)
-            assert status == 200 and whole, (body, answer)
-            out = final(answer)
-            assert len(out["output_ids"]) == TOKENS and out["meta_info"]["finish_reason"]["type"] == "length", out
+        resume_and_expect_whole_answers(worker, bodies, futures)
         assert exited_within(router, 30 + MARGIN_S) == 0, router.log_text()
         assert "4 request(s) finished during the drain, 0 cancelled" in router.log_text(), router.log_text()
     finally:
@@ -226,12 +231,7 @@ def test_worker_drains_refuses_new_requests_and_stays_live(fleet, pool):
     assert status == 503 and events == SHUTTING_DOWN, events
     assert in_flight(futures) and worker.proc.alive
 
-    worker.ok("POST", "/continue_generation", {})
-    for body, fut in zip(bodies, futures, strict=True):
-        status, answer, whole = fut.result(timeout=60)
-        assert status == 200 and whole, (body, answer)
-        out = final(answer)
-        assert len(out["output_ids"]) == TOKENS and out["meta_info"]["finish_reason"]["type"] == "length", out
+    resume_and_expect_whole_answers(worker, bodies, futures)
     assert exited_within(worker.proc, 30 + MARGIN_S) == 0, worker.proc.log_text()
     assert "3 generation(s) finished, 0 aborted" in worker.proc.log_text(), worker.proc.log_text()
 
