@@ -18,9 +18,9 @@ from aiohttp import web
 from router import __version__
 from router.contract.errors import ApiError
 from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
-from router.contract.web.middleware import Handler
 from router.gateway.app import create_app
 from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, RouterConfig
+from router.gateway.shutdown import RequestDrain
 
 log = logging.getLogger("router")
 
@@ -222,81 +222,43 @@ async def serve(app: web.Application, host: str, port: int, config: RouterConfig
     """Serve until SIGTERM or SIGINT, then stop gracefully: stop listening at once, let the requests in
     flight (streams included) finish for up to ``config.shutdown_grace_s``, cancel what is left (the proxy
     aborts a cancelled request on its worker), close the app's cleanup context, log what was drained."""
-    grace = config.shutdown_grace_s
-    handlers: set[asyncio.Task[object]] = set()
-    cut: set[asyncio.Task[object]] = set()
-    finished = 0
-    stop = asyncio.Event()
-    hurry = asyncio.Event()
-
-    # Outermost middleware: which handlers are running, so that the shutdown can count them and
-    # cancel them at the grace. aiohttp's own connection shutdown waits for a busy handler up to
-    # shutdown_timeout and then signals it only through the request's payload (which a proxy that
-    # has read its body never looks at) and waits as long again; cancelling here keeps the bound.
-    @web.middleware
-    async def track(request: web.Request, handler: Handler) -> web.StreamResponse:
-        nonlocal finished
-        task = asyncio.current_task()
-        assert task is not None
-        handlers.add(task)
-        try:
-            return await handler(request)
-        finally:
-            handlers.discard(task)
-            if stop.is_set() and task not in cut:
-                finished += 1
-
-    app.middlewares.insert(0, track)
+    drain = RequestDrain(config.shutdown_grace_s)
+    app.middlewares.insert(0, drain.middleware)
     # handler_cancellation: a caller that disconnects cancels its handler, which is how the proxy
-    # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop (since
-    # 3.9 it waits for busy handlers after the sites stopped) is the drain.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace)
+    # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop is the drain.
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain.grace_s)
     await runner.setup()
     loop = asyncio.get_running_loop()
-
-    def on_signal(sig: signal.Signals) -> None:
-        if stop.is_set():
-            log.info("%s again: cancelling the requests still in flight now", sig.name)
-            hurry.set()
-        else:
-            log.info("%s: shutting down", sig.name)
-            stop.set()
-
-    async def cancel_at_grace() -> None:
-        try:
-            await asyncio.wait_for(hurry.wait(), grace)
-        except TimeoutError:
-            pass
-        cut.update(handlers)
-        for task in list(cut):
-            task.cancel()
-
     cutter: asyncio.Task[None] | None = None
     try:
         site = web.TCPSite(runner, host, port)
         await site.start()
         bound = [address[1] for address in runner.addresses]
         log.info(
-            "omni-router ready on http://%s:%s workers=%d policy=%s admin_auth=%s state_dir=%s",
+            "omni-router ready on http://%s:%s workers=%d policy=%s admin_auth=%s state_dir=%s discovery=%s",
             host,
             bound[0] if bound else port,
             len(config.worker_urls),
             config.policy,
             "on" if config.admin_api_key else "off",
             config.state_dir,
+            config.service_discovery,
         )
         # Start-up objects never die: keep them out of every later GC pass (shorter pauses).
         gc.freeze()
         for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, on_signal, sig)
-        await stop.wait()
+            loop.add_signal_handler(sig, drain.signal, sig.name)
+        await drain.stopping.wait()
         # Closing the listening socket first: from here a new connection is refused (a Kubernetes
         # Service has already been told, or is being told, to send nothing more here).
         for running_site in list(runner.sites):
             await running_site.stop()
-        in_flight = len(handlers)
-        log.info("stopped accepting connections; %d request(s) in flight may finish within %gs", in_flight, grace)
-        cutter = loop.create_task(cancel_at_grace(), name="shutdown-grace")
+        log.info(
+            "stopped accepting connections; %d request(s) in flight may finish within %gs",
+            drain.in_flight,
+            drain.grace_s,
+        )
+        cutter = loop.create_task(drain.cancel_at_grace(), name="shutdown-grace")
     finally:
         # Waits for the busy handlers (at most the grace: the cutter cancels the rest), then closes the
         # cleanup context: the health task, the owned tasks (aborts sent for cancelled requests, an
@@ -306,9 +268,9 @@ async def serve(app: web.Application, host: str, port: int, config: RouterConfig
             cutter.cancel()
     log.info(
         "shutdown: %d request(s) finished during the drain, %d cancelled (shutdown grace %gs)",
-        finished,
-        len(cut),
-        grace,
+        drain.finished,
+        drain.cancelled,
+        drain.grace_s,
     )
 
 
