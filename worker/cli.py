@@ -77,6 +77,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="testing aid: milliseconds to sleep after every forward step, so requests stay in flight",
     )
     p.add_argument(
+        "--tp-size",
+        type=int,
+        default=d.tp_size,
+        help="tensor-parallel ranks on this host: this process is rank 0 and starts the others (one GPU each "
+        "on CUDA, gloo on CPU); the router gives the worker tp-size consecutive ranks in a weight-update group",
+    )
+    p.add_argument(
         "--shutdown-grace-s",
         type=float,
         default=d.shutdown_grace_s,
@@ -102,6 +109,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         step_delay_s=args.step_delay_ms / 1000.0,
         num_threads=args.num_threads,
         shutdown_grace_s=args.shutdown_grace_s,
+        tp_size=args.tp_size,
     )
 
 
@@ -191,6 +199,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--max-running-requests must be at least 1")
     if args.num_threads is not None and args.num_threads < 1:
         parser.error("--num-threads must be at least 1")
+    if args.tp_size < 1:
+        parser.error("--tp-size must be at least 1")
     if not args.shutdown_grace_s >= 0:
         parser.error("--shutdown-grace-s must be >= 0")
     _check_device(parser, args.device)

@@ -88,7 +88,7 @@ class Coordinator:
     @property
     def weight_state(self) -> str:
         """The weights' state over every rank: the least servable one."""
-        states = [rank.worker.ledger.state for rank in self.stage.ranks]
+        states = [rank.worker.ledger.state for rank in self.stage.views()]
         for state in (WeightState.PARTIAL, WeightState.WRITING, WeightState.RELEASED):
             if state in states:
                 return state.value
@@ -359,7 +359,7 @@ class Coordinator:
             "context_length": worker.context_len,
             "is_paused": self.scheduler.is_paused,
             "pause_mode": self.scheduler.pause_mode,
-            "weights_partial": any(r.worker.weights_partial for r in self.stage.ranks),
+            "weights_partial": any(r.worker.weights_partial for r in self.stage.views()),
             "weights_released": worker.weights_released,
             "weight_state": self.weight_state,
             "instance_id": self.instance_id,

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,12 +31,18 @@ from worker.model import (
     CausalLM,
     ModelConfig,
     ModelConfigError,
+    SeqInput,
     WeightLoadError,
     checkpoint_files,
     load_model,
     load_tokenizer,
 )
 from worker.model.checkpoint import check_config_file, read_checkpoint_chunked
+from worker.model.kv_cache import KVCache
+from worker.model.tensor_parallel import TensorParallel
+
+if TYPE_CHECKING:
+    from worker.tp.peers import TPPeers
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +90,14 @@ class ModelWorker:
     """Owns the model, tokenizer and weight bookkeeping of one rank."""
 
     def __init__(
-        self, model_path: str, *, device: str = "cpu", dtype: str = "float32", served_model_name: str | None = None
+        self,
+        model_path: str,
+        *,
+        device: str = "cpu",
+        dtype: str = "float32",
+        served_model_name: str | None = None,
+        tp: TensorParallel | None = None,
+        peers: TPPeers | None = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")
@@ -91,7 +105,11 @@ class ModelWorker:
         self.dtype = DTYPES[dtype]
         self.dtype_name = dtype
         path = str(Path(model_path))
-        self.model: CausalLM = load_model(path, dtype=self.dtype, device=self.device)
+        self.tp = tp
+        self.model: CausalLM = load_model(path, dtype=self.dtype, device=self.device, tp=tp)
+        self.peers = peers
+        """Rank 0 of a tensor-parallel worker: the follower ranks every forward step is mirrored to."""
+        self._seq_ids: weakref.WeakKeyDictionary[KVCache, int] = weakref.WeakKeyDictionary()
         self.config: ModelConfig = self.model.config
         # A set, built once: the scheduler tests every sampled token against it.
         self.eos_token_ids: frozenset[int] = frozenset(self.config.eos_token_ids)
@@ -106,6 +124,27 @@ class ModelWorker:
         self.checker = WeightsChecker()
         self._released: set[str] = set()
         self._host_weights: dict[str, torch.Tensor] | None = None
+
+    # -- forward steps (the scheduler's only use of the model) ------------------------
+    def new_kv_cache(self, capacity_tokens: int) -> KVCache:
+        """A sequence's KV cache; on a tensor-parallel rank 0 every follower opens its own with the next step,
+        and drops it when this one is freed."""
+        kv = self.model.new_kv_cache(capacity_tokens)
+        if self.peers is not None:
+            seq = self.peers.open_sequence(capacity_tokens)
+            self._seq_ids[kv] = seq
+            weakref.finalize(kv, self.peers.drop_sequence, seq)
+        return kv
+
+    def forward_batch(self, seqs: list[SeqInput]) -> torch.Tensor:
+        """One forward step; on rank 0 of a tensor-parallel worker the followers run it with this rank
+        (their shards meet in the model's all-reduces), and their acknowledgements are awaited."""
+        if self.peers is None:
+            return self.model.forward_batch(seqs)
+        self.peers.send_forward([(self._seq_ids[s.kv], s.token_ids) for s in seqs])
+        logits = self.model.forward_batch(seqs)
+        self.peers.await_forward()
+        return logits
 
     # -- facts ----------------------------------------------------------------------
     @property

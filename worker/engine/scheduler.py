@@ -262,7 +262,7 @@ class Scheduler:
                 self._finish(req, length_reason(req.params.max_new_tokens))
                 continue
             try:
-                req.kv = self.worker.model.new_kv_cache(min(req.total_len + remaining, self.worker.context_len))
+                req.kv = self.worker.new_kv_cache(min(req.total_len + remaining, self.worker.context_len))
                 if req.generator is None and req.params.seed is not None:
                     req.generator = make_generator(self.worker.device, req.params.seed)
             except Exception as exc:
@@ -279,7 +279,7 @@ class Scheduler:
         batch = list(self._running)
         started = time.perf_counter()
         try:
-            logits = self.worker.model.forward_batch([SeqInput(r.pending_tokens(), r.kv) for r in batch])  # type: ignore[arg-type]
+            logits = self.worker.forward_batch([SeqInput(r.pending_tokens(), r.kv) for r in batch])  # type: ignore[arg-type]
             picks = sample_batch(logits, batch, self._generator)
         except Exception as exc:
             log.exception("forward step failed; aborting %d request(s)", len(batch))

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import signal
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -28,6 +30,8 @@ from worker.engine.scheduler import Scheduler
 from worker.http import admin_routes, generate_routes, health_routes, weight_sync_routes
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.stage import Stage
+from worker.tp.follower import RankSpec
+from worker.tp.peers import TP_TIMEOUT_S, TPPeers, free_local_port
 
 log = logging.getLogger(__name__)
 
@@ -45,14 +49,43 @@ def route_table() -> list[Route]:
 
 
 def build_coordinator(config: WorkerConfig) -> Coordinator:
-    """Load the model and assemble the pipeline (threads not started yet)."""
-    worker = ModelWorker(
-        config.model_path, device=config.device, dtype=config.dtype, served_model_name=config.served_model_name
-    )
+    """Load the model and assemble the pipeline (threads not started yet); with ``tp_size`` > 1,
+    start the follower ranks first (each loads its own shard while this one loads its own)."""
+    peers, tp, device = None, None, config.device
+    if config.tp_size > 1:
+        spec = RankSpec(
+            rank=0,
+            size=config.tp_size,
+            master_address="127.0.0.1",
+            master_port=free_local_port(),
+            model_path=config.model_path,
+            device=config.device,
+            dtype=config.dtype,
+            timeout_s=TP_TIMEOUT_S,
+            num_threads=config.num_threads,
+        )
+        peers, tp = TPPeers.start(spec)
+        device = spec.rank_device()
+    try:
+        worker = ModelWorker(
+            config.model_path,
+            device=device,
+            dtype=config.dtype,
+            served_model_name=config.served_model_name,
+            tp=tp,
+            peers=peers,
+        )
+    except BaseException:
+        if peers is not None:
+            peers.close()
+        raise
     scheduler = Scheduler(
         worker, rank=0, max_running_requests=config.max_running_requests, step_delay_s=config.step_delay_s
     )
-    return Coordinator(Stage("llm", [scheduler]), health_check_timeout_s=config.health_check_timeout_s)
+    if peers is not None:
+        # Serving with a rank missing is impossible: stop the whole worker (a supervisor restarts it).
+        peers.watch(lambda _lost: os.kill(os.getpid(), signal.SIGTERM))
+    return Coordinator(Stage("llm", [scheduler], peers), health_check_timeout_s=config.health_check_timeout_s)
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:

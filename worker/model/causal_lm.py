@@ -6,6 +6,13 @@ them. The forward pass is ragged: linear layers run over the concatenated new
 tokens of every sequence in the batch, attention runs per sequence over its own
 cache. A sequence's numbers therefore do not depend on which other sequences
 share its batch (no padding).
+
+With a :class:`~worker.model.tensor_parallel.TensorParallel` of size > 1 the
+model holds one rank's Megatron shard (see that module for the layout): its q
+and kv heads, its slice of the MLP, and a KV cache of its kv heads only. All
+ranks run ``forward_batch`` in lockstep on the same inputs; the row-parallel
+layers sum their partial products with one all-reduce each, so every rank ends
+with the same hidden states and the same full-vocab logits.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from torch import nn
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache
 from worker.model.layers import Rotary, attend, rms_norm
+from worker.model.tensor_parallel import ShardLayout, ShardSpec, TensorParallel, shard_layout
 from worker.model.weight_map import WeightMap
 
 
@@ -39,35 +47,35 @@ class _Norm(nn.Module):
 
 
 class _Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout):
         super().__init__()
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
+        q = layout.heads * cfg.head_dim
+        kv = layout.kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.o_bias)
 
 
 class _Mlp(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * layout.intermediate, bias=False)
+        self.down_proj = nn.Linear(layout.intermediate, cfg.hidden_size, bias=False)
 
 
 class _Layer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout):
         super().__init__()
-        self.self_attn = _Attention(cfg)
-        self.mlp = _Mlp(cfg)
+        self.self_attn = _Attention(cfg, layout)
+        self.mlp = _Mlp(cfg, layout)
         self.input_layernorm = _Norm(cfg.hidden_size)
         self.post_attention_layernorm = _Norm(cfg.hidden_size)
 
 
 class _Decoder(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layout: ShardLayout):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(_Layer(cfg, layout) for _ in range(cfg.num_hidden_layers))
         self.norm = _Norm(cfg.hidden_size)
 
     @property
@@ -79,15 +87,25 @@ class _Decoder(nn.Module):
 class CausalLM(nn.Module):
     """Inference-only causal LM; parameter names follow the fused serving layout."""
 
-    def __init__(self, cfg: ModelConfig, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        tp: TensorParallel | None = None,
+    ):
         super().__init__()
         self.config = cfg
         self.device = torch.device(device)
         self.dtype = dtype
+        self.tp = tp or TensorParallel()
+        # Raises on sizes that do not divide, before anything is allocated.
+        self.layout = shard_layout(cfg, self.tp.size)
         # Build on the meta device, then allocate uninitialised storage: random
         # init would be wasted work, every tensor is overwritten by a checkpoint.
         with torch.device("meta"):
-            self.model = _Decoder(cfg)
+            self.model = _Decoder(cfg, self.layout)
             self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.to_empty(device=self.device)
         self.to(dtype)
@@ -100,7 +118,8 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], *, require_complete: bool = False) -> int:
         """Copy checkpoint-named tensors into the fused parameters.
 
-        Every name, shape and dtype is validated before any parameter changes;
+        The tensors are the full checkpoint tensors at every tensor-parallel
+        size; each rank copies its own slice. Every name, shape and dtype is validated before any parameter changes;
         on a problem :class:`~worker.model.weight_map.WeightLoadError` is raised
         and the model is untouched. With ``require_complete`` every checkpoint
         tensor of the model must be present (a full reload). Returns the number
@@ -117,12 +136,21 @@ class CausalLM(nn.Module):
         return self.weight_map.is_ignored(name)
 
     def checkpoint_spec(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        """Every checkpoint name the model accepts, with its expected dtype and shape."""
+        """Every checkpoint name the model accepts, with its expected dtype and full (unsharded) shape."""
         return self.weight_map.spec()
 
     def iter_checkpoint_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Checkpoint-named views into the live parameters, in canonical order."""
+        """Checkpoint-named views into the live parameters, in canonical order.
+
+        At tensor-parallel size > 1 each view is this rank's shard of the
+        checkpoint tensor; :meth:`shard_specs` rebuilds the full tensor from
+        every rank's shard (``spec.full_tensor(shards)``).
+        """
         return self.weight_map.iter_views()
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        """How each checkpoint tensor is split across the tensor-parallel ranks."""
+        return self.weight_map.shard_specs()
 
     def parameter_nbytes(self) -> int:
         return sum(p.numel() * p.element_size() for p in self.parameters())
@@ -132,7 +160,7 @@ class CausalLM(nn.Module):
         cfg = self.config
         return KVCache(
             cfg.num_hidden_layers,
-            cfg.num_key_value_heads,
+            self.layout.kv_heads,
             cfg.head_dim,
             capacity_tokens,
             dtype=self.dtype,
@@ -157,8 +185,12 @@ class CausalLM(nn.Module):
         """Float32 logits ``[T, vocab]`` of one sequence, differentiable (for trainers).
 
         The same math as serving, outside inference mode: a trainer that turns
-        ``requires_grad`` on can back-propagate through it.
+        ``requires_grad`` on can back-propagate through it (at tensor-parallel
+        size 1: the all-reduces of a sharded model are invisible to autograd,
+        Megatron's conjugate f/g operators are not implemented here).
         """
+        if self.tp.size > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
+            raise NotImplementedError("gradients through a tensor-parallel model are not supported")
         ids = input_ids.reshape(-1).tolist()
         return self._logits(self._hidden([SeqInput(ids, self.new_kv_cache(len(ids)))]))
 
@@ -179,17 +211,18 @@ class CausalLM(nn.Module):
             [torch.arange(s.kv.length, s.kv.length + n, device=self.device) for s, n in zip(seqs, lengths, strict=True)]
         )
         cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        q_size = cfg.num_attention_heads * cfg.head_dim
-        kv_size = cfg.num_key_value_heads * cfg.head_dim
+        heads, kv_heads = self.layout.heads, self.layout.kv_heads
+        q_size = heads * cfg.head_dim
+        kv_size = kv_heads * cfg.head_dim
 
         hidden = F.embedding(ids, self.model.embed_tokens.weight)
         for index, layer in enumerate(self.model.typed_layers):
             x = rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps)
             qkv = layer.self_attn.qkv_proj(x)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-            q = Rotary.apply(q.view(-1, cfg.num_attention_heads, cfg.head_dim), cos, sin)
-            k = Rotary.apply(k.view(-1, cfg.num_key_value_heads, cfg.head_dim), cos, sin)
-            v = v.view(-1, cfg.num_key_value_heads, cfg.head_dim)
+            q = Rotary.apply(q.view(-1, heads, cfg.head_dim), cos, sin)
+            k = Rotary.apply(k.view(-1, kv_heads, cfg.head_dim), cos, sin)
+            v = v.view(-1, kv_heads, cfg.head_dim)
             outputs = []
             start = 0
             for seq, n in zip(seqs, lengths, strict=True):
@@ -202,10 +235,17 @@ class CausalLM(nn.Module):
                     attend(q[start : start + n].transpose(0, 1), keys[:, : past + n], values[:, : past + n], past)
                 )
                 start += n
-            hidden = hidden + layer.self_attn.o_proj(torch.cat(outputs))
+            hidden = hidden + self._row_parallel(layer.self_attn.o_proj, torch.cat(outputs))
             x = rms_norm(hidden, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
             gate, up = layer.mlp.gate_up_proj(x).chunk(2, dim=-1)
-            hidden = hidden + layer.mlp.down_proj(F.silu(gate) * up)
+            hidden = hidden + self._row_parallel(layer.mlp.down_proj, F.silu(gate) * up)
         for seq, n in zip(seqs, lengths, strict=True):
             seq.kv.length += n
         return hidden
+
+    def _row_parallel(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear: local partial product, one all-reduce, then the bias once."""
+        if self.tp.size == 1:
+            return linear(x)
+        out = self.tp.all_reduce(F.linear(x, linear.weight))
+        return out if linear.bias is None else out + linear.bias

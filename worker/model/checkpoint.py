@@ -22,6 +22,7 @@ from safetensors import safe_open
 from worker.model.causal_lm import CausalLM
 from worker.model.config import ModelConfig
 from worker.model.shard_io import ReadCancelled, read_regular_file, require_regular_file, tensors_from_buffer
+from worker.model.tensor_parallel import TensorParallel
 from worker.model.weight_map import WeightLoadError
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -107,10 +108,17 @@ def read_checkpoint_chunked(
     return named
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> CausalLM:
-    """Build a model from ``config.json`` and load every tensor of the checkpoint."""
+def load_model(
+    path: str | Path,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    tp: TensorParallel | None = None,
+) -> CausalLM:
+    """Build a model from ``config.json`` and load every tensor of the checkpoint (this rank's
+    shard of each, on a tensor-parallel rank)."""
     check_config_file(path)
     config = ModelConfig.from_dir(path)
-    model = CausalLM(config, dtype=dtype, device=device)
+    model = CausalLM(config, dtype=dtype, device=device, tp=tp)
     model.load_weights(read_checkpoint(path, dtype), require_complete=True)
     return model

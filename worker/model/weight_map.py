@@ -6,6 +6,12 @@ Hugging Face checkpoints store ``q_proj``/``k_proj``/``v_proj`` and
 correspondence, in both directions: loading (name → shard to copy into) and
 inspection (name → live view, used by the weights checker and by trainers that
 verify what a worker holds).
+
+Under tensor parallelism (:mod:`worker.model.tensor_parallel`) the contract
+stays SGLang's: loading takes the FULL checkpoint-named tensors, exactly what a
+single rank takes, validates them against the full checkpoint shapes, and each
+rank copies only its slice. Every rank receives the same tensors and reaches
+the same verdict, so a refused update leaves every rank untouched.
 """
 
 from __future__ import annotations
@@ -15,6 +21,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+
+from worker.model.tensor_parallel import ShardSpec, checkpoint_shard_spec
 
 if TYPE_CHECKING:
     from worker.model.causal_lm import CausalLM
@@ -30,8 +38,10 @@ class WeightLoadError(ValueError):
 @dataclass(frozen=True)
 class _Target:
     param: torch.Tensor
-    start: int  # row range inside the fused parameter
+    start: int  # row range inside the (local) fused parameter
     stop: int
+    full_shape: tuple[int, ...]  # the checkpoint tensor's shape, before sharding
+    shard: ShardSpec  # which slice of the checkpoint tensor this rank holds
 
     def view(self) -> torch.Tensor:
         return self.param.data[self.start : self.stop]
@@ -42,17 +52,24 @@ class WeightMap:
 
     def __init__(self, model: CausalLM):
         cfg = model.config
-        q = cfg.num_attention_heads * cfg.head_dim
-        kv = cfg.num_key_value_heads * cfg.head_dim
-        inter = cfg.intermediate_size
+        layout = model.layout
+        # This rank's sizes: the fused parameters hold only its sections.
+        q = layout.heads * cfg.head_dim
+        kv = layout.kv_heads * cfg.head_dim
+        inter = layout.intermediate
         params = dict(model.named_parameters())
         self.dtype = model.dtype
+        self.rank = model.tp.rank
         self._targets: dict[str, _Target] = {}
         self._tied_aliases: set[str] = set()
 
         def add(name: str, param_name: str, start: int | None = None, stop: int | None = None) -> None:
             param = params[param_name]
-            self._targets[name] = _Target(param, start or 0, param.shape[0] if stop is None else stop)
+            start = start or 0
+            stop = param.shape[0] if stop is None else stop
+            shard = checkpoint_shard_spec(name, layout)
+            full_shape = shard.full_shape((stop - start, *param.shape[1:]))
+            self._targets[name] = _Target(param, start, stop, full_shape, shard)
 
         add("model.embed_tokens.weight", "model.embed_tokens.weight")
         for i in range(cfg.num_hidden_layers):
@@ -80,9 +97,14 @@ class WeightMap:
             add("lm_head.weight", "lm_head.weight")
 
     def spec(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-        return {name: (t.param.dtype, (t.stop - t.start, *t.param.shape[1:])) for name, t in self._targets.items()}
+        """Full checkpoint shapes (what a trainer sends), whatever this rank holds."""
+        return {name: (t.param.dtype, t.full_shape) for name, t in self._targets.items()}
+
+    def shard_specs(self) -> dict[str, ShardSpec]:
+        return {name: t.shard for name, t in self._targets.items()}
 
     def iter_views(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Live views of what this rank holds of each checkpoint tensor (all of it at size 1)."""
         for name, target in self._targets.items():
             yield name, target.view()
 
@@ -107,7 +129,7 @@ class WeightMap:
                 problems.append(f"duplicate parameter name {name!r}")
                 continue
             seen.add(name)
-            expected_shape = (target.stop - target.start, *target.param.shape[1:])
+            expected_shape = target.full_shape
             if tuple(tensor.shape) != expected_shape:
                 problems.append(f"{name}: shape {tuple(tensor.shape)} does not match the model's {expected_shape}")
                 continue
@@ -131,7 +153,7 @@ class WeightMap:
         plan = self.validate(weights, require_complete=require_complete)
         with torch.no_grad():
             for target, tensor in plan:
-                target.view().copy_(tensor, non_blocking=True)
+                target.view().copy_(target.shard.shard(tensor, self.rank), non_blocking=True)
         return len(plan)
 
 

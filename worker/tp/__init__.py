@@ -1,0 +1,1 @@
+"""Tensor parallelism across processes: rank 0 (HTTP, scheduler) and its follower ranks."""

@@ -1,0 +1,178 @@
+"""A follower tensor-parallel rank: its own process, one model shard, driven by rank 0.
+
+Rank 0 (the process that serves HTTP) makes every decision: which sequences run
+in the next forward step, which admin operation runs. A follower only carries
+them out, in the order rank 0 sent them, over a private pipe: a forward step (the
+model's all-reduces meet rank 0's inside it), or an admin operation (a plain
+function of :mod:`worker.engine.admin_ops` or :mod:`worker.engine.weight_ops`
+applied to this rank's scheduler state), answered with its result and a snapshot
+of this rank's state. Messages on the pipe are pickled objects built by rank 0's
+own code; nothing a caller sent is ever unpickled here.
+
+A follower exits when rank 0 tells it to, when the pipe closes (rank 0 died), or
+when a collective fails (a peer died): it never waits for a rank that is gone.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process needs to join the tensor-parallel group and load its shard."""
+
+    rank: int
+    size: int
+    master_address: str
+    master_port: int
+    model_path: str
+    device: str
+    dtype: str
+    timeout_s: float
+    num_threads: int | None = None
+
+    @property
+    def backend(self) -> str:
+        return "nccl" if self.device.startswith("cuda") else "gloo"
+
+    def rank_device(self) -> str:
+        """One GPU per rank on CUDA (``cuda:<rank>``); every rank on the CPU otherwise."""
+        return f"cuda:{self.rank}" if self.device.startswith("cuda") else "cpu"
+
+
+@dataclass(frozen=True)
+class Forward:
+    """One forward step: sequences to open (id, capacity) and to drop, then ``(id, new tokens)`` to run."""
+
+    opened: list[tuple[int, int]]
+    dropped: list[int]
+    batch: list[tuple[int, list[int]]]
+
+
+@dataclass(frozen=True)
+class RunOp:
+    """An admin operation to run on this rank's scheduler state: ``op(scheduler)`` → ``OpResult``."""
+
+    action: str
+    op: Any
+
+
+STOP = "stop"
+
+
+def join_group(spec: RankSpec) -> Any:
+    """Join the tensor-parallel process group (bounded by ``spec.timeout_s``); returns the model's TP handle."""
+    import torch
+    import torch.distributed as dist
+
+    from worker.model.tensor_parallel import TensorParallel
+
+    if spec.device.startswith("cuda"):
+        torch.cuda.set_device(spec.rank)
+    dist.init_process_group(
+        spec.backend,
+        init_method=f"tcp://{spec.master_address}:{spec.master_port}",
+        rank=spec.rank,
+        world_size=spec.size,
+        timeout=timedelta(seconds=spec.timeout_s),
+    )
+    return TensorParallel(rank=spec.rank, size=spec.size, group=dist.group.WORLD)
+
+
+def snapshot(scheduler: Any) -> dict[str, Any]:
+    """The state rank 0 reports for this rank between operations (``/model_info`` ``rank_results``)."""
+    w = scheduler.worker
+    return {
+        "model_path": w.model_path,
+        "weight_version": w.weight_version,
+        "is_paused": scheduler.is_paused,
+        "pause_mode": scheduler.pause_mode,
+        "weights_partial": w.weights_partial,
+        "weights_released": w.weights_released,
+        "released_tags": sorted(w.released_tags),
+        "device": str(w.device),
+        "dtype": w.dtype_name,
+        "weight_state": w.ledger.state.value,
+    }
+
+
+def follower_main(conn: Connection, spec: RankSpec) -> None:
+    """The follower process: join, load, say ready, then serve rank 0's messages until told to stop."""
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{spec.rank} %(name)s: %(message)s")
+    try:
+        import torch
+
+        if spec.num_threads is not None:
+            torch.set_num_threads(spec.num_threads)
+        from worker.engine.admin_ops import OpResult
+        from worker.engine.model_worker import ModelWorker
+        from worker.engine.scheduler import Scheduler
+
+        tp = join_group(spec)
+        worker = ModelWorker(spec.model_path, device=spec.rank_device(), dtype=spec.dtype, tp=tp)
+        # Never started: it holds this rank's pause and memory state for admin operations.
+        scheduler = Scheduler(worker, rank=spec.rank)
+        conn.send(("ready", snapshot(scheduler)))
+    except BaseException as exc:
+        _report_startup_failure(conn, exc)
+        os._exit(3)
+    caches: dict[int, Any] = {}
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            log.warning("rank 0 went away; exiting")
+            os._exit(4)
+        if message == STOP:
+            break
+        try:
+            if isinstance(message, Forward):
+                _forward(worker, caches, message)
+                conn.send(("ok", None))
+            elif isinstance(message, RunOp):
+                try:
+                    result = message.op(scheduler)
+                except (ValueError, RuntimeError) as exc:
+                    result = OpResult(False, f"{message.action} failed: {type(exc).__name__}: {exc}")
+                conn.send(("result", (result, snapshot(scheduler))))
+        except Exception:
+            # A failed collective means a peer is gone: report and exit rather than serve without it.
+            log.error("tp rank %d failed:\n%s", spec.rank, traceback.format_exc())
+            try:
+                conn.send(("error", traceback.format_exc(limit=3)))
+            finally:
+                os._exit(5)
+    _leave(spec)
+
+
+def _forward(worker: Any, caches: dict[int, Any], step: Forward) -> None:
+    from worker.model import SeqInput
+
+    for seq in step.dropped:
+        caches.pop(seq, None)
+    for seq, capacity in step.opened:
+        caches[seq] = worker.model.new_kv_cache(capacity)
+    worker.model.forward_batch([SeqInput(tokens, caches[seq]) for seq, tokens in step.batch])
+
+
+def _report_startup_failure(conn: Connection, exc: BaseException) -> None:
+    try:
+        conn.send(("failed", f"{type(exc).__name__}: {exc}"))
+    except OSError:
+        pass
+
+
+def _leave(spec: RankSpec) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,243 @@
+"""Rank 0's side of tensor parallelism: the follower processes and the one pipe to each.
+
+``omni-worker --tp-size N`` runs N rank processes on one host: this process is
+rank 0 (HTTP, the scheduler, every decision) and starts N-1 followers
+(:mod:`worker.tp.follower`), then all N join one process group (NCCL on CUDA,
+one GPU per rank; gloo on CPU) in which the model's all-reduces run.
+
+Only rank 0's scheduler thread talks to the followers, so the order of forward
+steps and admin operations is the same on every rank: a forward step is sent
+before rank 0 runs its own (the all-reduces need every rank), an admin
+operation is sent, run on rank 0 too, then every follower's result is awaited.
+Every wait is bounded; a follower that dies, fails or does not answer in time
+raises :class:`TPRankLost` naming it, the worker reports unhealthy, and the
+process exits instead of serving with a rank missing.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
+from typing import Any
+
+from worker.tp.follower import STOP, Forward, RankSpec, RunOp, follower_main, join_group
+
+log = logging.getLogger(__name__)
+
+#: How long followers may take to start: import torch, join the group, load their shard.
+START_TIMEOUT_S = 300.0
+#: How long a follower may take to acknowledge one forward step beyond rank 0's own.
+STEP_GRACE_S = 60.0
+#: The tensor-parallel group's bound on joining and on each collective: a rank that died makes
+#: its peers' collectives fail (at once when its sockets close, at this bound at the latest).
+TP_TIMEOUT_S = 120.0
+
+
+def free_local_port() -> int:
+    """A port for the group's rendezvous on this host (the ranks all run here)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class TPRankLost(RuntimeError):
+    """A follower rank died, failed or stopped answering: the worker cannot serve without it."""
+
+    def __init__(self, rank: int, why: str):
+        super().__init__(f"tensor-parallel rank {rank} is lost: {why}")
+        self.rank = rank
+
+
+class Follower:
+    """One follower process and its pipe; ``state`` is what it last reported about itself."""
+
+    def __init__(self, rank: int, process: Any, conn: Connection):
+        self.rank = rank
+        self.process = process
+        self.conn = conn
+        self.state: dict[str, Any] = {}
+
+    def receive(self, deadline: float, what: str) -> tuple[str, Any]:
+        while True:
+            if self.conn.poll(min(0.2, max(deadline - time.monotonic(), 0.0))):
+                try:
+                    kind, payload = self.conn.recv()
+                except (EOFError, OSError) as exc:
+                    raise TPRankLost(self.rank, f"its pipe closed during {what} ({exc!r})") from None
+                if kind == "error":
+                    raise TPRankLost(self.rank, f"{what} failed there: {payload}")
+                return kind, payload
+            if not self.process.is_alive():
+                raise TPRankLost(self.rank, f"its process exited (code {self.process.exitcode}) during {what}")
+            if time.monotonic() >= deadline:
+                raise TPRankLost(self.rank, f"no answer to {what} in time")
+
+
+class TPPeers:
+    """The followers of this rank-0 process."""
+
+    def __init__(self, followers: list[Follower]):
+        self.followers = followers
+        self.lost: TPRankLost | None = None
+        self._next_seq = 0
+        self._opened: list[tuple[int, int]] = []
+        self._dropped: list[int] = []
+        self._lock = threading.Lock()
+        self._closing = False
+        self._on_lost: Callable[[TPRankLost], None] | None = None
+
+    @property
+    def size(self) -> int:
+        return 1 + len(self.followers)
+
+    @classmethod
+    def start(cls, spec: RankSpec) -> tuple[TPPeers, Any]:
+        """Start ranks ``1 .. size-1``, join the group as rank 0, wait until every follower loaded its shard.
+
+        Returns the peers and rank 0's handle to the group (for the model)."""
+        ctx = mp.get_context("spawn")
+        followers = []
+        for rank in range(1, spec.size):
+            parent, child = ctx.Pipe()
+            process = ctx.Process(
+                target=follower_main, args=(child, replace(spec, rank=rank)), name=f"omni-tp-{rank}", daemon=True
+            )
+            process.start()
+            child.close()
+            followers.append(Follower(rank, process, parent))
+        peers = cls(followers)
+        try:
+            tp = join_group(spec)
+            deadline = time.monotonic() + START_TIMEOUT_S
+            for f in followers:
+                kind, payload = f.receive(deadline, "start-up")
+                if kind != "ready":
+                    raise TPRankLost(f.rank, f"it could not start: {payload}")
+                f.state = payload
+        except BaseException:
+            peers.close()
+            raise
+        log.info("tensor parallelism: %d ranks ready (%s)", spec.size, spec.backend)
+        return peers, tp
+
+    def watch(self, on_lost: Callable[[TPRankLost], None], interval_s: float = 0.5) -> None:
+        """Call ``on_lost`` once when a rank is lost: found by an exchange, or by a daemon thread that
+        notices a follower's death even while nothing runs."""
+        self._on_lost = on_lost
+
+        def loop() -> None:
+            while self.lost is None and not self._closing:
+                for f in self.followers:
+                    if not f.process.is_alive():
+                        self._declare(TPRankLost(f.rank, f"its process exited (code {f.process.exitcode})"))
+                time.sleep(interval_s)
+
+        threading.Thread(target=loop, name="tp-watchdog", daemon=True).start()
+
+    # -- sequences -------------------------------------------------------------------------------
+    def open_sequence(self, capacity: int) -> int:
+        """A new sequence's id; its KV cache is opened on the followers with the next forward step."""
+        with self._lock:
+            self._next_seq += 1
+            self._opened.append((self._next_seq, capacity))
+            return self._next_seq
+
+    def drop_sequence(self, seq: int) -> None:
+        """Called when rank 0's KV cache of ``seq`` is freed (from any thread)."""
+        with self._lock:
+            self._dropped.append(seq)
+
+    # -- scheduler thread ------------------------------------------------------------------------
+    def send_forward(self, batch: list[tuple[int, list[int]]]) -> None:
+        with self._lock:
+            step = Forward(opened=self._opened, dropped=self._dropped, batch=batch)
+            self._opened, self._dropped = [], []
+        self._send(step, "a forward step")
+
+    def await_forward(self) -> None:
+        deadline = time.monotonic() + STEP_GRACE_S
+        for f in self.followers:
+            self._guard(lambda f=f: f.receive(deadline, "a forward step"))
+
+    def send_op(self, action: str, op: Any) -> None:
+        self._send(RunOp(action, op), action)
+
+    def await_op(self, action: str, timeout_s: float) -> list[Any]:
+        """Each follower's ``OpResult`` (in rank order); its state snapshot is kept."""
+        deadline = time.monotonic() + timeout_s
+        results = []
+        for f in self.followers:
+            _, payload = self._guard(lambda f=f: f.receive(deadline, action))
+            result, f.state = payload
+            results.append(result)
+        return results
+
+    def _send(self, message: Any, what: str) -> None:
+        self.check()
+        try:  # pickled once for every follower; a message that cannot be pickled reaches none
+            data = bytes(ForkingPickler.dumps(message))
+        except Exception as exc:
+            raise TypeError(f"{what} cannot be sent to the follower ranks: {exc}") from exc
+        for f in self.followers:
+            try:
+                f.conn.send_bytes(data)
+            except (OSError, ValueError) as exc:
+                self._lose(TPRankLost(f.rank, f"cannot send {what}: {exc!r}"))
+
+    def _guard(self, fn: Any) -> Any:
+        try:
+            return fn()
+        except TPRankLost as exc:
+            self._lose(exc)
+
+    def _lose(self, exc: TPRankLost) -> None:
+        self._declare(exc)
+        raise exc
+
+    def _declare(self, exc: TPRankLost) -> None:
+        """The first loss is final: logged once, and the owner told once (it stops the worker)."""
+        with self._lock:
+            first = self.lost is None and not self._closing
+            if first:
+                self.lost = exc
+        if first:
+            log.error("%s; this worker cannot serve any more", exc)
+            if self._on_lost is not None:
+                self._on_lost(exc)
+
+    def check(self) -> None:
+        lost = self.lost
+        if lost is not None:
+            raise lost
+        for f in self.followers:
+            if not f.process.is_alive():
+                self._lose(TPRankLost(f.rank, f"its process exited (code {f.process.exitcode})"))
+
+    @property
+    def alive(self) -> bool:
+        return self.lost is None and all(f.process.is_alive() for f in self.followers)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop every follower (bounded: terminate, then kill, what does not stop in time)."""
+        self._closing = True
+        for f in self.followers:
+            try:
+                f.conn.send(STOP)
+            except (OSError, ValueError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        for f in self.followers:
+            f.process.join(max(deadline - time.monotonic(), 0.1))
+            if f.process.is_alive():
+                f.process.terminate()
+                f.process.join(2.0)
+            if f.process.is_alive():
+                f.process.kill()
+            f.conn.close()
