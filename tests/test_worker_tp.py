@@ -19,8 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from router.trainer import sent_checksum
+from tests._router_fixtures import start_router
 from tests._worker_helpers import Worker
+from tests.procs import http_json
+from worker.model.checkpoint import read_checkpoint
 
 PROMPTS = ["hello world", "the quick brown fox", "1 2 3 4"]
 THREADS = ["--num-threads", "1"]
@@ -146,3 +151,30 @@ def test_a_killed_follower_fails_the_worker_without_a_hang(checkpoints, worker_f
         time.sleep(0.2)
     assert not worker.proc.alive, worker.proc.log_text()
     assert "tensor-parallel rank 1 is lost" in worker.proc.log_text()
+
+
+def test_checksums_of_the_full_tensors_match_tp1_and_the_trainer(pair, checkpoints) -> None:
+    tp1, tp2 = pair
+    for worker in (tp1, tp2):
+        worker.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
+    expected = sent_checksum(read_checkpoint(checkpoints["llama"], torch.float32))
+    one = tp1.ok("POST", "/weights_checker", {"action": "checksum"})
+    two = tp2.ok("POST", "/weights_checker", {"action": "checksum"})
+    assert one["per_gpu_checksum"] == expected
+    # Each TP rank digests its shards (SGLang's per-GPU scheme) and the full tensors rebuilt from all shards.
+    assert [r["full_checksum"] for r in two["ranks"]] == [expected, expected]
+    assert len({r["per_gpu_checksum"] for r in two["ranks"]}) == 2
+
+
+def test_through_the_router_a_tp2_worker_takes_two_ranks_and_compares_with_tp1(pair, tmp_path) -> None:
+    tp1, tp2 = pair
+    proc, url = start_router([tp1.url, tp2.url], state_dir=tmp_path / "state")
+    try:
+        status, world = http_json("GET", url + "/get_world_size", timeout=30)
+        assert status == 200 and world["world_size"] == 3, world
+        assert [(w["rank_offset"], w["tp_size"]) for w in world["workers"]] == [(1, 1), (2, 2)]
+        status, checked = http_json("POST", url + "/weights_checker", {"action": "checksum"}, timeout=60)
+        assert status == 200 and checked["identical"], checked
+        assert [len(v) for v in checked["rank_checksums"].values()] == [1, 2]
+    finally:
+        proc.stop()

@@ -198,18 +198,25 @@ class CheckerRank(WireResponse):
     checksums: dict[str, str] = Field(default_factory=dict)
     per_gpu_checksum: str
     parallelism_info: list[dict[str, Any]] = Field(default_factory=list)
+    full_checksum: str | None = None
+    """With tensor parallelism: the checksum of the full checkpoint tensors this rank serves (its shards
+    gathered with its peers'), in the trainer's scheme; ``per_gpu_checksum`` covers its shards only."""
 
 
 class WeightsCheckerResult(AdminResult):
     """Checker summary (sglang-omni ``StrictWeightChecker``); ``compare`` adds the diff fields.
 
     ``per_gpu_checksum`` is rank 0's checksum; ``per_engine_checksum`` covers every
-    rank and ``ranks`` holds each rank's digests (SGLang 0.5.23's scheme)."""
+    rank and ``ranks`` holds each rank's digests (SGLang 0.5.23's scheme). With tensor
+    parallelism a rank's digests cover its shards, and ``full_checksum`` the full
+    checkpoint tensors rebuilt from every rank's shard: what a trainer computes
+    (``sent_checksum``) over the tensors it sent."""
 
     action: str | None = None
     tensor_count: int = 0
     per_gpu_checksum: str | None = None
     per_engine_checksum: str | None = None
+    full_checksum: str | None = None
     checksums: dict[str, str] | None = None
     tensor_metadata: dict[str, dict[str, Any]] | None = None
     ranks: list[CheckerRank] | None = None
@@ -220,10 +227,12 @@ class WeightsCheckerResult(AdminResult):
     changed: list[str] | None = None
 
     def checksums_per_rank(self) -> list[str]:
-        """Each rank's own checksum (the scheme a trainer recomputes from the tensors it sent)."""
+        """Each rank's checksum of the full tensors it serves, in the scheme a trainer recomputes from the
+        tensors it sent: its own checksum, or with tensor parallelism its ``full_checksum``."""
         if self.ranks:
-            return [r.per_gpu_checksum for r in self.ranks]
-        return [self.per_gpu_checksum] if self.per_gpu_checksum else []
+            return [r.full_checksum or r.per_gpu_checksum for r in self.ranks]
+        full = self.full_checksum or self.per_gpu_checksum
+        return [full] if full else []
 
 
 class ModelInfo(WireResponse):

@@ -106,6 +106,7 @@ def engine_report(rank_data: list[dict[str, Any]]) -> dict[str, Any]:
         {
             "checksums": d.get("checksums", {}),
             "per_gpu_checksum": rank_sums[i],
+            "full_checksum": d.get("full_checksum"),
             "parallelism_info": [
                 {
                     "role": "tp",

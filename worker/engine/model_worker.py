@@ -36,6 +36,8 @@ from worker.model import (
     checkpoint_files,
     load_model,
     load_tokenizer,
+    rank_checksum,
+    tensor_digest,
 )
 from worker.model.checkpoint import check_config_file, read_checkpoint_chunked
 from worker.model.kv_cache import KVCache
@@ -307,9 +309,27 @@ class ModelWorker:
 
     # -- checker ------------------------------------------------------------------------
     def run_checker(self, action: str, skip: Iterable[str] = ()) -> dict[str, Any]:
+        """The checker over this rank's tensors (its shards at TP > 1); with tensor parallelism also
+        ``full_checksum``, over the full checkpoint tensors (every rank runs this together)."""
         if self.weights_released:
             raise WeightUpdateError("weights are released; call /resume_memory_occupation first")
-        return self.checker.run(action, self.model.iter_checkpoint_tensors(), skip)
+        summary = self.checker.run(action, self.model.iter_checkpoint_tensors(), skip)
+        if self.tp is not None and self.tp.size > 1:
+            summary["full_checksum"] = self._full_checksum(set(skip))
+        return summary
+
+    def _full_checksum(self, skip: set[str]) -> str:
+        """Every full checkpoint tensor rebuilt from the ranks' shards (one all-gather each, in the same
+        order on every rank), digested in the trainer's scheme."""
+        assert self.tp is not None
+        specs = self.model.shard_specs()
+        digests = {}
+        for name, shard in self.model.iter_checkpoint_tensors():
+            if name in skip:
+                continue
+            full = specs[name].full_tensor(self.tp.all_gather(shard))
+            digests[name] = tensor_digest(name, full)
+        return rank_checksum(digests)
 
     # -- device helpers -----------------------------------------------------------------
     def synchronize(self) -> None:

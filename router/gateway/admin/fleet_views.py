@@ -5,8 +5,9 @@
   not look healthy to a trainer).
 - ``/weights_checker`` with ``checksum``: every worker's checksum and whether
   they are all identical (``worker_checksums`` holds the engine-level digest,
-  which covers every TP rank; ``rank_checksums`` each rank's own, which a
-  trainer can recompute from the tensors it sent).
+  which covers every TP rank; ``rank_checksums`` each rank's checksum of the
+  full tensors it serves, which a trainer recomputes from the tensors it sent,
+  and which ``identical`` compares, so workers of different TP sizes compare).
 """
 
 from __future__ import annotations
@@ -111,10 +112,15 @@ class FleetViews:
         if req.action == "checksum" and isinstance(answer, WeightsCheckerFleetAnswer):
             bodies = {r.worker: r.body if isinstance(r.body, WeightsCheckerResult) else None for r in answer.results}
             sums = {w: (b.per_engine_checksum or b.per_gpu_checksum) if b else None for w, b in bodies.items()}
-            values = set(sums.values())
+            ranks = {w: b.checksums_per_rank() if b else [] for w, b in bodies.items()}
+            # Identical means every rank of every worker serves the same full tensors: compared on the
+            # full-tensor checksums, so workers with different TP sizes compare too.
+            values = {c for sums_of_worker in ranks.values() for c in sums_of_worker}
             partial = [r.worker for r in answer.results if self._is_mixed(r.worker)]
             answer.worker_checksums = sums
-            answer.rank_checksums = {w: b.checksums_per_rank() if b else [] for w, b in bodies.items()}
+            answer.rank_checksums = ranks
             answer.partial_workers = partial
-            answer.identical = outcome.ok and None not in values and len(values) == 1 and not partial
+            answer.identical = (
+                outcome.ok and all(ranks.values()) and None not in sums.values() and len(values) == 1 and not partial
+            )
         return outcome
