@@ -12,8 +12,11 @@ exit, without hanging.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -22,11 +25,12 @@ import pytest
 import torch
 
 from router.trainer import sent_checksum
-from tests._router_fixtures import start_router
+from tests._router_fixtures import ADMIN_KEY, auth, start_router
 from tests._worker_helpers import Worker
-from tests.procs import http_json
+from tests.procs import free_port, http_json
 from worker.model.checkpoint import read_checkpoint
 
+REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["hello world", "the quick brown fox", "1 2 3 4"]
 THREADS = ["--num-threads", "1"]
 
@@ -126,13 +130,6 @@ def test_a_bad_checkpoint_changes_no_rank(pair, tmp_path) -> None:
     assert tp2.ok("POST", "/weights_checker", {"action": "checksum"})["per_engine_checksum"] == before
 
 
-def test_weight_sync_groups_are_refused_at_tp2_for_now(pair) -> None:
-    _, tp2 = pair
-    init = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 3, "rank_offset": 1}
-    status, answer = tp2.post("/init_weights_update_group", init)
-    assert status == 400 and "tp_size 1" in answer["message"], answer
-
-
 def test_a_killed_follower_fails_the_worker_without_a_hang(checkpoints, worker_factory) -> None:
     worker = worker_factory(checkpoints["llama"], "--tp-size", "2", *THREADS)
     assert greedy(worker, "warm up", 4)
@@ -176,5 +173,52 @@ def test_through_the_router_a_tp2_worker_takes_two_ranks_and_compares_with_tp1(p
         status, checked = http_json("POST", url + "/weights_checker", {"action": "checksum"}, timeout=60)
         assert status == 200 and checked["identical"], checked
         assert [len(v) for v in checked["rank_checksums"].values()] == [1, 2]
+    finally:
+        proc.stop()
+
+
+def test_weight_sync_through_the_router_with_two_tp2_workers_and_a_tp1_one(checkpoints, worker_factory, tmp_path):
+    """world_size 1 + 2 + 2 + 1 = 6; every protocol and format; each rank holds the trainer's tensors."""
+    model = checkpoints["llama"]
+    tp2s = [worker_factory(model, "--tp-size", "2", "--admin-api-key", ADMIN_KEY, *THREADS) for _ in range(2)]
+    tp1 = worker_factory(model, "--admin-api-key", ADMIN_KEY, *THREADS)
+    tp1.headers = tp2s[0].headers = tp2s[1].headers = auth()
+    proc, url = start_router([w.url for w in (*tp2s, tp1)], admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
+    try:
+        out = tmp_path / "report.json"
+        cfg = {
+            "router": url,
+            "admin_key": ADMIN_KEY,
+            "model": str(model),
+            "port": free_port(),
+            "out": str(out),
+            "bucket_bytes": 64 * 1024,
+            "steps": [
+                ["two_phase", "flattened_bucket", {"atomic": True}],
+                ["two_phase", None],
+                ["two_phase", "flattened_bucket"],
+                ["single_phase", None],
+            ],
+        }
+        done = subprocess.run(
+            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        report = json.loads(out.read_text())
+        logs = "".join(w.proc.log_text(2000) for w in (*tp2s, tp1))
+        assert "error" not in report, json.dumps(report.get("error"), indent=1)[:3000] + logs
+        assert report["world_size"] == 6 and report["num_buckets"] > 1
+        ranks = report["steps"][0]["group_init"]["ranks"]
+        assert sorted((r["rank_offset"], r["tp_size"]) for r in ranks) == [(1, 2), (3, 2), (5, 1)]
+        for step in report["steps"]:
+            assert step["fleet_identical"] is True and step["matches_expected"] is True, step
+            assert [len(v) for v in step["rank_checksums"].values()] == [2, 2, 1]
+        # The same weights generate the same text at TP=2 and TP=1.
+        outputs = [greedy(w, PROMPTS) for w in (*tp2s, tp1)]
+        assert outputs[0] == outputs[1] == outputs[2]
     finally:
         proc.stop()

@@ -127,9 +127,10 @@ class Coordinator:
         async with held(self._admin_lock, timeout_s, busy):
             yield
 
-    async def admin(self, action: str, op: RankOp, timeout_s: float) -> StageResult:
-        """Run ``op`` on every rank (scheduler threads) and aggregate with ``rank_results``."""
-        return await self.stage.run(action, op, timeout_s)
+    async def admin(self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None) -> StageResult:
+        """Run ``op`` on every rank (scheduler threads) and aggregate with ``rank_results``
+        (``follower_op`` on the follower ranks of a tensor-parallel worker, when given)."""
+        return await self.stage.run(action, op, timeout_s, follower_op)
 
     async def run_on_scheduler(self, fn: Callable[[], Any], timeout_s: float, action: str = "admin") -> Any:
         """Run ``fn()`` on the leader's scheduler thread between steps; its raw result."""

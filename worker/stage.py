@@ -14,7 +14,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -152,13 +152,16 @@ class Stage:
     def alive(self) -> bool:
         return all(rank.alive for rank in self.ranks) and (self.peers is None or self.peers.alive)
 
-    async def run(self, action: str, op: RankOp, timeout_s: float) -> StageResult:
+    async def run(self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None) -> StageResult:
         """Run ``op`` on every rank's scheduler thread and aggregate; raises
-        :class:`AdminTimeout`, or :class:`SchedulerUnavailable` when a rank's thread is gone."""
+        :class:`AdminTimeout`, or :class:`SchedulerUnavailable` when a rank's thread is gone.
+
+        ``follower_op``, when given, is what the follower ranks run instead (their own received
+        buckets rather than rank 0's, say)."""
         if not self.alive:
             raise SchedulerUnavailable(f"{action}: the scheduler thread is not running")
         if self.peers is not None:
-            return await self._run_everywhere(action, op, timeout_s)
+            return await self._run_everywhere(action, op, timeout_s, follower_op)
         futures = [rank.submit_admin(functools.partial(op, rank)) for rank in self.ranks]
         waiters = [asyncio.wrap_future(f) for f in futures]
         try:
@@ -177,16 +180,46 @@ class Stage:
                 results.append(OpResult(False, f"{action} failed: {type(outcome).__name__}: {outcome}"))
         return aggregate(action, results)
 
-    async def _run_everywhere(self, action: str, op: RankOp, timeout_s: float) -> StageResult:
+    async def _run_everywhere(
+        self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None
+    ) -> StageResult:
         """Tensor parallel: rank 0's scheduler thread sends ``op`` to the followers, runs it, awaits theirs."""
         assert self.peers is not None
-        fut = self.leader.submit_admin(functools.partial(_everywhere, action, op, self.leader, self.peers, timeout_s))
+        run = functools.partial(_everywhere, action, op, follower_op or op, self.leader, self.peers, timeout_s)
+        return aggregate(action, await self._on_leader(action, run, timeout_s))
+
+    async def followers(self, action: str, ops: RankOp | Sequence[RankOp], timeout_s: float) -> list[OpResult]:
+        """Run an operation on the follower ranks only (``ops``: one for all, or one per follower in rank
+        order); each follower's result. Ordered with forward steps like every other operation."""
+        if self.peers is None:
+            return []
+        peers = self.peers
+        per_rank = list(ops) if isinstance(ops, Sequence) else [ops] * len(peers.followers)
+
+        def run() -> list[OpResult]:
+            try:
+                peers.send_ops(action, per_rank)
+                return peers.await_op(action, timeout_s)
+            except (TPRankLost, TypeError) as exc:
+                return [OpResult(False, str(exc))] * len(per_rank)
+
+        return await self._on_leader(action, run, timeout_s)
+
+    def submit_everywhere(self, action: str, local: Callable[[], Any], follower_op: RankOp, timeout_s: float) -> Any:
+        """From any thread: a future for ``local()`` run on rank 0's scheduler thread while the followers run
+        ``follower_op``; it fails when any follower's result is a failure (a streamed bucket, say)."""
+        assert self.peers is not None
+        return self.leader.submit_admin(
+            functools.partial(_with_followers, action, local, follower_op, self.peers, timeout_s)
+        )
+
+    async def _on_leader(self, action: str, fn: Callable[[], Any], timeout_s: float) -> Any:
+        fut = self.leader.submit_admin(fn)
         try:
-            results = await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s + TP_MARGIN_S)
+            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s + TP_MARGIN_S)
         except TimeoutError:
             fut.cancel()
             raise AdminTimeout(action, timeout_s) from None
-        return aggregate(action, results)
 
     def describe(self, action: str, op: RankOp) -> StageResult:
         """Aggregate a read-only ``op`` evaluated right here (no scheduler round trip),
@@ -199,13 +232,16 @@ class Stage:
 TP_MARGIN_S = 5.0
 
 
-def _everywhere(action: str, op: RankOp, leader: Scheduler, peers: TPPeers, timeout_s: float) -> list[OpResult]:
-    """On rank 0's scheduler thread: the followers and rank 0 run ``op``; one result per rank, in rank order.
+def _everywhere(
+    action: str, op: RankOp, follower_op: RankOp, leader: Scheduler, peers: TPPeers, timeout_s: float
+) -> list[OpResult]:
+    """On rank 0's scheduler thread: the followers run ``follower_op`` and rank 0 ``op``; one result per
+    rank, in rank order.
 
     A follower that cannot take the operation, fails or does not answer within
     ``timeout_s`` yields a failed result naming it (and the worker is then unhealthy)."""
     try:
-        peers.send_op(action, op)
+        peers.send_op(action, follower_op)
     except Exception as exc:  # not picklable, or a rank already lost: nothing ran anywhere
         return [OpResult(False, f"{action} not run on the tensor-parallel ranks: {exc}")] * peers.size
     try:
@@ -218,6 +254,22 @@ def _everywhere(action: str, op: RankOp, leader: Scheduler, peers: TPPeers, time
         lost = OpResult(False, str(exc))
         return [local, *[lost] * (peers.size - 1)]
     return [local, *remote]
+
+
+def _with_followers(
+    action: str, local: Callable[[], Any], follower_op: RankOp, peers: TPPeers, timeout_s: float
+) -> Any:
+    """On rank 0's scheduler thread: ``local()`` while the followers run ``follower_op``; raises if any failed."""
+    peers.send_op(action, follower_op)
+    try:
+        value = local()
+    finally:
+        # Always collect the followers' answers, so the next message on each pipe is the next one sent.
+        results = peers.await_op(action, timeout_s)
+    failed = [f"rank {i + 1}: {r.message}" for i, r in enumerate(results) if not r.success]
+    if failed:
+        raise RuntimeError(f"{action} failed on follower rank(s): {'; '.join(failed)}")
+    return value
 
 
 class FollowerView:

@@ -138,20 +138,31 @@ class UpdatePipeline:
             await self._take(txn, hold=False)
 
     def apply_streamed(
-        self, txn: UpdateTransaction, named: NamedTensors, verify: Callable[[], None] | None = None
+        self,
+        txn: UpdateTransaction,
+        named: NamedTensors,
+        verify: Callable[[], None] | None = None,
+        follower_op: Any = None,
     ) -> Future[Any]:
         """From the receive thread: write one bucket on the scheduler thread between steps,
-        after ``verify`` (its checksum) has passed there, while the next bucket is received."""
+        after ``verify`` (its checksum) has passed there, while the next bucket is received.
+        The follower ranks of a tensor-parallel worker write their own copy (``follower_op``)."""
         txn.buckets_applied += 1
-        return self._coord.scheduler.submit_admin(
-            partial(weight_ops.apply_streamed, self._coord.scheduler, named, txn.failed, verify)
-        )
+        scheduler = self._coord.scheduler
+        local = partial(weight_ops.apply_streamed, scheduler, named, txn.failed, verify)
+        if follower_op is not None and self._coord.stage.peers is not None:
+            return self._coord.stage.submit_everywhere(txn.action, local, follower_op, txn.step_s())
+        return scheduler.submit_admin(local)
 
-    async def apply(self, txn: UpdateTransaction, named: NamedTensors, *, require_complete: bool) -> None:
-        """Write ``named`` in one scheduler step, or raise :class:`UpdateFailed` (weights intact unless a rollback failed)."""
+    async def apply(
+        self, txn: UpdateTransaction, named: NamedTensors, *, require_complete: bool, follower_op: Any = None
+    ) -> None:
+        """Write ``named`` in one scheduler step, or raise :class:`UpdateFailed` (weights intact unless a
+        rollback failed); the follower ranks of a tensor-parallel worker run ``follower_op`` instead."""
         result = await self._step(
             txn,
             partial(weight_ops.apply_atomic, named=named, abort_all=txn.abort_all, require_complete=require_complete),
+            follower_op=follower_op,
         )
         txn.num_aborted += sum(int(d.get("num_aborted", 0)) for d in result.rank_data[:1])
         if not result.success:
@@ -200,11 +211,13 @@ class UpdatePipeline:
             # previous weight_version, before the weights change.
             await self._coord.wait_returned(aborted, txn.step_s())
 
-    async def _step(self, txn: UpdateTransaction, op: Any, *, cleanup: bool = False) -> StageResult:
+    async def _step(
+        self, txn: UpdateTransaction, op: Any, *, cleanup: bool = False, follower_op: Any = None
+    ) -> StageResult:
         # A cleanup step runs even after the deadline (an update that timed out must still end).
         bound = max(txn.step_s(), CLEANUP_S) if cleanup else txn.step_s()
         async with self._coord.admin_section(txn.action, bound):
-            return await self._coord.admin(txn.action, op, bound)
+            return await self._coord.admin(txn.action, op, bound, follower_op)
 
     def _end(self, txn: UpdateTransaction) -> None:
         if self._holder is txn:

@@ -318,6 +318,13 @@ class ModelWorker:
             summary["full_checksum"] = self._full_checksum(set(skip))
         return summary
 
+    def weights_checksum(self) -> str:
+        """The checksum of the full checkpoint tensors this rank serves, in the trainer's scheme
+        (``sent_checksum``); at TP > 1 every rank computes it together."""
+        if self.tp is not None and self.tp.size > 1:
+            return self._full_checksum(set())
+        return rank_checksum({name: tensor_digest(name, t) for name, t in self.model.iter_checkpoint_tensors()})
+
     def _full_checksum(self, skip: set[str]) -> str:
         """Every full checkpoint tensor rebuilt from the ranks' shards (one all-gather each, in the same
         order on every rank), digested in the trainer's scheme."""

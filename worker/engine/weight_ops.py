@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.dataplane.buckets import NamedTensors
-from router.dataplane.digest import digest_named_tensors
 from worker.engine.admin_ops import OpResult, active_requests_message
 from worker.engine.model_worker import RollbackFailed, WeightUpdateError
 from worker.engine.scheduler import Scheduler
@@ -133,7 +132,7 @@ def commit(s: Scheduler, opts: CommitOptions) -> OpResult:
     if opts.keep_pause and not s.is_paused:
         s.pause("in_place")
     if opts.checksum:
-        data["checksum"] = digest_named_tensors(w.model.iter_checkpoint_tensors())[1]
+        data["checksum"] = w.weights_checksum()
     data["is_paused"] = s.is_paused
     data["num_paused_requests"] = s.num_waiting
     return OpResult(True, "", data)

@@ -169,6 +169,21 @@ class TPPeers:
     def send_op(self, action: str, op: Any) -> None:
         self._send(RunOp(action, op), action)
 
+    def send_ops(self, action: str, ops: list[Any]) -> None:
+        """One operation per follower, in rank order (each its own rank in a group, say)."""
+        if len(ops) != len(self.followers):
+            raise ValueError(f"{len(ops)} operations for {len(self.followers)} followers")
+        self.check()
+        try:  # every message pickled before any is sent: a failure reaches no follower
+            payloads = [bytes(ForkingPickler.dumps(RunOp(action, op))) for op in ops]
+        except Exception as exc:
+            raise TypeError(f"{action} cannot be sent to the follower ranks: {exc}") from exc
+        for f, data in zip(self.followers, payloads, strict=True):
+            try:
+                f.conn.send_bytes(data)
+            except (OSError, ValueError) as exc:
+                self._lose(TPRankLost(f.rank, f"cannot send {action}: {exc!r}"))
+
     def await_op(self, action: str, timeout_s: float) -> list[Any]:
         """Each follower's ``OpResult`` (in rank order); its state snapshot is kept."""
         deadline = time.monotonic() + timeout_s

@@ -44,7 +44,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -69,8 +69,9 @@ from router.dataplane.formats import BucketFormat, for_load_format
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
 from worker.engine.weight_ops import CommitOptions
 from worker.stage import StageResult, held
+from worker.tp import transfer as tp_transfer
 from worker.transfer.bracket import UpdateBracket
-from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
+from worker.transfer.receiver import BucketReceiver, ReceiveBuffers, ReceiveOutcome, ReceiveState
 from worker.transfer.validation import (
     ChecksumMismatch,
     MetadataError,
@@ -162,30 +163,60 @@ class WeightSyncController:
                 f"Failed to initialize custom process group: group {name!r} already exists; destroy it first.",
                 join_attempted=False,
             )
-        if self.coordinator.stage.tp_size != 1:
+        stage = self.coordinator.stage
+        if req.rank_offset + stage.tp_size > req.world_size:
             return _fail(
-                "Failed to initialize custom process group: weight sync supports tp_size 1 only.", join_attempted=False
+                f"Failed to initialize custom process group: this worker's {stage.tp_size} rank(s) from rank_offset "
+                f"{req.rank_offset} do not fit in world_size {req.world_size}.",
+                join_attempted=False,
             )
         device = self.coordinator.worker.device
         backend = req.backend or ("nccl" if device.type == "cuda" else "gloo")
+        timeout_s = req.timeout_s or self.group_timeout_s
+        join: dict[str, Any] = {
+            "master_address": req.master_address,
+            "master_port": req.master_port,
+            "world_size": req.world_size,
+        }
         self._joining.add(name)
         try:
-            group = await self._in_thread(
+            # Every TP rank joins at rank_offset + tp_rank, all at once (the rendezvous needs them all).
+            leader = self._in_thread(
                 partial(
                     init_weight_update_group,
-                    master_address=req.master_address,
-                    master_port=req.master_port,
-                    rank=req.rank_offset,  # + tp_rank, which is 0
-                    world_size=req.world_size,
+                    rank=req.rank_offset,
                     group_name=name,
                     backend=backend,
-                    timeout_s=req.timeout_s or self.group_timeout_s,
+                    timeout_s=timeout_s,
+                    **join,
                 )
             )
-        except GroupError as exc:
-            return _fail(f"Failed to initialize custom process group: {exc}.", join_attempted=True)
+            followers = stage.followers(
+                "init_weights_update_group",
+                [
+                    partial(
+                        tp_transfer.join,
+                        name=name,
+                        rank=req.rank_offset + r,
+                        backend=backend,
+                        timeout_s=timeout_s,
+                        **join,
+                    )
+                    for r in range(1, stage.tp_size)
+                ],
+                timeout_s + HOP_MARGIN_S,
+            )
+            joined, follower_results = await asyncio.gather(leader, followers, return_exceptions=True)
         finally:
             self._joining.discard(name)
+        failures = _join_failures(joined, follower_results)
+        if failures:
+            if isinstance(joined, WeightUpdateGroup):
+                await self._in_thread(joined.destroy)
+            await stage.followers("destroy_weights_update_group", partial(tp_transfer.destroy, name=name), ABORT_WAIT_S)
+            return _fail(f"Failed to initialize custom process group: {failures}.", join_attempted=True)
+        assert isinstance(joined, WeightUpdateGroup)
+        group = joined
         self._groups[name] = group
         return WeightSyncResponse(
             success=True, message="Succeeded to initialize custom process group.", join_attempted=True
@@ -200,6 +231,9 @@ class WeightSyncController:
             update.txn.failed.set()
             update.receiver.cancel("the weight-update group was destroyed")
         await self._in_thread(group.destroy)
+        await self.coordinator.stage.followers(
+            "destroy_weights_update_group", partial(tp_transfer.destroy, name=req.group_name), ABORT_WAIT_S
+        )
         return WeightSyncResponse(success=True, message="Succeeded to destroy custom process group.")
 
     # -- two phase -----------------------------------------------------------------------------
@@ -243,7 +277,10 @@ class WeightSyncController:
             version = req.weight_version if req.weight_version is not None else update.weight_version
             wait_s = req.timeout_s if req.timeout_s is not None else update.wait_s()
             outcome = await self._in_thread(partial(update.receiver.wait, wait_s))
+            if outcome.ok and not update.atomic:
+                outcome = await self._followers_received(update, outcome)
             if not outcome.ok:
+                await self._cancel_followers(outcome.error or "the receive failed")
                 effect = await self.updates.fail(update.txn)
                 partial_now = effect == "partial" or self.coordinator.worker.weights_partial
                 note = PARTIAL_NOTE if partial_now else ""
@@ -300,6 +337,7 @@ class WeightSyncController:
             update.txn.failed.set()  # bucket applies not yet run are refused from here on
             update.receiver.cancel(ABORTED, broken_reason=ABORTED)
             update.receiver.release()
+            await self._cancel_followers(ABORTED, broken_reason=ABORTED)
             outcome = update.receiver.outcome()
             applied = update.txn.buckets_applied
             effect = await self.updates.fail(update.txn)
@@ -348,6 +386,7 @@ class WeightSyncController:
                 return _fail(f"Failed to update parameter online: {exc}.", weights="intact")
             outcome = await self._in_thread(partial(update.receiver.wait, update.wait_s()))
             if not outcome.ok:
+                await self._cancel_followers(outcome.error or "the receive failed")
                 await self.updates.mark_partial(update.txn)
                 return _fail(f"Failed to update parameter online: {outcome.error}.{PARTIAL_NOTE}", weights="partial")
             try:
@@ -399,8 +438,10 @@ class WeightSyncController:
                 life_s,
             )
             update.txn.failed.set()
-            update.receiver.cancel("no /complete_weights_update or /abort_weights_update before the update's deadline")
+            reason = "no /complete_weights_update or /abort_weights_update before the update's deadline"
+            update.receiver.cancel(reason)
             update.receiver.release()
+            await self._cancel_followers(reason)
             await self.updates.fail(update.txn)
 
     def _not_applied(
@@ -452,8 +493,14 @@ class WeightSyncController:
         checksums = announced_checksums(buckets)
 
         def apply(index: int, named: NamedTensors) -> Future[Any]:
-            # Streaming: each bucket's checksum is verified in its apply step, before the write.
-            return self.updates.apply_streamed(txn, named, verify=partial(verify_bucket, checksums[index], named))
+            # Streaming: each bucket's checksum is verified in its apply step, before the write;
+            # TP followers write their own copy of the same bucket, received by themselves.
+            return self.updates.apply_streamed(
+                txn,
+                named,
+                verify=partial(verify_bucket, checksums[index], named),
+                follower_op=partial(tp_transfer.apply_bucket, index=index, wait_s=window + HOP_MARGIN_S),
+            )
 
         receiver = BucketReceiver(
             group,
@@ -463,9 +510,27 @@ class WeightSyncController:
             buffers=self._buffers,
             apply=None if atomic else apply,
         )
+        started = await self.coordinator.stage.followers(
+            SYNC_ACTION,
+            partial(
+                tp_transfer.start_receive,
+                group_name=group_name,
+                layouts=layouts,
+                load_format=fmt.load_format,
+                atomic=atomic,
+                window_s=window,
+                checksums=checksums,
+            ),
+            HOP_MARGIN_S,
+        )
+        if not all(r.success for r in started):
+            await self._cancel_followers("another rank could not start its receive")
+            await self.updates.end_refused(txn)
+            raise UpdateRefused("; ".join(f"rank {i + 1}: {r.message}" for i, r in enumerate(started) if not r.success))
         try:
             await self._in_thread(partial(receiver.start, window))
         except GroupError as exc:
+            await self._cancel_followers(str(exc))
             await self.updates.end_refused(txn)
             raise UpdateRefused(str(exc)) from None
         return _Update(
@@ -492,7 +557,10 @@ class WeightSyncController:
                         raise UpdateFailed(str(exc), "intact") from None
                 staged = [t for _, named in buckets for t in named]
                 await self.updates.take(update.txn)
-                await self.updates.apply(update.txn, staged, require_complete=False)
+                on_followers = partial(
+                    tp_transfer.apply_all, abort_all=update.txn.abort_all, require_complete=False, wait_s=HOP_MARGIN_S
+                )
+                await self.updates.apply(update.txn, staged, require_complete=False, follower_op=on_followers)
         except (UpdateRefused, UpdateFailed):
             await self.updates.fail(update.txn)
             raise
@@ -507,6 +575,22 @@ class WeightSyncController:
                 lift_hold=update.txn.paused_by_update,
                 checksum=checksum,
             ),
+        )
+
+    async def _followers_received(self, update: _Update, outcome: ReceiveOutcome) -> ReceiveOutcome:
+        """Streaming, after rank 0's receive succeeded: did every follower rank's succeed too?"""
+        results = await self.coordinator.stage.followers(
+            SYNC_ACTION, partial(tp_transfer.receive_outcome, wait_s=HOP_MARGIN_S), 2 * HOP_MARGIN_S
+        )
+        failed = [f"rank {i + 1}: {r.message}" for i, r in enumerate(results) if not r.success]
+        if not failed:
+            return outcome
+        return replace(outcome, state=ReceiveState.FAILED, error=f"the receive failed on follower {'; '.join(failed)}")
+
+    async def _cancel_followers(self, reason: str, *, broken_reason: str | None = None) -> None:
+        """Best effort: the follower ranks drop their receive too (each ends by its deadline anyway)."""
+        await self.coordinator.stage.followers(
+            SYNC_ACTION, partial(tp_transfer.cancel_receive, reason=reason, broken_reason=broken_reason), ABORT_WAIT_S
         )
 
     async def _in_thread(self, fn: Callable[[], T]) -> T:
@@ -538,6 +622,18 @@ def _group_note(group: WeightUpdateGroup) -> str:
             "/init_weights_update_group again before the next update."
         )
     return ""
+
+
+def _join_failures(leader: object, followers: object) -> str:
+    """Why a group init failed on some rank ('' when every rank joined)."""
+    problems = []
+    if isinstance(leader, BaseException):
+        problems.append(f"rank 0: {leader}")
+    if isinstance(followers, BaseException):
+        problems.append(f"follower ranks: {followers}")
+    elif isinstance(followers, list):
+        problems += [f"rank {i + 1}: {r.message}" for i, r in enumerate(followers) if not r.success]
+    return "; ".join(problems)
 
 
 def _fail(message: str, **fields: Any) -> WeightSyncResponse:
