@@ -51,13 +51,13 @@ def post(url: str, body: Any = None, method: str = "POST") -> dict[str, Any]:
         return json.loads(err.read() or b"null")
 
 
-def start_worker(model_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
+def start_worker(model_dir: Path, *extra: str) -> tuple[subprocess.Popen[bytes], str]:
     port = _port()
     exe = Path(sys.executable).with_name("omni-worker")
     log_path = tempfile.mktemp(prefix="bench-worker-", suffix=".log")
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [str(exe), "--model-path", str(model_dir), "--port", str(port)],
+            [str(exe), "--model-path", str(model_dir), "--port", str(port), *extra],
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

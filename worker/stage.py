@@ -228,6 +228,26 @@ class Stage:
         return aggregate(action, [op(rank) for rank in self.views()])
 
 
+class PassiveStage:
+    """A stage with no admin-capable scheduler (a tokenizer or detokenizer stage, say): every admin
+    operation succeeds as ``skipped`` there, so a pipeline's fan-out needs no special case for it."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    async def run(self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None) -> StageResult:
+        message = f"skipped: stage {self.name!r} has no admin-capable scheduler"
+        rank = {"rank": 0, "role": "stage", "tp_rank": 0, "tp_size": 1, "success": True, "message": message}
+        return StageResult(
+            action=action,
+            success=True,
+            message=message,
+            data={"skipped": True},
+            rank_results=[{**rank, "skipped": True}],
+            rank_data=[{"skipped": True}],
+        )
+
+
 #: Beyond an operation's own bound: rank 0 waits for the followers within the bound, then answers.
 TP_MARGIN_S = 5.0
 
