@@ -96,7 +96,11 @@ def _run_fuzz(base: str, *, via_router: bool, restore: Any, check_fences: bool) 
     baseline = _fence_state(base) if check_fences else None
 
     def execute(label: str, method: str, url: str, data: bytes | None, detail: str, path: str) -> None:
-        answer = _fuzz.send(method, url, data=data, headers=headers)
+        try:
+            answer = _fuzz.send(method, url, data=data, headers=headers)
+        except TimeoutError:
+            # A hang: name the case, so a failure says which request never got its answer.
+            raise AssertionError(f"no answer within {_fuzz.HANG_S + 30:.0f}s: {label} {detail[:500]}") from None
         tally.record(label, answer, detail, allowed_5xx=_allowed_5xx(path, via_router=via_router))
         if check_fences and 400 <= answer.status < 500:
             after = _fence_state(base)

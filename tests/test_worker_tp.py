@@ -74,6 +74,13 @@ def _cmdline(entry: Path) -> str:
         return ""
 
 
+def test_qwen2_generation_equals_tp1(checkpoints, worker_factory) -> None:
+    """Qwen2: qkv bias sharded per section, tied embeddings replicated."""
+    tp1 = worker_factory(checkpoints["qwen2"], *THREADS)
+    tp2 = worker_factory(checkpoints["qwen2"], "--tp-size", "2", *THREADS)
+    assert greedy(tp2, PROMPTS) == greedy(tp1, PROMPTS)
+
+
 def test_generation_equals_tp1(pair) -> None:
     tp1, tp2 = pair
     for prompt in PROMPTS:

@@ -166,8 +166,13 @@ class UpdatePipeline:
         )
         txn.num_aborted += sum(int(d.get("num_aborted", 0)) for d in result.rank_data[:1])
         if not result.success:
-            effect: WeightsEffect = "partial" if result.data.get("weights") == "partial" else "intact"
-            raise UpdateFailed(result.message, effect)
+            effects = {d.get("weights") for d in result.rank_data}
+            if effects & {"updated", "partial"}:
+                # Tensor parallel ranks disagree (one wrote, another rolled back) or a rollback failed:
+                # no rank may serve this mix, so every rank is marked partial until a full update.
+                await self._step(txn, weight_ops.mark_partial, cleanup=True)
+                raise UpdateFailed(result.message, "partial")
+            raise UpdateFailed(result.message, "intact")
 
     async def commit(self, txn: UpdateTransaction, opts: CommitOptions) -> StageResult:
         """Record the write (weight state, version, flush, pause, checksum) and end the transaction."""
