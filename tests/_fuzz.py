@@ -35,7 +35,7 @@ HANG_S = 30.0
 #: Bounds put on the fields that make a server wait or work.
 CAPS = {"timeout_s": 2.0, "timeout": 1.0, "max_new_tokens": 8}
 MAX_BATCH = 4
-#: Operations that wait for a peer: a body without ``timeout_s`` gets this bound.
+#: Operations that wait for a peer: a body without ``timeout_s`` (or with null) gets this bound.
 WAITING_PATHS = frozenset(
     {
         "/init_weights_update_group",
@@ -68,7 +68,8 @@ def make_safe(value: Any, rng: random.Random, *, path: str = "") -> Any:
             value[key] = item[:MAX_BATCH]
         else:
             value[key] = make_safe(item, rng)
-    if path in WAITING_PATHS and "timeout_s" not in value:
+    if path in WAITING_PATHS and value.get("timeout_s") is None:
+        # Absent or null both mean the server's default wait (minutes for a group join): cap it.
         value["timeout_s"] = CAPS["timeout_s"]
     if path == "/generate" and isinstance(value.get("sampling_params"), (dict, list)):
         params = value["sampling_params"]
