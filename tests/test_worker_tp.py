@@ -111,6 +111,34 @@ def test_every_admin_operation_answers_for_every_rank(pair, path: str, body: dic
     assert all(r["success"] for r in ranks), ranks
 
 
+WEIGHT_SYNC_CALLS: list[tuple[str, dict[str, Any], int]] = [
+    ("/begin_weight_update", {}, 200),
+    ("/end_weight_update", {}, 200),
+    ("/destroy_weights_update_group", {"group_name": "never-made"}, 400),
+    ("/abort_weights_update", {"group_name": "never-made"}, 400),
+    (
+        "/prepare_weights_update",
+        {
+            "group_name": "never-made",
+            "num_buckets": 1,
+            "buckets": [{"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[64]]}],
+        },
+        400,
+    ),
+    ("/complete_weights_update", {"group_name": "never-made"}, 400),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "status"), WEIGHT_SYNC_CALLS, ids=[p for p, _, _ in WEIGHT_SYNC_CALLS])
+def test_weight_sync_routes_answer_for_every_rank(pair, path: str, body: dict[str, Any], status: int) -> None:
+    _, tp2 = pair
+    code, answer = tp2.post(path, body)
+    assert code == status, answer
+    ranks = answer["rank_results"]
+    assert [(r["tp_rank"], r["tp_size"]) for r in ranks] == [(0, 2), (1, 2)], answer
+    assert {r["success"] for r in ranks} == {status == 200}
+
+
 def test_the_version_reaches_every_rank(pair) -> None:
     _, tp2 = pair
     tp2.ok("POST", "/update_weight_version", {"new_version": "tp-v2"})

@@ -23,7 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from router.contract.admin import AdminResult, WeightsEffect
+from router.contract.admin import AdminResult, RankResult, WeightsEffect
 from router.contract.base import MAX_ITEMS, MAX_WORLD_SIZE, HostText, Label, WireRequest, WireResponse, check_host
 from router.contract.bucket_layout import BucketLayout, LayoutError
 from router.contract.budget import MAX_TIMEOUT_S
@@ -229,6 +229,7 @@ class PrepareWeightsUpdateResponse(WireResponse):
     message: str = ""
     #: A prepare writes nothing (a streaming update writes its first bucket only once it arrives).
     weights: WeightsEffect | None = None
+    rank_results: list[RankResult] | None = None
 
     @property
     def ok(self) -> bool:

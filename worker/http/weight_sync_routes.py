@@ -25,6 +25,7 @@ from typing import Any
 from aiohttp import web
 
 from router.contract import endpoints as ep
+from router.contract.admin import RankResult
 from router.contract.base import WireRequest, WireResponse
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
@@ -41,9 +42,25 @@ def _handler(endpoint: ep.Endpoint[Any, Any], call: Call, *, allow_empty: bool) 
     @admin_handler
     async def handle(request: web.Request) -> web.Response:
         req: WireRequest = await parse_body(request, endpoint.request, allow_empty=allow_empty)
-        return answer(request, endpoint, await call(request.app[WEIGHT_SYNC], req))
+        response = await call(request.app[WEIGHT_SYNC], req)
+        return answer(request, endpoint, with_rank_results(response, request.app[COORDINATOR].stage.tp_size))
 
     return handle
+
+
+def with_rank_results(response: WireResponse, tp_size: int) -> WireResponse:
+    """One ``rank_results`` entry per TP rank. A weight-sync call's outcome is decided for the whole
+    stage by rank 0 (a follower's failure fails the call and is named in its message), so every rank
+    reports that outcome."""
+    if "rank_results" not in type(response).model_fields or getattr(response, "rank_results", None):
+        return response
+    success = getattr(response, "success", None)
+    ok = bool(success) if success is not None else getattr(response, "status", None) == "ready"
+    message = str(getattr(response, "message", "") or "")
+    response.rank_results = [  # type: ignore[attr-defined]
+        RankResult(rank=r, tp_rank=r, tp_size=tp_size, success=ok, message=message) for r in range(tp_size)
+    ]
+    return response
 
 
 async def _begin(controller: WeightSyncController, req: Any) -> WireResponse:
