@@ -144,9 +144,11 @@ class ModelWorker:
         if self.peers is None:
             return self.model.forward_batch(seqs)
         self.peers.send_forward([(self._seq_ids[s.kv], s.token_ids) for s in seqs])
-        logits = self.model.forward_batch(seqs)
-        self.peers.await_forward()
-        return logits
+        try:
+            return self.model.forward_batch(seqs)
+        finally:
+            # Always collected, so each pipe's next answer belongs to the next message.
+            self.peers.await_forward()
 
     # -- facts ----------------------------------------------------------------------
     @property

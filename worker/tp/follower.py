@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -108,6 +109,9 @@ def snapshot(scheduler: Any) -> dict[str, Any]:
 def follower_main(conn: Connection, spec: RankSpec) -> None:
     """The follower process: join, load, say ready, then serve rank 0's messages until told to stop."""
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{spec.rank} %(name)s: %(message)s")
+    # Ctrl-C reaches the whole process group: rank 0 decides when this rank stops.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         import torch
 
@@ -141,7 +145,7 @@ def follower_main(conn: Connection, spec: RankSpec) -> None:
             elif isinstance(message, RunOp):
                 try:
                     result = message.op(scheduler)
-                except (ValueError, RuntimeError) as exc:
+                except Exception as exc:  # the operation's own failure (a refused join, say): reported, not fatal
                     result = OpResult(False, f"{message.action} failed: {type(exc).__name__}: {exc}")
                 conn.send(("result", (result, snapshot(scheduler))))
         except Exception:
