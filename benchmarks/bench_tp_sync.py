@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.bench_weight_sync_e2e import BUCKET_BYTES, REPEATS, SHAPE, _port, post, start_worker
+from benchmarks.bench_weight_sync_e2e import BUCKET_BYTES, REPEATS, SHAPE, _port, post, start_worker, two_phase_sync
 from router.trainer.rendezvous import alongside
 from router.trainer.sender import BucketPlan, TrainerWeightSender
 from worker.model import read_checkpoint, write_tiny_checkpoint
@@ -43,13 +43,7 @@ def sync_times(served: Path, tensors: dict[str, torch.Tensor], plan: BucketPlan,
 
         def once() -> tuple[float, float]:
             start = time.perf_counter()
-            post(url + "/pause_generation", {"mode": "retract"})
-            ready = post(url + "/prepare_weights_update", request)
-            assert ready.get("status") == "ready", ready
-            transfer = sender.send(plan, tensors, load_format="flattened_bucket").elapsed_s
-            done = post(url + "/complete_weights_update", {"group_name": sender.group_name})
-            assert done.get("success"), done
-            post(url + "/continue_generation", {})
+            transfer = two_phase_sync(url, sender, plan, tensors, request)
             return time.perf_counter() - start, transfer
 
         once()  # warm-up: buffers, first collectives

@@ -74,6 +74,20 @@ def start_worker(model_dir: Path, *extra: str) -> tuple[subprocess.Popen[bytes],
     raise RuntimeError(f"omni-worker did not start; see {log_path}")
 
 
+def two_phase_sync(
+    url: str, sender: TrainerWeightSender, plan: BucketPlan, tensors: dict[str, torch.Tensor], request: Any
+) -> float:
+    """One paused two-phase flattened sync (pause, prepare, broadcast, complete, continue); its broadcast seconds."""
+    post(url + "/pause_generation", {"mode": "retract"})
+    ready = post(url + "/prepare_weights_update", request)
+    assert ready.get("status") == "ready", ready
+    transfer = sender.send(plan, tensors, load_format="flattened_bucket").elapsed_s
+    done = post(url + "/complete_weights_update", {"group_name": sender.group_name})
+    assert done.get("success"), done
+    post(url + "/continue_generation", {})
+    return transfer
+
+
 def timed(fn: Callable[[], float]) -> tuple[float, float]:
     """Median (window, broadcast) seconds over REPEATS runs after one warm-up."""
     fn()
@@ -106,14 +120,7 @@ def e2e_section() -> None:
         checked = plan.prepare_request(sender.group_name, tensors=tensors, load_format="flattened_bucket")
 
         def two_phase(request: Any = plain) -> float:
-            post(url + "/pause_generation", {"mode": "retract"})
-            ready = post(url + "/prepare_weights_update", request)
-            assert ready.get("status") == "ready", ready
-            transfer = sender.send(plan, tensors, load_format="flattened_bucket").elapsed_s
-            done = post(url + "/complete_weights_update", {"group_name": sender.group_name})
-            assert done.get("success"), done
-            post(url + "/continue_generation", {})
-            return transfer
+            return two_phase_sync(url, sender, plan, tensors, request)
 
         def single_phase() -> float:
             post(url + "/pause_generation", {})

@@ -26,8 +26,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 import traceback
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -42,7 +45,9 @@ from router.trainer import (
     TrainerWeightSender,
     sent_checksum,
 )
+from tests._router_fixtures import ADMIN_KEY
 from tests._transfer_peer import send_tampered_bucket
+from tests.procs import free_port
 from worker.model.checkpoint import read_checkpoint
 
 #: The router's admin-lock wait as the tests configure it: a router still holding its
@@ -167,6 +172,31 @@ def main(cfg: dict) -> dict:
     finally:
         sender.close()
     return report
+
+
+def run_trainer(
+    router_url: str, model: str, out_dir: Any, steps: list[Any], *, timeout: float = 240, **extra: Any
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """Run this module as a trainer process against ``router_url``; its exit and its report."""
+    out = out_dir / f"trainer-report-{os.getpid()}-{len(steps)}.json"
+    cfg = {
+        "router": router_url,
+        "admin_key": extra.pop("admin_key", ADMIN_KEY),
+        "model": str(model),
+        "port": free_port(),
+        "out": str(out),
+        "bucket_bytes": 64 * 1024,
+        "steps": steps,
+        **extra,
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
+        cwd=Path(__file__).resolve().parent.parent,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return done, json.loads(out.read_text()) if out.exists() else {}
 
 
 if __name__ == "__main__":

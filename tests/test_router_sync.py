@@ -20,6 +20,7 @@ from tests._router_fixtures import (
     start_workers,
     workers,
 )
+from tests._router_trainer import run_trainer
 from tests.procs import free_port, http_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -38,30 +39,14 @@ def test_full_sync_cycle_through_one_url(fleet, tmp_path):
     urls, model = fleet
     proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     try:
-        out = tmp_path / "report.json"
-        cfg = {
-            "router": url,
-            "admin_key": ADMIN_KEY,
-            "model": str(model),
-            "port": free_port(),
-            "out": str(out),
-            "bucket_bytes": 64 * 1024,
-            "steps": [
-                ["two_phase", "flattened_bucket"],
-                ["two_phase", None],
-                ["single_phase", None],
-                ["single_phase", "flattened_bucket"],
-            ],
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        steps = [
+            ["two_phase", "flattened_bucket"],
+            ["two_phase", None],
+            ["single_phase", None],
+            ["single_phase", "flattened_bucket"],
+        ]
+        done, report = run_trainer(url, str(model), tmp_path, steps)
         assert done.returncode == 0, done.stderr[-3000:]
-        report = json.loads(out.read_text())
         assert "error" not in report, json.dumps(report.get("error"), indent=1)[:3000] + proc.log_text()
         assert report["world_size"] == 3 and report["num_buckets"] > 1
         first = report["steps"][0]

@@ -15,8 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -26,8 +24,9 @@ import torch
 
 from router.trainer import sent_checksum
 from tests._router_fixtures import ADMIN_KEY, auth, start_router
+from tests._router_trainer import run_trainer
 from tests._worker_helpers import Worker
-from tests.procs import free_port, http_json
+from tests.procs import http_json
 from worker.engine.admin_ops import flush_cache
 from worker.model.checkpoint import read_checkpoint
 from worker.stage import PassiveStage
@@ -222,30 +221,14 @@ def test_weight_sync_through_the_router_with_two_tp2_workers_and_a_tp1_one(check
     tp1.headers = tp2s[0].headers = tp2s[1].headers = auth()
     proc, url = start_router([w.url for w in (*tp2s, tp1)], admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     try:
-        out = tmp_path / "report.json"
-        cfg = {
-            "router": url,
-            "admin_key": ADMIN_KEY,
-            "model": str(model),
-            "port": free_port(),
-            "out": str(out),
-            "bucket_bytes": 64 * 1024,
-            "steps": [
-                ["two_phase", "flattened_bucket", {"atomic": True}],
-                ["two_phase", None],
-                ["two_phase", "flattened_bucket"],
-                ["single_phase", None],
-            ],
-        }
-        done = subprocess.run(
-            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=240,
-        )
+        steps = [
+            ["two_phase", "flattened_bucket", {"atomic": True}],
+            ["two_phase", None],
+            ["two_phase", "flattened_bucket"],
+            ["single_phase", None],
+        ]
+        done, report = run_trainer(url, str(model), tmp_path, steps)
         assert done.returncode == 0, done.stderr[-3000:]
-        report = json.loads(out.read_text())
         logs = "".join(w.proc.log_text(2000) for w in (*tp2s, tp1))
         assert "error" not in report, json.dumps(report.get("error"), indent=1)[:3000] + logs
         assert report["world_size"] == 6 and report["num_buckets"] > 1
