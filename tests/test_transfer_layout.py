@@ -125,6 +125,7 @@ class TestWireModels:
             "status": "ready",
             "message": "",
             "weights": None,
+            "rank_results": None,
         }
 
     @pytest.mark.parametrize(
