@@ -436,7 +436,11 @@ def test_stuck_read_keeps_worker_live_and_sigterm_still_exits(tmp_path, checkpoi
             status, out = http_json(
                 "POST",
                 url + "/generate",
-                {"text": "still serving", "sampling_params": {"max_new_tokens": 4}},
+                # Greedy and past EOS: the tiny random model may otherwise sample its stop token first.
+                {
+                    "text": "still serving",
+                    "sampling_params": {"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+                },
                 timeout=30,
             )
             assert status == 200 and len(out["output_ids"]) == 4, out
