@@ -126,7 +126,7 @@ def test_health_and_unimplemented_routes(aw):
     assert aw.ok("GET", "/health")["status"] == "ok"
     assert aw.ok("GET", "/health_generate")["message"] == "ok"
     status, body = aw.post("/update_weights_from_tensor", {"serialized_named_tensors": ["gASV"]})
-    assert status == 501 and "not supported" in body["error"]["message"]
+    assert status == 400 and "--allow-pickled-tensors" in body["error"]["message"]
     status, body = aw.get("/no_such_route")
     assert status == 404 and "error" in body
     status, body = aw.call("DELETE", "/model_info")

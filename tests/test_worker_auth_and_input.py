@@ -84,7 +84,7 @@ VALID_CALLS = [
     ("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]}, 200),
     ("GET", "/release_memory_occupation", None, 200),
     ("GET", "/resume_memory_occupation", None, 200),
-    ("POST", "/update_weights_from_tensor", {}, 501),
+    ("POST", "/update_weights_from_tensor", {}, 400),
     ("POST", "/begin_weight_update", {"selector": "all"}, 200),
     ("POST", "/end_weight_update", {}, 200),
 ]

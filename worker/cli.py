@@ -91,6 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
         "/health says draining) before the rest are aborted; keep it below Kubernetes' "
         "terminationGracePeriodSeconds minus about 15 s (leaving a weight-update group, stopping)",
     )
+    p.add_argument(
+        "--allow-pickled-tensors",
+        action="store_true",
+        help="accept SGLang's pickled serialized_named_tensors on /update_weights_from_tensor (decoded by a "
+        "restricted unpickler that still opens the shared memory the caller names); off by default",
+    )
     return p
 
 
@@ -110,6 +116,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         num_threads=args.num_threads,
         shutdown_grace_s=args.shutdown_grace_s,
         tp_size=args.tp_size,
+        allow_pickled_tensors=args.allow_pickled_tensors,
     )
 
 

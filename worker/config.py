@@ -37,6 +37,10 @@ class WorkerConfig:
     with 503 and ``/health`` says ``draining`` at once) before the rest are aborted. Keep it below
     Kubernetes' ``terminationGracePeriodSeconds`` with room for leaving a weight-update group."""
 
+    allow_pickled_tensors: bool = False
+    """Accept SGLang's pickled ``serialized_named_tensors`` (restricted unpickler); the JSON
+    handle format is always accepted."""
+
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for ``/server_info``)."""
         data = asdict(self)

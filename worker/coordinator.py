@@ -21,7 +21,8 @@ from functools import partial
 from typing import Any
 
 from router.contract import endpoints as ep
-from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest
+from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest
+from router.dataplane.buckets import NamedTensors
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
 from worker.engine.daemon_thread import Abandoned, run_on_daemon_thread
@@ -242,6 +243,47 @@ class Coordinator:
             "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
         )
         result.data.update(num_aborted=txn.num_aborted, model_path=self.worker.model_path)
+        return result
+
+    async def update_weights_from_tensor(
+        self, req: UpdateWeightsFromTensorRequest, stage: Callable[[], NamedTensors], timeout_s: float
+    ) -> StageResult:
+        """One update transaction like :meth:`update_weights_from_disk`: ``stage`` (open the shared
+        memory, copy the tensors out; already checked against the model) runs off the event loop,
+        then the tensors are written in one step with rollback. It may be a subset of the weights."""
+        action = "update_weights_from_tensor"
+        try:
+            txn = await self.updates.begin(
+                action, abort_all=req.abort_all_requests, streaming=False, timeout_s=timeout_s, after_deadline_s=0.0
+            )
+        except UpdateRefused as exc:
+            return self._answer(action, False, str(exc), weights="intact")
+        try:
+            named = await asyncio.wait_for(asyncio.to_thread(stage), txn.step_s())
+            await self.updates.take(txn)
+            await self.updates.apply(txn, named, require_complete=False)
+        except (ValueError, OSError, RuntimeError, UpdateRefused, UpdateFailed, WeightUpdateError) as exc:
+            effect = await self.updates.fail(txn)
+            if isinstance(exc, UpdateFailed):
+                effect = exc.effect
+            return self._answer(
+                action, False, f"Failed to update weights: {exc}", num_aborted=txn.num_aborted, weights=effect
+            )
+        except TimeoutError:
+            await self.updates.fail(txn)
+            raise AdminTimeout(action, timeout_s) from None
+        result = await self.updates.commit(
+            txn,
+            CommitOptions(
+                names=tuple(name for name, _ in named),
+                weight_version=req.weight_version,
+                flush_cache=req.flush_cache,
+            ),
+        )
+        result.message = (
+            "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
+        )
+        result.data.update(num_aborted=txn.num_aborted)
         return result
 
     async def _read_checkpoint(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StagedCheckpoint:

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator
 
 from router.contract.base import MAX_ITEMS, Label, PathText, Text, WireRequest, WireResponse
+from router.contract.tensor_handles import HandleMessage
 
 PauseMode = Literal["abort", "retract", "in_place"]
 #: What one call left a worker's weights as: untouched, a consistent new version, or a mix of versions.
@@ -82,6 +83,28 @@ class UpdateWeightsFromDiskRequest(WireRequest):
     token_step: int = Field(0, ge=0, le=2**62)
     flush_cache: bool = True
     manifest: dict[str, Any] | None = None
+
+
+#: One rank's pickled payload (handles and metadata only, never tensor bytes): bounded generously.
+MAX_SERIALIZED_CHARS = 8 * 1024 * 1024
+
+
+class UpdateWeightsFromTensorRequest(WireRequest):
+    """``POST /update_weights_from_tensor`` — SGLang's ``UpdateWeightsFromTensorReqInput`` plus
+    ``tensor_handles``, this project's JSON handle message (:mod:`router.contract.tensor_handles`).
+
+    Exactly one of the two carries the tensors. ``tensor_handles`` is a field of its own (not a
+    ``load_format`` value) so an SGLang body keeps its meaning unchanged and a handle message is
+    validated as JSON before any route code runs."""
+
+    serialized_named_tensors: Annotated[
+        list[Annotated[str, Field(max_length=MAX_SERIALIZED_CHARS)]], Field(max_length=1024)
+    ] = Field(default_factory=list)
+    load_format: Label | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Label | None = None
+    tensor_handles: HandleMessage | None = None
 
 
 class WeightsCheckerRequest(WireRequest):

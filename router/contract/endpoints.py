@@ -155,12 +155,12 @@ UPDATE_WEIGHTS_FROM_DISK = Endpoint(
 UPDATE_WEIGHTS_FROM_TENSOR = Endpoint(
     "/update_weights_from_tensor",
     POST,
-    admin.EmptyRequest,
+    admin.UpdateWeightsFromTensorRequest,
     admin.AdminResult,
     Budget(600.0),
     serialized=True,
     writes_weights=True,
-    summary="Not served: its payload is pickled tensors",
+    summary="Load tensors from shared memory (handle message, or pickles with --allow-pickled-tensors)",
 )
 WEIGHTS_CHECKER = Endpoint(
     "/weights_checker",

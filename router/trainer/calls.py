@@ -39,6 +39,7 @@ from router.contract.admin import (
     ServerInfo,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResult,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     UpdateWeightVersionResult,
     WeightsCheckerRequest,
@@ -246,7 +247,9 @@ class RouterCalls:
         return self._admin(ep.UPDATE_WEIGHTS_FROM_DISK, req, FleetAnswer[UpdateWeightsFromDiskResult])
 
     def update_weights_from_tensor(self, **fields: Any) -> FleetAnswer[AdminResult]:
-        return self._admin(ep.UPDATE_WEIGHTS_FROM_TENSOR, EmptyRequest(**fields), FleetAnswer[AdminResult])
+        return self._admin(
+            ep.UPDATE_WEIGHTS_FROM_TENSOR, UpdateWeightsFromTensorRequest(**fields), FleetAnswer[AdminResult]
+        )
 
     def init_weights_update_group(
         self,

@@ -25,6 +25,7 @@ from router.contract.admin import (
     MemoryOccupationRequest,
     PauseRequest,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
@@ -36,6 +37,7 @@ from worker.engine import admin_ops
 from worker.engine.checker import engine_report
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.stage import AdminBusy, AdminTimeout, StageResult
+from worker.transfer import tensor_update
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -194,13 +196,28 @@ async def weights_checker(request: web.Request) -> web.Response:
     return stage_answer(request, ep.WEIGHTS_CHECKER, result, **engine_report(result.rank_data))
 
 
+@admin_handler
 async def update_weights_from_tensor(request: web.Request) -> web.Response:
-    """Not implemented: its payload is pickled tensors, and this worker never
-    unpickles caller bytes. The body is not read."""
-    raise ApiError(
-        501,
-        "update_weights_from_tensor is not supported by this worker; use update_weights_from_disk or update_weights_from_distributed",
-    )
+    """Load tensors a colocated trainer put in shared memory: this project's JSON handle
+    message (``tensor_handles``), or SGLang's pickled ``serialized_named_tensors`` when the
+    worker runs with ``--allow-pickled-tensors`` (restricted unpickler). Everything is checked
+    against the model before any memory is opened; the answer comes after the copy into the model."""
+    req = await parse_body(request, UpdateWeightsFromTensorRequest, allow_empty=False)
+    coord = request.app[COORDINATOR]
+    model = coord.worker.model
+    try:
+        if coord.stage.tp_size > 1:
+            raise ValueError("update_weights_from_tensor is not supported at tp_size > 1 yet")
+        stage = tensor_update.prepare(
+            req,
+            model.checkpoint_spec(),
+            model.is_ignored_weight,
+            allow_pickled=request.app[CONFIG].allow_pickled_tensors,
+        )
+    except ValueError as exc:  # MetadataError, UnsafePayload, HandleError are ValueErrors
+        raise ApiError(400, str(exc)) from None
+    result = await coord.update_weights_from_tensor(req, stage, ep.UPDATE_WEIGHTS_FROM_TENSOR.worker_bound(req))
+    return stage_answer(request, ep.UPDATE_WEIGHTS_FROM_TENSOR, result)
 
 
 # -- memory occupation ---------------------------------------------------------------------
