@@ -16,9 +16,9 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar
 
 from router.contract import endpoints as ep
 from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest
@@ -36,6 +36,8 @@ from worker.stage import AdminTimeout, RankOp, SchedulerUnavailable, Stage, Stag
 from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
 
 log = logging.getLogger(__name__)
+
+S = TypeVar("S")
 
 #: Aborting requests on the scheduler thread: the budget of ``/abort_request``.
 ABORT_WAIT_S = ep.ABORT_REQUEST.budget.work_s
@@ -204,31 +206,10 @@ class Coordinator:
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult:
         """One update transaction: check, read and validate the checkpoint off the scheduler
         thread (inference keeps running), abort requests if asked, write it in one step."""
-        action = "update_weights_from_disk"
-        try:
-            txn = await self.updates.begin(
-                action, abort_all=req.abort_all_requests, streaming=False, timeout_s=timeout_s, after_deadline_s=0.0
-            )
-        except UpdateRefused as exc:
-            return self._answer(action, False, str(exc), weights="intact")
-        try:
-            staged = await self._read_checkpoint(req, txn.step_s())
-            await self.updates.take(txn)
-            await self.updates.apply(txn, staged.tensors, require_complete=True)
-        except (UpdateRefused, UpdateFailed, WeightUpdateError) as exc:
-            effect = await self.updates.fail(txn)
-            if isinstance(exc, UpdateFailed):
-                effect = exc.effect
-            prefix = "" if isinstance(exc, UpdateRefused) else "Failed to update weights: "
-            return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted, weights=effect)
-        except TimeoutError:
-            await self.updates.fail(txn)
-            raise AdminTimeout(action, timeout_s) from None
-        names = tuple(name for name, _ in staged.tensors)
-        result = await self.updates.commit(
-            txn,
-            CommitOptions(
-                names=names,
+
+        def options(staged: StagedCheckpoint) -> CommitOptions:
+            return CommitOptions(
+                names=tuple(name for name, _ in staged.tensors),
                 whole=True,
                 weight_version=req.weight_version,
                 flush_cache=req.flush_cache,
@@ -237,49 +218,78 @@ class Coordinator:
                 token_step=req.token_step,
                 model_path=staged.path,
                 load_format=staged.load_format,
-            ),
+            )
+
+        result = await self._update_in_one_step(
+            "update_weights_from_disk",
+            abort_all=req.abort_all_requests,
+            timeout_s=timeout_s,
+            stage=lambda bound_s: self._read_checkpoint(req, bound_s),
+            tensors=lambda staged: staged.tensors,
+            require_complete=True,
+            options=options,
         )
-        result.message = (
-            "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
-        )
-        result.data.update(num_aborted=txn.num_aborted, model_path=self.worker.model_path)
+        result.data.update(model_path=self.worker.model_path)
         return result
 
     async def update_weights_from_tensor(
         self, req: UpdateWeightsFromTensorRequest, stage: Callable[[], NamedTensors], timeout_s: float
     ) -> StageResult:
-        """One update transaction like :meth:`update_weights_from_disk`: ``stage`` (open the shared
-        memory, copy the tensors out; already checked against the model) runs off the event loop,
-        then the tensors are written in one step with rollback. It may be a subset of the weights."""
-        action = "update_weights_from_tensor"
+        """Like :meth:`update_weights_from_disk`: ``stage`` (open the shared memory, copy the tensors
+        out; already checked against the model) runs off the event loop, then the tensors are written
+        in one step with rollback. It may be a subset of the weights."""
+
+        def options(named: NamedTensors) -> CommitOptions:
+            return CommitOptions(
+                names=tuple(name for name, _ in named), weight_version=req.weight_version, flush_cache=req.flush_cache
+            )
+
+        return await self._update_in_one_step(
+            "update_weights_from_tensor",
+            abort_all=req.abort_all_requests,
+            timeout_s=timeout_s,
+            stage=lambda bound_s: asyncio.wait_for(asyncio.to_thread(stage), bound_s),
+            tensors=lambda named: named,
+            require_complete=False,
+            options=options,
+            staging_errors=(ValueError, OSError, RuntimeError),
+        )
+
+    async def _update_in_one_step(
+        self,
+        action: str,
+        *,
+        abort_all: bool,
+        timeout_s: float,
+        stage: Callable[[float], Awaitable[S]],
+        tensors: Callable[[S], NamedTensors],
+        require_complete: bool,
+        options: Callable[[S], CommitOptions],
+        staging_errors: tuple[type[Exception], ...] = (),
+    ) -> StageResult:
+        """begin → ``stage`` (bounded by the step's time) → take → apply (one step, rollback) → commit,
+        or fail: the shape of every update whose weights are staged whole before they are written."""
         try:
             txn = await self.updates.begin(
-                action, abort_all=req.abort_all_requests, streaming=False, timeout_s=timeout_s, after_deadline_s=0.0
+                action, abort_all=abort_all, streaming=False, timeout_s=timeout_s, after_deadline_s=0.0
             )
         except UpdateRefused as exc:
             return self._answer(action, False, str(exc), weights="intact")
+        refusals: tuple[type[Exception], ...] = (UpdateRefused, UpdateFailed, WeightUpdateError, *staging_errors)
         try:
-            named = await asyncio.wait_for(asyncio.to_thread(stage), txn.step_s())
+            staged = await stage(txn.step_s())
             await self.updates.take(txn)
-            await self.updates.apply(txn, named, require_complete=False)
-        except (ValueError, OSError, RuntimeError, UpdateRefused, UpdateFailed, WeightUpdateError) as exc:
+            await self.updates.apply(txn, tensors(staged), require_complete=require_complete)
+        except TimeoutError:  # before the refusals: a TimeoutError is an OSError too
+            await self.updates.fail(txn)
+            raise AdminTimeout(action, timeout_s) from None
+        except refusals as exc:
             effect = await self.updates.fail(txn)
             if isinstance(exc, UpdateFailed):
                 effect = exc.effect
-            return self._answer(
-                action, False, f"Failed to update weights: {exc}", num_aborted=txn.num_aborted, weights=effect
-            )
-        except TimeoutError:
-            await self.updates.fail(txn)
-            raise AdminTimeout(action, timeout_s) from None
-        result = await self.updates.commit(
-            txn,
-            CommitOptions(
-                names=tuple(name for name, _ in named),
-                weight_version=req.weight_version,
-                flush_cache=req.flush_cache,
-            ),
-        )
+            prefix = "" if isinstance(exc, UpdateRefused) else "Failed to update weights: "
+            return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted, weights=effect)
+        result = await self.updates.commit(txn, options(staged))
         result.message = (
             "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
         )
