@@ -173,16 +173,7 @@ class TPPeers:
         """One operation per follower, in rank order (each its own rank in a group, say)."""
         if len(ops) != len(self.followers):
             raise ValueError(f"{len(ops)} operations for {len(self.followers)} followers")
-        self.check()
-        try:  # every message pickled before any is sent: a failure reaches no follower
-            payloads = [bytes(ForkingPickler.dumps(RunOp(action, op))) for op in ops]
-        except Exception as exc:
-            raise TypeError(f"{action} cannot be sent to the follower ranks: {exc}") from exc
-        for f, data in zip(self.followers, payloads, strict=True):
-            try:
-                f.conn.send_bytes(data)
-            except (OSError, ValueError) as exc:
-                self._lose(TPRankLost(f.rank, f"cannot send {action}: {exc!r}"))
+        self._send_each([RunOp(action, op) for op in ops], action)
 
     def await_op(self, action: str, timeout_s: float) -> list[Any]:
         """Each follower's ``OpResult`` (in rank order); its state snapshot is kept."""
@@ -195,14 +186,22 @@ class TPPeers:
         return results
 
     def _send(self, message: Any, what: str) -> None:
+        self._send_each([message] * len(self.followers), what)
+
+    def _send_each(self, messages: list[Any], what: str) -> None:
+        """``messages[i]`` to follower ``i``; every one is pickled before any is sent, so a message that
+        cannot be pickled reaches no follower (one shared message is pickled once)."""
         self.check()
-        try:  # pickled once for every follower; a message that cannot be pickled reaches none
-            data = bytes(ForkingPickler.dumps(message))
+        pickled: dict[int, bytes] = {}
+        try:
+            for m in messages:
+                if id(m) not in pickled:
+                    pickled[id(m)] = bytes(ForkingPickler.dumps(m))
         except Exception as exc:
             raise TypeError(f"{what} cannot be sent to the follower ranks: {exc}") from exc
-        for f in self.followers:
+        for f, m in zip(self.followers, messages, strict=True):
             try:
-                f.conn.send_bytes(data)
+                f.conn.send_bytes(pickled[id(m)])
             except (OSError, ValueError) as exc:
                 self._lose(TPRankLost(f.rank, f"cannot send {what}: {exc!r}"))
 
