@@ -119,9 +119,14 @@ class WeightsCheckerRequest(WireRequest):
 class MemoryOccupationRequest(WireRequest):
     """``POST /release_memory_occupation`` and ``/resume_memory_occupation``.
 
-    ``tags`` None or empty means every tag."""
+    ``tags`` None or empty means every tag. ``keep_weights`` (release only, this project's field):
+    ``true`` keeps a host copy of released weights and resume restores them bit for bit; ``false``
+    frees them without a copy, as SGLang does, for a colocated trainer that pushes new weights
+    after resume (a large model then needs no host memory): after resume the weights are
+    ``partial`` and nothing is served until updates have rewritten every tensor."""
 
     tags: list[MemoryTag] | None = None
+    keep_weights: bool = True
 
     @field_validator("tags")
     @classmethod

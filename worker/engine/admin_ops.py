@@ -106,7 +106,7 @@ def release_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult:
     does not step while any memory is released (they run after resume)."""
     if s.active_request_count:
         return OpResult(False, active_requests_message(s.active_request_count, "release memory", can_abort_all=False))
-    released = s.worker.release_memory(_tags(req))
+    released = s.worker.release_memory(_tags(req), keep_weights=req.keep_weights)
     return OpResult(True, f"released {', '.join(released) or 'nothing (already released)'}", {"released": released})
 
 

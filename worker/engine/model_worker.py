@@ -266,8 +266,9 @@ class ModelWorker:
             raise RollbackFailed(f"restoring the previous weights failed: {type(exc).__name__}: {exc}") from exc
 
     # -- memory occupation --------------------------------------------------------------
-    def release_memory(self, tags: Iterable[str]) -> list[str]:
-        """Move released weights to a host copy and free their device storage."""
+    def release_memory(self, tags: Iterable[str], *, keep_weights: bool = True) -> list[str]:
+        """Free the device storage of released weights, keeping a host copy unless ``keep_weights`` is
+        false (then only their shapes are kept, and resume allocates storage that holds no weights)."""
         if "weights" in tags and self.ledger.state is WeightState.WRITING:
             raise WeightUpdateError(
                 "a weight update is writing the weights; complete or abort it before releasing them"
@@ -280,18 +281,22 @@ class ModelWorker:
                 host: dict[str, torch.Tensor] = {}
                 with torch.no_grad():
                     for name, param in self.model.named_parameters():
-                        # On a CPU device the parameter storage already is host memory.
-                        host[name] = param.data if param.device.type == "cpu" else param.data.to("cpu")
+                        if keep_weights:
+                            # On a CPU device the parameter storage already is host memory.
+                            host[name] = param.data if param.device.type == "cpu" else param.data.to("cpu")
+                        else:
+                            host[name] = torch.empty(param.shape, dtype=param.dtype, device="meta")
                         param.data = torch.empty(0, dtype=param.dtype, device=param.device)
                 self._host_weights = host
-                self.ledger.released()
+                self.ledger.released(discarded=not keep_weights)
             self._released.add(tag)
             done.append(tag)
         self.empty_device_cache()
         return done
 
     def resume_memory(self, tags: Iterable[str]) -> list[str]:
-        """Restore released weights from the host copy, bit for bit."""
+        """Restore released weights from the host copy, bit for bit; weights released without a copy get
+        zeroed storage instead (the ledger keeps them ``partial`` until updates rewrite every tensor)."""
         done = []
         for tag in tags:
             if tag not in self._released:
@@ -301,7 +306,10 @@ class ModelWorker:
                 with torch.no_grad():
                     for name, param in self.model.named_parameters():
                         saved = host[name]
-                        param.data = saved if self.device.type == "cpu" else saved.to(self.device)
+                        if saved.is_meta:  # released without a copy: fresh storage, no weights in it
+                            param.data = torch.zeros(saved.shape, dtype=saved.dtype, device=self.device)
+                        else:
+                            param.data = saved if self.device.type == "cpu" else saved.to(self.device)
                 self._host_weights = None
                 self.synchronize()
                 self.ledger.resumed()

@@ -132,9 +132,16 @@ class WeightLedger:
 
     # -- memory occupation
 
-    def released(self) -> None:
+    def released(self, *, discarded: bool = False) -> None:
+        """Weights released; ``discarded``: without a copy, so after resume no tensor holds real weights
+        (``partial`` until updates have rewritten every tensor)."""
         self._require(WeightState.SERVING, WeightState.PARTIAL)
-        self._released_from = self.state
+        if discarded:
+            self._writing_from = None
+            self._rewritten = set()
+            self._released_from = WeightState.PARTIAL
+        else:
+            self._released_from = self.state
         self.state = WeightState.RELEASED
 
     def resumed(self) -> None:
