@@ -36,7 +36,13 @@ def servers(checkpoints, tmp_path_factory):
     procs = start_workers(checkpoints["llama"], 2, extra_args=["--admin-api-key", ADMIN_KEY])
     (_, behind), (_, direct) = procs
     router, url = start_router([behind], admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("fuzz-state"))
-    yield {"router": url, "behind": behind, "worker": direct, "procs": [router] + [p for p, _ in procs]}
+    yield {
+        "router": url,
+        "behind": behind,
+        "worker": direct,
+        "model": str(checkpoints["llama"]),
+        "procs": [router] + [p for p, _ in procs],
+    }
     router.stop()
     for p, _ in procs:
         p.stop()
@@ -72,7 +78,7 @@ def _fence_state(url: str) -> tuple[Any, ...]:
     )
 
 
-def _restore_router(url: str, keep: set[str]) -> None:
+def _restore_router(url: str, keep: set[str], behind: str, model: str) -> None:
     """Undo what a successful or failed case left: extra workers, fences, a paused or released worker."""
     for w in workers(url, ADMIN_KEY):
         if w["id"] not in keep:
@@ -81,11 +87,20 @@ def _restore_router(url: str, keep: set[str]) -> None:
             http_json("PUT", f"{url}/workers/{w['id']}", {"disabled": False}, headers=auth(), timeout=10)
     http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": True}, headers=auth(), timeout=10)
     _restore_worker(url)
+    if _weights_partial(behind):  # through the router, so its record of the fleet's weights follows
+        http_json("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)
 
 
-def _restore_worker(url: str) -> None:
+def _restore_worker(url: str, model: str | None = None) -> None:
     for path in ("/destroy_weights_update_group", "/resume_memory_occupation", "/continue_generation"):
         http_json("POST", url + path, {}, headers=auth(), timeout=30)
+    if model is not None and _weights_partial(url):
+        http_json("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)
+
+
+def _weights_partial(worker_url: str) -> bool:
+    """Weights released without a copy (``keep_weights: false``) come back partial: reload them."""
+    return http_json("GET", worker_url + "/health", timeout=10)[1].get("weight_state") == "partial"
 
 
 def _run_fuzz(base: str, *, via_router: bool, restore: Any, check_fences: bool) -> _fuzz.Tally:
@@ -134,19 +149,23 @@ def _processes_alive(servers) -> None:
 def test_fuzz_every_router_route(servers):
     url = servers["router"]
     keep = {w["id"] for w in workers(url, ADMIN_KEY)}
-    tally = _run_fuzz(url, via_router=True, restore=lambda: _restore_router(url, keep), check_fences=True)
+
+    def restore() -> None:
+        _restore_router(url, keep, servers["behind"], servers["model"])
+
+    tally = _run_fuzz(url, via_router=True, restore=restore, check_fences=True)
     print(f"router fuzz: {tally.summary()}")
     assert not tally.problems, "\n".join(tally.problems[:40])
     assert tally.cases >= 300, tally.summary()
     _processes_alive(servers)
     # The fleet is whole and serves afterwards.
-    _restore_router(url, keep)
+    restore()
     assert all(not w["disabled"] and not w.get("pending") for w in workers(url, ADMIN_KEY))
 
 
 def test_fuzz_every_worker_route(servers):
     url = servers["worker"]
-    tally = _run_fuzz(url, via_router=False, restore=lambda: _restore_worker(url), check_fences=False)
+    tally = _run_fuzz(url, via_router=False, restore=lambda: _restore_worker(url, servers["model"]), check_fences=False)
     print(f"worker fuzz: {tally.summary()}")
     assert not tally.problems, "\n".join(tally.problems[:40])
     assert tally.cases >= 300, tally.summary()
