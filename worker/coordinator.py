@@ -21,7 +21,12 @@ from functools import partial
 from typing import Any, TypeVar
 
 from router.contract import endpoints as ep
-from router.contract.admin import PauseRequest, UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest
+from router.contract.admin import (
+    ContinueRequest,
+    PauseRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromTensorRequest,
+)
 from router.dataplane.buckets import NamedTensors
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
@@ -45,6 +50,8 @@ ABORT_WAIT_S = ep.ABORT_REQUEST.budget.work_s
 #: may take together (the scheduler acts between two steps, so this is far more than needed).
 SHUTDOWN_ABORT_WAIT_S = 5.0
 SHUTTING_DOWN = "the worker is shutting down"
+#: How often a ``drain`` pause looks whether the running requests have ended.
+DRAIN_POLL_S = 0.02
 
 
 class Coordinator:
@@ -195,13 +202,30 @@ class Coordinator:
 
     # -- composite admin operations -------------------------------------------------------
     async def pause(self, req: PauseRequest, timeout_s: float) -> StageResult:
-        """Pause; in ``abort`` mode return only after every aborted request has been answered."""
+        """``/pause_generation``: see :meth:`pause_in`."""
+        return await self.pause_in(req.mode, timeout_s, action="pause_generation")
+
+    async def pause_in(self, mode: str, timeout_s: float, *, action: str = "pause") -> StageResult:
+        """Pause in a scheduler mode. ``abort`` returns only after every aborted request has been
+        answered; ``drain`` only once the running requests have ended (past ``timeout_s`` the
+        drain is called off, generation goes on, and the caller gets :class:`AdminTimeout`)."""
         deadline = time.monotonic() + timeout_s
-        async with self.admin_section("pause_generation", timeout_s):
-            result = await self.admin("pause_generation", partial(admin_ops.pause, req=req), _left(deadline))
-            if req.mode == "abort":
+        async with self.admin_section(action, timeout_s):
+            result = await self.admin(action, partial(admin_ops.pause, mode=mode), _left(deadline))
+            if mode == "abort":
                 await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
+            elif mode == "drain":
+                await self._drained(action, deadline, timeout_s)
         return result
+
+    async def _drained(self, action: str, deadline: float, timeout_s: float) -> None:
+        """Wait until a ``drain`` pause has taken hold on the leader (its running requests ended)."""
+        while not self.scheduler.is_paused:
+            if time.monotonic() >= deadline or self.scheduler.pause_mode != "drain":
+                req = ContinueRequest(torch_empty_cache=False)
+                await self.admin(action, partial(admin_ops.continue_generation, req=req), SHUTDOWN_ABORT_WAIT_S)
+                raise AdminTimeout(f"{action} (waiting for running requests to end)", timeout_s)
+            await asyncio.sleep(DRAIN_POLL_S)
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult:
         """One update transaction: check, read and validate the checkpoint off the scheduler

@@ -97,7 +97,14 @@ class UpdatePipeline:
         self._holder: UpdateTransaction | None = None
 
     async def begin(
-        self, action: str, *, abort_all: bool, streaming: bool, timeout_s: float, after_deadline_s: float = APPLY_S
+        self,
+        action: str,
+        *,
+        abort_all: bool,
+        streaming: bool,
+        timeout_s: float,
+        after_deadline_s: float = APPLY_S,
+        allow_frozen: bool = False,
     ) -> UpdateTransaction:
         """Take the writer lock and check every rank; the update's own work must end within ``timeout_s``.
 
@@ -120,7 +127,7 @@ class UpdatePipeline:
         try:
             if streaming:
                 # Its buckets apply as they land: take the worker now (take checks first).
-                await self._take(txn, hold=True)
+                await self._take(txn, hold=True, allow_frozen=allow_frozen)
             else:
                 checked = await self._step(txn, partial(weight_ops.check, abort_all=abort_all))
                 if not checked.success:
@@ -204,8 +211,10 @@ class UpdatePipeline:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _take(self, txn: UpdateTransaction, *, hold: bool) -> None:
-        taken = await self._step(txn, partial(weight_ops.take, abort_all=txn.abort_all, hold=hold))
+    async def _take(self, txn: UpdateTransaction, *, hold: bool, allow_frozen: bool = False) -> None:
+        taken = await self._step(
+            txn, partial(weight_ops.take, abort_all=txn.abort_all, hold=hold, allow_frozen=allow_frozen)
+        )
         if not taken.success:
             raise UpdateRefused(taken.message)
         txn.paused_by_update = txn.paused_by_update or bool(taken.data.get("paused_by_update"))

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from router.contract import admin, weight_sync
+from router.contract import admin, vllm, weight_sync
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, Budget
 
@@ -264,6 +264,84 @@ END_WEIGHT_UPDATE = Endpoint(
     summary="Close an update bracket (SGLang 0.5.23)",
 )
 
+# -- vLLM's weight-transfer API -----------------------------------------------------------
+#: Builds the group as /init_weights_update_group does; the timeout sits in ``init_info``.
+INIT_WEIGHT_TRANSFER_ENGINE = Endpoint(
+    "/init_weight_transfer_engine",
+    POST,
+    vllm.InitWeightTransferEngineRequest,
+    vllm.VllmResult,
+    Budget(DEFAULT_GROUP_TIMEOUT_S + 30.0, overhead_s=30.0),
+    serialized=True,
+    timeout_field=None,
+    summary="Join the trainer's weight-transfer group (vLLM)",
+)
+#: Opens an update that /update_weights calls write into and /finish_weight_update commits;
+#: through the router it holds the admin update lock until the finish.
+START_WEIGHT_UPDATE = Endpoint(
+    "/start_weight_update",
+    POST,
+    vllm.StartWeightUpdateRequest,
+    vllm.VllmResult,
+    Budget(60.0),
+    serialized=True,
+    timeout_field=None,
+    summary="Open a weight update (vLLM)",
+)
+UPDATE_WEIGHTS = Endpoint(
+    "/update_weights",
+    POST,
+    vllm.UpdateWeightsRequest,
+    vllm.VllmResult,
+    _receive(DEFAULT_RECEIVE_TIMEOUT_S),
+    writes_weights=True,
+    timeout_field=None,
+    summary="Receive and load a chunk of weights inside an open update (vLLM)",
+)
+FINISH_WEIGHT_UPDATE = Endpoint(
+    "/finish_weight_update",
+    POST,
+    vllm.FinishWeightUpdateRequest,
+    vllm.VllmResult,
+    Budget(APPLY_S),
+    writes_weights=True,
+    summary="Commit the open weight update and its version (vLLM)",
+)
+PAUSE = Endpoint(
+    "/pause",
+    POST,
+    vllm.PauseQuery,
+    vllm.PauseStatus,
+    Budget(300.0),
+    serialized=True,
+    summary="Pause generation: abort, wait (drain) or keep (freeze) (vLLM)",
+)
+RESUME = Endpoint(
+    "/resume",
+    POST,
+    vllm.EmptyVllmRequest,
+    vllm.PauseStatus,
+    Budget(30.0),
+    serialized=True,
+    summary="Resume generation (vLLM)",
+)
+IS_PAUSED = Endpoint(
+    "/is_paused",
+    GET,
+    vllm.EmptyVllmRequest,
+    vllm.IsPausedResponse,
+    Budget(10.0),
+    summary="Whether generation is paused (vLLM)",
+)
+GET_WORLD_SIZE = Endpoint(
+    "/get_world_size",
+    GET,
+    vllm.EmptyVllmRequest,
+    vllm.WorkerWorldSize,
+    Budget(10.0),
+    summary="Ranks this worker holds in a weight-transfer group (vLLM)",
+)
+
 #: Every admin route a worker serves, in the order they are documented.
 WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
     MODEL_INFO,
@@ -287,4 +365,12 @@ WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
     ABORT_WEIGHTS_UPDATE,
     BEGIN_WEIGHT_UPDATE,
     END_WEIGHT_UPDATE,
+    INIT_WEIGHT_TRANSFER_ENGINE,
+    START_WEIGHT_UPDATE,
+    UPDATE_WEIGHTS,
+    FINISH_WEIGHT_UPDATE,
+    PAUSE,
+    RESUME,
+    IS_PAUSED,
+    GET_WORLD_SIZE,
 )

@@ -14,7 +14,6 @@ from router.contract.admin import (
     AbortRequest,
     ContinueRequest,
     MemoryOccupationRequest,
-    PauseRequest,
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
@@ -42,9 +41,9 @@ def active_requests_message(count: int, what: str, *, can_abort_all: bool = True
     )
 
 
-def pause(s: Scheduler, req: PauseRequest) -> OpResult:
-    info = s.pause(req.mode)
-    return OpResult(True, "Generation paused successfully.", {"pause_mode": req.mode, **info})
+def pause(s: Scheduler, *, mode: str) -> OpResult:
+    info = s.pause(mode)
+    return OpResult(True, "Generation paused successfully.", {"pause_mode": mode, **info})
 
 
 def continue_generation(s: Scheduler, req: ContinueRequest) -> OpResult:

@@ -15,6 +15,8 @@ Pause states (SGLang semantics):
   waiting queue; after continue they recompute prompt + generated tokens and
   complete normally;
 * ``in_place`` — running requests stay frozen with their KV.
+* ``drain`` (vLLM's ``wait``) — no request is admitted any more, running ones
+  run to their end; the scheduler is paused once none is left.
 
 In every mode new requests are queued (not rejected) and nothing is stepped
 until ``continue``. A request is *active* when it holds KV computed with the
@@ -44,7 +46,7 @@ from worker.model import SeqInput
 
 log = logging.getLogger(__name__)
 
-PAUSE_MODES = ("abort", "retract", "in_place")
+PAUSE_MODES = ("abort", "retract", "in_place", "drain")
 
 
 @dataclass
@@ -177,8 +179,9 @@ class Scheduler:
             aborted = self.abort_all(f"Aborted: generation paused (mode={mode})")
         elif mode == "retract":
             retracted = self.retract_running()
-        self.is_paused = True
         self.pause_mode = mode
+        # Draining: running requests keep stepping; the pause takes hold once they are done.
+        self.is_paused = mode != "drain" or not self._running
         return {
             "num_aborted": len(aborted),
             "aborted_rids": aborted,
@@ -215,9 +218,16 @@ class Scheduler:
         return True, "Cache flushed."
 
     # -- the loop ----------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        """A ``drain`` pause is waiting for running requests to end (new ones are not admitted)."""
+        return self.pause_mode == "drain" and not self.is_paused
+
     def _runnable(self) -> bool:
         if self.is_paused or self.worker.released_tags or self.worker.weights_partial:
             return False
+        if self.draining:
+            return bool(self._running)
         return bool(self._waiting or self._running)
 
     def _loop(self) -> None:
@@ -226,6 +236,8 @@ class Scheduler:
                 self._drain(block=not self._runnable())
                 if self._runnable() and not self._stop.is_set():
                     self._step()
+                if self.draining and not self._running:
+                    self.is_paused = True
             except Exception:
                 log.exception("scheduler loop iteration failed")
         self._shutdown()
@@ -255,7 +267,7 @@ class Scheduler:
                 fut.set_exception(exc)
 
     def _admit(self) -> None:
-        while self._waiting and len(self._running) < self.max_running_requests:
+        while not self.draining and self._waiting and len(self._running) < self.max_running_requests:
             req = self._waiting.popleft()
             remaining = req.params.max_new_tokens - len(req.output_ids)
             if remaining <= 0:

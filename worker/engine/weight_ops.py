@@ -24,11 +24,15 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.weight_state import WeightState
 
 
-def refusal(s: Scheduler, *, abort_all: bool) -> str | None:
-    """Why an update must not start now, or ``None``: nothing is changed either way."""
+def refusal(s: Scheduler, *, abort_all: bool, allow_frozen: bool = False) -> str | None:
+    """Why an update must not start now, or ``None``: nothing is changed either way.
+
+    ``allow_frozen``: requests frozen by an ``in_place`` pause may stay (vLLM's ``keep``: they
+    resume after the update with the KV computed so far)."""
     if s.worker.weights_released:
         return "weights are released; call /resume_memory_occupation before updating them"
-    if s.active_request_count and not abort_all:
+    frozen = allow_frozen and s.is_paused and s.pause_mode == "in_place"
+    if s.active_request_count and not abort_all and not frozen:
         return active_requests_message(s.active_request_count, "update weights")
     return None
 
@@ -39,10 +43,10 @@ def check(s: Scheduler, *, abort_all: bool) -> OpResult:
     return OpResult(why is None, why or "ok", {"num_paused_requests": s.num_waiting, "weights": "intact"})
 
 
-def take(s: Scheduler, *, abort_all: bool, hold: bool) -> OpResult:
+def take(s: Scheduler, *, abort_all: bool, hold: bool, allow_frozen: bool = False) -> OpResult:
     """Make the worker ready to be written: abort requests if asked; with ``hold``, stop generation
     (an ``in_place`` pause; with nothing active it only holds queued requests back)."""
-    why = refusal(s, abort_all=abort_all)
+    why = refusal(s, abort_all=abort_all, allow_frozen=allow_frozen)
     if why is not None:
         return OpResult(False, why, {"weights": "intact"})
     aborted = s.abort_all("Aborted: weights are being updated") if abort_all else []

@@ -27,7 +27,7 @@ from worker.coordinator import Coordinator
 from worker.engine.daemon_thread import abandon_pending
 from worker.engine.model_worker import ModelWorker
 from worker.engine.scheduler import Scheduler
-from worker.http import admin_routes, generate_routes, health_routes, weight_sync_routes
+from worker.http import admin_routes, generate_routes, health_routes, vllm_routes, weight_sync_routes
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.stage import Stage
 from worker.tp.follower import RankSpec
@@ -44,7 +44,13 @@ API_DESCRIPTION = (
 
 def route_table() -> list[Route]:
     """Every route the worker serves, ``/openapi.json`` included."""
-    table = [*health_routes.ROUTES, *generate_routes.ROUTES, *admin_routes.ROUTES, *weight_sync_routes.ROUTES]
+    table = [
+        *health_routes.ROUTES,
+        *generate_routes.ROUTES,
+        *admin_routes.ROUTES,
+        *weight_sync_routes.ROUTES,
+        *vllm_routes.ROUTES,
+    ]
     return [*table, openapi_route("omni-worker", __version__, table, description=API_DESCRIPTION)]
 
 
@@ -136,7 +142,7 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
     app[COORDINATOR] = coord
     app.add_routes(route_defs(table))
     # Cleanup runs in reverse: the controller cancels a receive in flight before the scheduler stops.
-    app.cleanup_ctx.extend([_engine_ctx, weight_sync_routes.controller_ctx])
+    app.cleanup_ctx.extend([_engine_ctx, weight_sync_routes.controller_ctx, vllm_routes.vllm_transfer_ctx])
     app.on_response_prepare.append(_name_the_instance)
     app.on_shutdown.extend([_abandon_blocked_reads, _abort_on_shutdown])
     return app

@@ -7,6 +7,7 @@ from aiohttp import web
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
 from worker.transfer.controller import WeightSyncController
+from worker.transfer.vllm_engine import VllmWeightTransfer
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 """The event-loop facade over the stage and its scheduler threads."""
@@ -15,3 +16,6 @@ CONFIG = web.AppKey("config", WorkerConfig)
 
 WEIGHT_SYNC = web.AppKey("weight_sync", WeightSyncController)
 """The per-worker weight-sync controller (groups and the update in flight)."""
+
+VLLM_TRANSFER = web.AppKey("vllm_transfer", VllmWeightTransfer)
+"""vLLM's weight-transfer engine state (its group and the update open between start and finish)."""

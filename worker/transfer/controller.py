@@ -148,6 +148,9 @@ class WeightSyncController:
         # Joins and receive waits block for up to their timeouts: they get their own threads.
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync")
 
+    def group(self, name: str) -> WeightUpdateGroup | None:
+        return self._groups.get(name)
+
     @property
     def receive_state(self) -> str | None:
         """The prepared update's receive state (``/health``'s ``receive``), or ``None`` when none is prepared."""
@@ -181,7 +184,7 @@ class WeightSyncController:
         self._joining.add(name)
         try:
             # Every TP rank joins at rank_offset + tp_rank, all at once (the rendezvous needs them all).
-            leader = self._in_thread(
+            leader = self.in_thread(
                 partial(
                     init_weight_update_group,
                     rank=req.rank_offset,
@@ -212,7 +215,7 @@ class WeightSyncController:
         failures = _join_failures(joined, follower_results)
         if failures:
             if isinstance(joined, WeightUpdateGroup):
-                await self._in_thread(joined.destroy)
+                await self.in_thread(joined.destroy)
             await stage.followers("destroy_weights_update_group", partial(tp_transfer.destroy, name=name), ABORT_WAIT_S)
             return _fail(f"Failed to initialize custom process group: {failures}.", join_attempted=True)
         assert isinstance(joined, WeightUpdateGroup)
@@ -230,7 +233,7 @@ class WeightSyncController:
         if update is not None and update.group is group:
             update.txn.failed.set()
             update.receiver.cancel("the weight-update group was destroyed")
-        await self._in_thread(group.destroy)
+        await self.in_thread(group.destroy)
         await self.coordinator.stage.followers(
             "destroy_weights_update_group", partial(tp_transfer.destroy, name=req.group_name), ABORT_WAIT_S
         )
@@ -239,9 +242,9 @@ class WeightSyncController:
     # -- two phase -----------------------------------------------------------------------------
 
     async def prepare(self, req: PrepareWeightsUpdateRequest) -> PrepareWeightsUpdateResponse:
-        async with self._holding("prepare_weights_update"):
+        async with self.holding("prepare_weights_update"):
             try:
-                update = await self._start(
+                update = await self.start_receive(
                     req.buckets,
                     req.group_name,
                     for_load_format(req.load_format),
@@ -265,7 +268,7 @@ class WeightSyncController:
             )
 
     async def complete(self, req: CompleteWeightsUpdateRequest) -> CompleteWeightsUpdateResponse:
-        async with self._holding("complete_weights_update"):
+        async with self.holding("complete_weights_update"):
             update = self._update
             if update is None or update.group.name != req.group_name:
                 return CompleteWeightsUpdateResponse(
@@ -276,11 +279,11 @@ class WeightSyncController:
             self._detach(update)
             version = req.weight_version if req.weight_version is not None else update.weight_version
             wait_s = req.timeout_s if req.timeout_s is not None else update.wait_s()
-            outcome = await self._in_thread(partial(update.receiver.wait, wait_s))
+            outcome = await self.in_thread(partial(update.receiver.wait, wait_s))
             if outcome.ok and not update.atomic:
-                outcome = await self._followers_received(update, outcome)
+                outcome = await self.followers_received(update, outcome)
             if not outcome.ok:
-                await self._cancel_followers(outcome.error or "the receive failed")
+                await self.cancel_followers(outcome.error or "the receive failed")
                 effect = await self.updates.fail(update.txn)
                 partial_now = effect == "partial" or self.coordinator.worker.weights_partial
                 note = PARTIAL_NOTE if partial_now else ""
@@ -323,7 +326,7 @@ class WeightSyncController:
 
     async def abort(self, req: AbortWeightsUpdateRequest) -> AbortWeightsUpdateResponse:
         """Drop the prepared update of ``req.group_name`` (see the module docstring)."""
-        async with self._holding("abort_weights_update", wait_s=ABORT_WAIT_S):
+        async with self.holding("abort_weights_update", wait_s=ABORT_WAIT_S):
             update = self._update
             if update is None or update.group.name != req.group_name:
                 other = f" (the prepared one is for group {update.group.name!r})" if update is not None else ""
@@ -337,7 +340,7 @@ class WeightSyncController:
             update.txn.failed.set()  # bucket applies not yet run are refused from here on
             update.receiver.cancel(ABORTED, broken_reason=ABORTED)
             update.receiver.release()
-            await self._cancel_followers(ABORTED, broken_reason=ABORTED)
+            await self.cancel_followers(ABORTED, broken_reason=ABORTED)
             outcome = update.receiver.outcome()
             applied = update.txn.buckets_applied
             effect = await self.updates.fail(update.txn)
@@ -371,9 +374,9 @@ class WeightSyncController:
 
         A receive that fails leaves the weights ``partial``: earlier calls of the same sync
         (one per bucket) may already have been applied, so the whole is a mix."""
-        async with self._holding("update_weights_from_distributed"):
+        async with self.holding("update_weights_from_distributed"):
             try:
-                update = await self._start(
+                update = await self.start_receive(
                     [req],
                     req.group_name,
                     for_load_format(req.load_format),
@@ -384,9 +387,9 @@ class WeightSyncController:
                 )
             except UpdateRefused as exc:
                 return _fail(f"Failed to update parameter online: {exc}.", weights="intact")
-            outcome = await self._in_thread(partial(update.receiver.wait, update.wait_s()))
+            outcome = await self.in_thread(partial(update.receiver.wait, update.wait_s()))
             if not outcome.ok:
-                await self._cancel_followers(outcome.error or "the receive failed")
+                await self.cancel_followers(outcome.error or "the receive failed")
                 await self.updates.mark_partial(update.txn)
                 return _fail(f"Failed to update parameter online: {outcome.error}.{PARTIAL_NOTE}", weights="partial")
             try:
@@ -408,7 +411,7 @@ class WeightSyncController:
     # -- shared steps --------------------------------------------------------------------------
 
     @contextlib.asynccontextmanager
-    async def _holding(self, action: str, wait_s: float = SYNC_LOCK_WAIT_S) -> AsyncIterator[None]:
+    async def holding(self, action: str, wait_s: float = SYNC_LOCK_WAIT_S) -> AsyncIterator[None]:
         """This controller's lock for one call: a caller waiting longer than ``wait_s`` gets 503
         naming the call that holds it (a complete waits for its receive, so it may hold it long)."""
         holder = self._lock_holder or "another weight-sync call"
@@ -428,7 +431,7 @@ class WeightSyncController:
 
     async def _expire(self, update: _Update, life_s: float) -> None:
         await asyncio.sleep(life_s)
-        async with self._holding("ending an expired weight update", wait_s=ABORT_WAIT_S):
+        async with self.holding("ending an expired weight update", wait_s=ABORT_WAIT_S):
             if self._update is not update:
                 return
             self._detach(update)
@@ -441,7 +444,7 @@ class WeightSyncController:
             reason = "no /complete_weights_update or /abort_weights_update before the update's deadline"
             update.receiver.cancel(reason)
             update.receiver.release()
-            await self._cancel_followers(reason)
+            await self.cancel_followers(reason)
             await self.updates.fail(update.txn)
 
     def _not_applied(
@@ -456,7 +459,7 @@ class WeightSyncController:
             weights_partial=self.coordinator.worker.weights_partial,
         )
 
-    async def _start(
+    async def start_receive(
         self,
         buckets: Sequence[TensorListMeta],
         group_name: str,
@@ -466,8 +469,12 @@ class WeightSyncController:
         abort_all: bool,
         weight_version: str | None,
         timeout_s: float | None,
+        within: UpdateTransaction | None = None,
     ) -> _Update:
-        """Check everything, begin the pipeline's transaction, start the receive; raise :class:`UpdateRefused`."""
+        """Check everything, begin the pipeline's transaction, start the receive; raise :class:`UpdateRefused`.
+
+        ``within``: a streaming transaction already open (vLLM's update between start and finish) that
+        this receive writes into; a refusal then leaves it open and unchanged."""
         current = self._update
         if current is not None:
             if not current.receiver.state.finished:
@@ -488,7 +495,11 @@ class WeightSyncController:
         except MetadataError as exc:
             raise UpdateRefused(str(exc)) from None
         window = timeout_s or self.receive_timeout_s
-        txn = await self.updates.begin(SYNC_ACTION, abort_all=abort_all, streaming=not atomic, timeout_s=window)
+        if within is None:
+            txn = await self.updates.begin(SYNC_ACTION, abort_all=abort_all, streaming=not atomic, timeout_s=window)
+        else:
+            txn = within
+            txn.deadline = max(txn.deadline, time.monotonic() + window)
         names = tuple(s.name for layout in layouts for s in layout.slots)
         checksums = announced_checksums(buckets)
 
@@ -524,14 +535,16 @@ class WeightSyncController:
             HOP_MARGIN_S,
         )
         if not all(r.success for r in started):
-            await self._cancel_followers("another rank could not start its receive")
-            await self.updates.end_refused(txn)
+            await self.cancel_followers("another rank could not start its receive")
+            if within is None:
+                await self.updates.end_refused(txn)
             raise UpdateRefused("; ".join(f"rank {i + 1}: {r.message}" for i, r in enumerate(started) if not r.success))
         try:
-            await self._in_thread(partial(receiver.start, window))
+            await self.in_thread(partial(receiver.start, window))
         except GroupError as exc:
-            await self._cancel_followers(str(exc))
-            await self.updates.end_refused(txn)
+            await self.cancel_followers(str(exc))
+            if within is None:
+                await self.updates.end_refused(txn)
             raise UpdateRefused(str(exc)) from None
         return _Update(
             group=group,
@@ -552,7 +565,7 @@ class WeightSyncController:
                 buckets = update.receiver.staged()
                 if any(update.checksums):  # verified before anything is taken or written
                     try:
-                        await self._in_thread(partial(verify_staged, buckets, update.checksums))
+                        await self.in_thread(partial(verify_staged, buckets, update.checksums))
                     except ChecksumMismatch as exc:
                         raise UpdateFailed(str(exc), "intact") from None
                 staged = [t for _, named in buckets for t in named]
@@ -577,7 +590,7 @@ class WeightSyncController:
             ),
         )
 
-    async def _followers_received(self, update: _Update, outcome: ReceiveOutcome) -> ReceiveOutcome:
+    async def followers_received(self, update: _Update, outcome: ReceiveOutcome) -> ReceiveOutcome:
         """Streaming, after rank 0's receive succeeded: did every follower rank's succeed too?"""
         results = await self.coordinator.stage.followers(
             SYNC_ACTION, partial(tp_transfer.receive_outcome, wait_s=HOP_MARGIN_S), 2 * HOP_MARGIN_S
@@ -587,13 +600,13 @@ class WeightSyncController:
             return outcome
         return replace(outcome, state=ReceiveState.FAILED, error=f"the receive failed on follower {'; '.join(failed)}")
 
-    async def _cancel_followers(self, reason: str, *, broken_reason: str | None = None) -> None:
+    async def cancel_followers(self, reason: str, *, broken_reason: str | None = None) -> None:
         """Best effort: the follower ranks drop their receive too (each ends by its deadline anyway)."""
         await self.coordinator.stage.followers(
             SYNC_ACTION, partial(tp_transfer.cancel_receive, reason=reason, broken_reason=broken_reason), ABORT_WAIT_S
         )
 
-    async def _in_thread(self, fn: Callable[[], T]) -> T:
+    async def in_thread(self, fn: Callable[[], T]) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
 
     async def close(self) -> None:
@@ -607,7 +620,7 @@ class WeightSyncController:
         groups, self._groups = list(self._groups.values()), {}
         for group in groups:
             # Bounded (DESTROY_TIMEOUT_S): a leave that hangs is abandoned and logged by ``destroy``.
-            if await self._in_thread(group.destroy):
+            if await self.in_thread(group.destroy):
                 log.info("shutdown: left weight-update group %r (rank %d/%d)", group.name, group.rank, group.world_size)
         self._threads.shutdown(wait=False, cancel_futures=True)
 

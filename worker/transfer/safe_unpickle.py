@@ -168,7 +168,7 @@ def _rebuild_tensor(cls: Any, storage: Any, metadata: Any) -> SharedTensor:
     return SharedTensor(storage, offset, _int_tuple(shape, "size"), _int_tuple(stride, "stride"))
 
 
-def _rebuild_cuda_tensor(*args: Any) -> CudaTensor:
+def rebuild_cuda_record(*args: Any) -> CudaTensor:
     if len(args) != 15 or not isinstance(args[5], torch.dtype):
         raise UnsafePayload("rebuild_cuda_tensor: unexpected arguments")
     _int_tuple(args[1], "size")
@@ -193,7 +193,7 @@ _FUNCTIONS: dict[tuple[str, str], Any] = {
     (_REDUCTIONS, "rebuild_tensor"): _rebuild_tensor,
     (_REDUCTIONS, "rebuild_typed_storage"): _rebuild_typed_storage,
     (_REDUCTIONS, "rebuild_storage_filename"): _rebuild_storage_filename,
-    (_REDUCTIONS, "rebuild_cuda_tensor"): _rebuild_cuda_tensor,
+    (_REDUCTIONS, "rebuild_cuda_tensor"): rebuild_cuda_record,
     (_REDUCTIONS, "rebuild_storage_fd"): _refuse_fd,
     ("torch", "Size"): torch.Size,
     ("collections", "OrderedDict"): __import__("collections").OrderedDict,

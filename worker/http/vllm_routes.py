@@ -1,0 +1,149 @@
+"""vLLM's RL routes: the weight-transfer engine (init, start, update, finish) and pause/resume.
+
+Thin handlers over :class:`worker.transfer.vllm_engine.VllmWeightTransfer` and the
+coordinator's pause. Answers keep vLLM's fields (``message``, ``status``,
+``is_paused``, ``world_size``) and add the project's ``success`` and ``weights``;
+a refusal is 400, a call out of order 409, both with ``error.message`` and nothing
+changed. ``/pause`` takes its arguments as query parameters, as vLLM's does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from functools import partial
+from typing import Any
+
+from aiohttp import web
+
+from router.contract import endpoints as ep
+from router.contract.admin import ContinueRequest
+from router.contract.vllm import (
+    SCHEDULER_PAUSE_MODE,
+    EmptyVllmRequest,
+    FinishWeightUpdateRequest,
+    InitWeightTransferEngineRequest,
+    PauseQuery,
+    PauseStatus,
+    StartWeightUpdateRequest,
+    UpdateWeightsRequest,
+    VllmResult,
+)
+from router.contract.web.openapi import Route
+from router.contract.web.parsing import parse_body, parse_model, read_json
+from worker.engine import admin_ops
+from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
+from worker.http.keys import CONFIG, COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
+from worker.transfer.vllm_engine import VllmWeightTransfer
+
+
+def _answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], status: int, body: VllmResult) -> web.Response:
+    response = answer(request, endpoint, body)
+    if status != 200 and not body.success:
+        response.set_status(status)
+    return response
+
+
+@admin_handler
+async def init_weight_transfer_engine(request: web.Request) -> web.Response:
+    data = await read_json(request, allow_empty=True)
+    if "init_info" not in data:
+        return _answer(request, ep.INIT_WEIGHT_TRANSFER_ENGINE, 400, _missing("init_info"))
+    req = parse_model(InitWeightTransferEngineRequest, data)
+    status, body = await request.app[VLLM_TRANSFER].init_engine(req)
+    return _answer(request, ep.INIT_WEIGHT_TRANSFER_ENGINE, status, body)
+
+
+@admin_handler
+async def start_weight_update(request: web.Request) -> web.Response:
+    req = await parse_body(request, StartWeightUpdateRequest)
+    status, body = await request.app[VLLM_TRANSFER].start(req)
+    return _answer(request, ep.START_WEIGHT_UPDATE, status, body)
+
+
+@admin_handler
+async def update_weights(request: web.Request) -> web.Response:
+    data = await read_json(request, allow_empty=True)
+    if "update_info" not in data:
+        return _answer(request, ep.UPDATE_WEIGHTS, 400, _missing("update_info"))
+    req = parse_model(UpdateWeightsRequest, data)
+    status, body = await request.app[VLLM_TRANSFER].update(req)
+    return _answer(request, ep.UPDATE_WEIGHTS, status, body)
+
+
+@admin_handler
+async def finish_weight_update(request: web.Request) -> web.Response:
+    req = await parse_body(request, FinishWeightUpdateRequest)
+    status, body = await request.app[VLLM_TRANSFER].finish(req)
+    return _answer(request, ep.FINISH_WEIGHT_UPDATE, status, body)
+
+
+@admin_handler
+async def pause(request: web.Request) -> web.Response:
+    data = {**(await read_json(request, allow_empty=True)), **_typed_query(request)}
+    req = parse_model(PauseQuery, data)
+    mode = req.effective_mode
+    coord = request.app[COORDINATOR]
+    await coord.pause_in(SCHEDULER_PAUSE_MODE[mode], ep.PAUSE.worker_bound(req), action="pause")
+    return answer(request, ep.PAUSE, PauseStatus(status="paused", mode=mode, weights="intact"))
+
+
+@admin_handler
+async def resume(request: web.Request) -> web.Response:
+    await parse_body(request, EmptyVllmRequest)
+    coord = request.app[COORDINATOR]
+    bound = ep.RESUME.budget.bound(None)
+    async with coord.admin_section("resume", bound):
+        await coord.admin("resume", partial(admin_ops.continue_generation, req=_RESUME), bound)
+    return answer(request, ep.RESUME, PauseStatus(status="resumed", weights="intact"))
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    coord = request.app[COORDINATOR]
+    return answer(request, ep.IS_PAUSED, {"is_paused": coord.is_paused})
+
+
+async def get_world_size(request: web.Request) -> web.Response:
+    return answer(request, ep.GET_WORLD_SIZE, {"world_size": request.app[COORDINATOR].stage.tp_size})
+
+
+_RESUME = ContinueRequest(torch_empty_cache=False)
+
+
+def _typed_query(request: web.Request) -> dict[str, Any]:
+    """Query parameters as JSON would carry them (``true``/``false``, numbers)."""
+    typed: dict[str, Any] = {}
+    for key, value in request.query.items():
+        low = value.lower()
+        if low in ("true", "false"):
+            typed[key] = low == "true"
+        else:
+            try:
+                typed[key] = float(value) if key == "timeout_s" else value
+            except ValueError:
+                typed[key] = value
+    return typed
+
+
+def _missing(field: str) -> VllmResult:
+    return VllmResult(success=False, message=f"Missing '{field}' in request body", weights="intact")
+
+
+async def vllm_transfer_ctx(app: web.Application) -> AsyncIterator[None]:
+    """The vLLM engine state over the weight-sync controller; an open update is ended at shutdown."""
+    app[VLLM_TRANSFER] = VllmWeightTransfer(app[WEIGHT_SYNC], allow_pickled=app[CONFIG].allow_pickled_tensors)
+    yield
+    await app[VLLM_TRANSFER].close()
+
+
+_TABLE: list[tuple[ep.Endpoint[Any, Any], Handler]] = [
+    (ep.INIT_WEIGHT_TRANSFER_ENGINE, init_weight_transfer_engine),
+    (ep.START_WEIGHT_UPDATE, start_weight_update),
+    (ep.UPDATE_WEIGHTS, update_weights),
+    (ep.FINISH_WEIGHT_UPDATE, finish_weight_update),
+    (ep.PAUSE, pause),
+    (ep.RESUME, resume),
+    (ep.IS_PAUSED, is_paused),
+    (ep.GET_WORLD_SIZE, get_world_size),
+]
+
+ROUTES: list[Route] = [route for endpoint, handler in _TABLE for route in endpoint_routes(endpoint, handler)]

@@ -1,0 +1,299 @@
+"""vLLM's weight-transfer engine on this worker: init, start, update (×N), finish.
+
+The four calls are one transaction of the worker's update pipeline
+(:mod:`worker.updates`), opened by ``/start_weight_update`` and committed by
+``/finish_weight_update``:
+
+* **start** takes the worker's writer lock and holds generation (an ``in_place``
+  pause, lifted at finish if start set it). Requests frozen by vLLM's ``keep``
+  pause may stay: they resume after the update with the KV computed so far, as in
+  vLLM. Any other active request refuses the start (pause first).
+* **update** receives into the open transaction and writes each bucket as it
+  lands (the weights are ``writing``). Over the group: ``packed`` updates arrive in
+  vLLM's packed buffers (:func:`router.contract.vllm.packed_chunks`), each one a
+  flattened bucket whose bytes are checked against the announced size; unpacked
+  ones as one broadcast per tensor, in order. In shared memory: the project's JSON
+  handle message, or vLLM's pickled CUDA IPC handles through the restricted
+  unpickler (only with ``--allow-pickled-tensors``). The answer comes after the
+  last byte is written on the device, so the producer may reuse its buffers then.
+  Metadata that does not fit the model is refused (400) with the update left open
+  and unchanged; a receive that fails ends the update: weights ``partial`` if
+  anything was written, and the worker stays held until a full update or a reload.
+* **finish** commits: ``weight_version``, cache flush (unless requests frozen by
+  ``keep`` still hold KV), and the hold lifted.
+
+Calls out of order answer 409 and change nothing. An update nobody finishes ends
+by itself once its window has passed (``timeout_s`` of the start, else the
+receive default), failing as a receive would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+from router.contract.budget import APPLY_S
+from router.contract.vllm import (
+    VLLM_GROUP_NAME,
+    FinishWeightUpdateRequest,
+    InitWeightTransferEngineRequest,
+    StartWeightUpdateRequest,
+    UpdateWeightsRequest,
+    VllmResult,
+    WeightTransferUpdateInfo,
+    packed_chunks,
+)
+from router.contract.weight_sync import DestroyWeightsUpdateGroupRequest, InitWeightsUpdateGroupRequest, TensorListMeta
+from router.dataplane.buckets import NamedTensors
+from router.dataplane.formats import for_load_format
+from worker.engine.weight_ops import CommitOptions
+from worker.transfer import vllm_handles
+from worker.transfer.controller import RECEIVE_GRACE_S, WeightSyncController
+from worker.updates import UpdateRefused, UpdateTransaction
+
+log = logging.getLogger(__name__)
+
+ACTION = "vllm_weight_update"
+#: Unpacked updates are one broadcast per tensor; the receiver takes them in buckets of at most this many bytes.
+UNPACKED_BUCKET_BYTES = 256 * 1024 * 1024
+
+Answer = tuple[int, VllmResult]
+
+
+@dataclass(eq=False)
+class _OpenUpdate:
+    txn: UpdateTransaction
+    window_s: float
+    names: list[str] = field(default_factory=list)
+    calls: int = 0
+    expiry: asyncio.Task[None] | None = None
+
+
+class VllmWeightTransfer:
+    """The vLLM routes' state: the engine's group and the update open between start and finish."""
+
+    def __init__(self, controller: WeightSyncController, *, allow_pickled: bool):
+        self.sync = controller
+        self.updates = controller.updates
+        self.allow_pickled = allow_pickled
+        self.group_name = VLLM_GROUP_NAME
+        self._open: _OpenUpdate | None = None
+
+    @property
+    def update_open(self) -> bool:
+        return self._open is not None
+
+    # -- init ------------------------------------------------------------------------------------
+
+    async def init_engine(self, req: InitWeightTransferEngineRequest) -> Answer:
+        """Join the trainer's group as ``/init_weights_update_group`` does; a group of the same name
+        is left first (vLLM has no destroy route: a restarted trainer simply initializes again)."""
+        info = req.init_info
+        if self._open is not None:
+            return _conflict("a weight update is open: call /finish_weight_update before initializing again")
+        if self.sync.group(info.group_name) is not None:
+            await self.sync.destroy_group(DestroyWeightsUpdateGroupRequest(group_name=info.group_name))
+        fields = info.model_dump(exclude_unset=True, exclude={"group_name"})
+        joined = await self.sync.init_group(
+            InitWeightsUpdateGroupRequest.model_validate({**fields, "group_name": info.group_name})
+        )
+        if not joined.success:
+            return 400, VllmResult(
+                success=False, message=joined.message, weights="intact", join_attempted=joined.join_attempted
+            )
+        self.group_name = info.group_name
+        return 200, VllmResult(message="Weight transfer initialized", weights="intact", join_attempted=True)
+
+    # -- start / update / finish -----------------------------------------------------------------
+
+    async def start(self, req: StartWeightUpdateRequest) -> Answer:
+        async with self.sync.holding("start_weight_update"):
+            if self._open is not None:
+                return _conflict("a weight update is already started: call /finish_weight_update first")
+            window = req.timeout_s or self.sync.receive_timeout_s
+            try:
+                txn = await self.updates.begin(
+                    ACTION, abort_all=False, streaming=True, timeout_s=window, allow_frozen=True
+                )
+            except UpdateRefused as exc:
+                return 400, VllmResult(success=False, message=f"Weight update not started: {exc}", weights="intact")
+            opened = _OpenUpdate(txn, window)
+            opened.expiry = asyncio.get_running_loop().create_task(self._expire(opened), name="vllm-update-expiry")
+            self._open = opened
+            return 200, VllmResult(message="Weight update started", weights="intact")
+
+    async def update(self, req: UpdateWeightsRequest) -> Answer:
+        info = req.update_info
+        async with self.sync.holding("update_weights", wait_s=info.timeout_s or self.sync.receive_timeout_s):
+            opened = self._open
+            if opened is None:
+                return _conflict("no weight update is started: call /start_weight_update before /update_weights")
+            if info.uses_shared_memory:
+                return await self._update_from_handles(opened, info)
+            return await self._update_from_group(opened, info)
+
+    async def finish(self, req: FinishWeightUpdateRequest) -> Answer:
+        async with self.sync.holding("finish_weight_update"):
+            opened = self._open
+            if opened is None:
+                return _conflict("no weight update is started: call /start_weight_update first")
+            self._end(opened)
+            scheduler = self.sync.coordinator.scheduler
+            result = await self.updates.commit(
+                opened.txn,
+                CommitOptions(
+                    names=tuple(opened.names),
+                    weight_version=req.weight_version,
+                    # Requests frozen by a ``keep`` pause go on with their KV; flushing it would fail.
+                    flush_cache=req.flush_cache and scheduler.active_request_count == 0,
+                    lift_hold=opened.txn.paused_by_update,
+                ),
+            )
+            effect = result.data.get("weights", "partial")
+            if not result.success:
+                return 400, VllmResult(success=False, message=result.message, weights=effect)
+            return 200, VllmResult(
+                message="Weight update finished",
+                weights=effect,
+                weight_version=self.sync.coordinator.worker.weight_version,
+                num_updates=opened.calls,
+            )
+
+    # -- the two sources -------------------------------------------------------------------------
+
+    async def _update_from_group(self, opened: _OpenUpdate, info: WeightTransferUpdateInfo) -> Answer:
+        group = self.sync.group(self.group_name)
+        if group is None or not group.alive:
+            why = "is not initialized" if group is None else f"is out of step with the trainer ({group.broken_reason})"
+            return _refused(f"group {self.group_name!r} {why}: call /init_weight_transfer_engine first")
+        try:
+            buckets = _buckets(info)
+            receive = await self.sync.start_receive(
+                buckets,
+                self.group_name,
+                for_load_format("flattened_bucket" if info.packed else None),
+                atomic=False,
+                abort_all=False,
+                weight_version=None,
+                timeout_s=info.timeout_s or opened.window_s,
+                within=opened.txn,
+            )
+        except (UpdateRefused, ValueError) as exc:
+            return _refused(str(exc))
+        outcome = await self.sync.in_thread(partial(receive.receiver.wait, receive.wait_s()))
+        if outcome.ok:
+            outcome = await self.sync.followers_received(receive, outcome)
+        receive.receiver.release()
+        if not outcome.ok:
+            await self.sync.cancel_followers(outcome.error or "the receive failed")
+            if info.packed:
+                # Buffers of another size than announced also come in another number: the trainer
+                # and this worker no longer pair their broadcasts.
+                group.mark_broken(f"a packed update failed ({outcome.error})")
+            return await self._fail(opened, f"the receive failed: {outcome.error}")
+        return self._written(opened, receive.names, f"{outcome.buckets_received} buffer(s)")
+
+    async def _update_from_handles(self, opened: _OpenUpdate, info: WeightTransferUpdateInfo) -> Answer:
+        coord = self.sync.coordinator
+        if coord.stage.tp_size > 1:
+            return _refused("shared-memory updates are served at tp_size 1 only; use the group transfer")
+        model = coord.worker.model
+        try:
+            stage: Callable[[], NamedTensors] = vllm_handles.prepare(
+                info,
+                model.checkpoint_spec(),
+                model.is_ignored_weight,
+                coord.worker.device,
+                allow_pickled=self.allow_pickled,
+            )
+        except ValueError as exc:
+            return _refused(str(exc))
+        opened.txn.deadline = max(opened.txn.deadline, time.monotonic() + (info.timeout_s or opened.window_s))
+        try:
+            named = await self.sync.in_thread(stage)
+            applied = self.updates.apply_streamed(opened.txn, named)
+            await asyncio.wait_for(asyncio.wrap_future(applied), opened.txn.step_s())
+        except Exception as exc:  # opening or writing failed: what was written is a mix
+            return await self._fail(opened, f"loading the shared tensors failed: {type(exc).__name__}: {exc}")
+        return self._written(opened, [name for name, _ in named], "shared memory")
+
+    # -- shared steps ----------------------------------------------------------------------------
+
+    def _written(self, opened: _OpenUpdate, names: list[str] | tuple[str, ...], source: str) -> Answer:
+        opened.names.extend(names)
+        opened.calls += 1
+        return 200, VllmResult(message="Weights updated", weights="updated", num_tensors=len(names), source=source)
+
+    async def _fail(self, opened: _OpenUpdate, message: str) -> Answer:
+        """End the open update after a failed transfer: what it wrote leaves the weights partial."""
+        self._end(opened)
+        effect = await self.updates.fail(opened.txn)
+        note = (
+            " The weights are partially updated: the worker serves nothing until a full update or a reload."
+            if effect == "partial"
+            else ""
+        )
+        return 400, VllmResult(success=False, message=f"Weight update failed, {message}.{note}", weights=effect)
+
+    def _end(self, opened: _OpenUpdate) -> None:
+        if self._open is opened:
+            self._open = None
+        if opened.expiry is not None and opened.expiry is not asyncio.current_task():
+            opened.expiry.cancel()
+
+    async def _expire(self, opened: _OpenUpdate) -> None:
+        """End an update nobody finished: once its window and one apply have passed since the last call."""
+        while True:
+            await asyncio.sleep(max(opened.txn.deadline - time.monotonic(), 0.0) + RECEIVE_GRACE_S + APPLY_S)
+            if time.monotonic() >= opened.txn.deadline:
+                break
+        async with self.sync.holding("ending an unfinished weight update", wait_s=APPLY_S):
+            if self._open is not opened:
+                return
+            log.warning("vLLM weight update neither finished nor failed within its window; ending it")
+            self._end(opened)
+            await self.updates.fail(opened.txn)
+
+    async def close(self) -> None:
+        opened = self._open
+        if opened is not None:
+            self._end(opened)
+            opened.txn.failed.set()
+            opened.txn.end()
+
+
+def _buckets(info: WeightTransferUpdateInfo) -> list[TensorListMeta]:
+    """The receive's buckets: vLLM's packed buffers, or runs of per-tensor broadcasts."""
+    sizes = [info.nbytes(i) for i in range(len(info.names))]
+    if info.packed:
+        ranges = packed_chunks(sizes, info.packed_buffer_size_bytes)
+    else:
+        ranges, start, total = [], 0, 0
+        for i, size in enumerate(sizes):
+            if total and total + size > UNPACKED_BUCKET_BYTES:
+                ranges.append(range(start, i))
+                start, total = i, 0
+            total += size
+        ranges.append(range(start, len(sizes)))
+    return [
+        TensorListMeta.model_validate(
+            {
+                "names": [info.names[i] for i in r],
+                "dtypes": [info.dtype_names[i] for i in r],
+                "shapes": [info.shapes[i] for i in r],
+            }
+        )
+        for r in ranges
+    ]
+
+
+def _conflict(message: str) -> Answer:
+    return 409, VllmResult(success=False, message=message, weights="intact")
+
+
+def _refused(message: str) -> Answer:
+    return 400, VllmResult(success=False, message=f"Weights not updated: {message}", weights="intact")
