@@ -42,8 +42,11 @@ WAITING_PATHS = frozenset(
         "/update_weights_from_distributed",
         "/prepare_weights_update",
         "/complete_weights_update",
+        "/start_weight_update",
     }
 )
+#: vLLM's routes carry their wait inside a nested object.
+NESTED_WAITS = {"/init_weight_transfer_engine": "init_info", "/update_weights": "update_info"}
 
 
 def loopback_url(rng: random.Random) -> str:
@@ -71,6 +74,9 @@ def make_safe(value: Any, rng: random.Random, *, path: str = "") -> Any:
     if path in WAITING_PATHS and value.get("timeout_s") is None:
         # Absent or null both mean the server's default wait (minutes for a group join): cap it.
         value["timeout_s"] = CAPS["timeout_s"]
+    nested = NESTED_WAITS.get(path)
+    if nested is not None and isinstance(value.get(nested), dict) and value[nested].get("timeout_s") is None:
+        value[nested]["timeout_s"] = CAPS["timeout_s"]
     if path == "/generate" and isinstance(value.get("sampling_params"), (dict, list)):
         params = value["sampling_params"]
         for sp in params if isinstance(params, list) else [params]:

@@ -92,7 +92,12 @@ def _restore_router(url: str, keep: set[str], behind: str, model: str) -> None:
 
 
 def _restore_worker(url: str, model: str | None = None) -> None:
-    for path in ("/destroy_weights_update_group", "/resume_memory_occupation", "/continue_generation"):
+    for path in (
+        "/finish_weight_update",
+        "/destroy_weights_update_group",
+        "/resume_memory_occupation",
+        "/continue_generation",
+    ):
         http_json("POST", url + path, {}, headers=auth(), timeout=30)
     if model is not None and _weights_partial(url):
         http_json("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)

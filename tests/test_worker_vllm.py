@@ -12,6 +12,7 @@ from __future__ import annotations
 import base64
 import os
 import pickle
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -176,6 +177,16 @@ class TestOrderAndInput:
         assert status == 409 and "already started" in body["error"]["message"]
         worker.ok("POST", "/finish_weight_update")  # an empty update commits nothing but the (unchanged) version
         assert (worker.checksum(), worker.info()["weight_version"]) == before
+
+    def test_an_update_nobody_finishes_ends_by_itself(self, worker: Worker) -> None:
+        worker.ok("POST", "/start_weight_update", {"timeout_s": 1.0})
+        assert worker.post("/start_weight_update")[0] == 409
+        deadline = time.monotonic() + 30
+        while worker.post("/start_weight_update")[0] != 200:  # 409 while the abandoned one is open
+            assert time.monotonic() < deadline, "the abandoned update never ended"
+            time.sleep(0.5)
+        worker.ok("POST", "/finish_weight_update")
+        assert worker.get("/is_paused")[1]["is_paused"] is False
 
     def test_missing_fields_and_bad_metadata_are_400(self, worker: Worker) -> None:
         status, body = worker.post("/init_weight_transfer_engine", {})

@@ -51,6 +51,7 @@ from router.contract.weight_sync import DestroyWeightsUpdateGroupRequest, InitWe
 from router.dataplane.buckets import NamedTensors
 from router.dataplane.formats import for_load_format
 from worker.engine.weight_ops import CommitOptions
+from worker.stage import AdminBusy
 from worker.transfer import vllm_handles
 from worker.transfer.controller import RECEIVE_GRACE_S, WeightSyncController
 from worker.updates import UpdateRefused, UpdateTransaction
@@ -246,17 +247,22 @@ class VllmWeightTransfer:
             opened.expiry.cancel()
 
     async def _expire(self, opened: _OpenUpdate) -> None:
-        """End an update nobody finished: once its window and one apply have passed since the last call."""
-        while True:
-            await asyncio.sleep(max(opened.txn.deadline - time.monotonic(), 0.0) + RECEIVE_GRACE_S + APPLY_S)
-            if time.monotonic() >= opened.txn.deadline:
-                break
-        async with self.sync.holding("ending an unfinished weight update", wait_s=APPLY_S):
-            if self._open is not opened:
-                return
-            log.warning("vLLM weight update neither finished nor failed within its window; ending it")
-            self._end(opened)
-            await self.updates.fail(opened.txn)
+        """End an update nobody finished once its window has passed (each call extends it); a call
+        still running holds the lock, so the update ends after it at the earliest."""
+        while self._open is opened:
+            await asyncio.sleep(max(opened.txn.deadline - time.monotonic(), 0.0) + RECEIVE_GRACE_S)
+            if time.monotonic() < opened.txn.deadline:
+                continue
+            try:
+                async with self.sync.holding("ending an unfinished weight update", wait_s=APPLY_S):
+                    if self._open is not opened or time.monotonic() < opened.txn.deadline:
+                        continue
+                    log.warning("vLLM weight update neither finished nor failed within its window; ending it")
+                    self._end(opened)
+                    await self.updates.fail(opened.txn)
+                    return
+            except AdminBusy:
+                continue
 
     async def close(self) -> None:
         opened = self._open
