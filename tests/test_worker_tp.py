@@ -16,17 +16,20 @@ import json
 import os
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-from router.trainer import sent_checksum
+from router.trainer import sent_checksum, vllm_sender
+from router.trainer.rendezvous import alongside
+from router.trainer.sender import TrainerWeightSender
 from tests._router_fixtures import ADMIN_KEY, auth, start_router
 from tests._router_trainer import run_trainer
 from tests._worker_helpers import Worker
-from tests.procs import http_json
+from tests.procs import free_port, http_json
 from worker.engine.admin_ops import flush_cache
 from worker.model.checkpoint import read_checkpoint
 from worker.stage import PassiveStage
@@ -249,3 +252,39 @@ async def test_a_stage_without_an_admin_capable_scheduler_answers_skipped() -> N
     assert result.success and result.data == {"skipped": True}
     assert result.rank_results[0]["skipped"] is True and "no admin-capable scheduler" in result.message
     assert result.body()["rank_results"] == result.rank_results
+
+
+def test_vllm_packed_update_reaches_every_rank(pair, checkpoints) -> None:
+    """vLLM's init/start/update/finish into a TP=2 worker: both ranks join (world_size 3) and each
+    writes its shards of every packed buffer."""
+    _, tp2 = pair
+    sender = TrainerWeightSender(master_port=free_port(), world_size=3, group_name="weight_transfer", timeout_s=60)
+    init = {
+        "init_info": {
+            "master_address": "127.0.0.1",
+            "master_port": sender.master_port,
+            "rank_offset": 1,
+            "world_size": 3,
+        }
+    }
+    status, body = alongside(
+        lambda: tp2.post("/init_weight_transfer_engine", init, timeout=90), sender.join, timeout_s=120, what="init"
+    )
+    assert status == 200, body
+    try:
+        named = sorted(read_checkpoint(checkpoints["llama_b"], torch.float32))
+        tp2.ok("POST", "/start_weight_update")
+        info = vllm_sender.update_info(named, packed=True, packed_buffer_size_bytes=32 * 1024)
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(tp2.post, "/update_weights", {"update_info": info}, timeout=90)
+            assert sender.group is not None
+            vllm_sender.send(sender.group, named, packed=True, packed_buffer_size_bytes=32 * 1024, timeout_s=30)
+            status, body = call.result(timeout=120)
+        assert status == 200, body
+        tp2.ok("POST", "/finish_weight_update", {"weight_version": "tp-vllm"})
+        expected = sent_checksum(read_checkpoint(checkpoints["llama_b"], torch.float32))
+        ranks = tp2.ok("POST", "/weights_checker", {"action": "checksum"})["ranks"]
+        assert [r["full_checksum"] for r in ranks] == [expected, expected]
+    finally:
+        sender.close()
+        tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
