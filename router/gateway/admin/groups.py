@@ -24,6 +24,7 @@ import logging
 import time
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -38,6 +39,8 @@ log = logging.getLogger(__name__)
 
 GROUPS_FILE = "weight_groups.json"
 
+GroupDialect = Literal["sglang", "vllm"]
+
 
 class GroupMember(BaseModel):
     """One worker process in a group: its ranks, and the process that joined."""
@@ -50,6 +53,9 @@ class GroupRecord(BaseModel):
     world_size: int
     created_at: float
     members: list[GroupMember]
+    dialect: GroupDialect = "sglang"
+    """Which init built it: SGLang's ``/init_weights_update_group`` or vLLM's ``/init_weight_transfer_engine``
+    (vLLM's updates name no group: they go over the weight-transfer group the last vLLM init built)."""
 
     def instances(self) -> dict[str, str | None]:
         return {m.rank.worker: m.instance_id for m in self.members}
@@ -138,13 +144,26 @@ class WeightGroups:
             )
         return out
 
+    def latest(self, dialect: GroupDialect) -> str | None:
+        """The name of the group ``dialect``'s init built last, if the router knows one."""
+        records = [(r.created_at, name) for name, r in self._records.groups.items() if r.dialect == dialect]
+        return max(records)[1] if records else None
+
     async def built(
-        self, name: str, world_size: int, ranks: Iterable[RankAssignment], targets: Sequence[Worker]
+        self,
+        name: str,
+        world_size: int,
+        ranks: Iterable[RankAssignment],
+        targets: Sequence[Worker],
+        *,
+        dialect: GroupDialect = "sglang",
     ) -> None:
         """Group ``name`` now holds exactly ``targets`` (in the processes probed before they joined)."""
         instances = {w.id: w.instance_id for w in targets}
         members = [GroupMember(rank=r, instance_id=instances.get(r.worker)) for r in ranks]
-        self._records.groups[name] = GroupRecord(world_size=world_size, created_at=time.time(), members=members)
+        self._records.groups[name] = GroupRecord(
+            world_size=world_size, created_at=time.time(), members=members, dialect=dialect
+        )
         await self._save()
 
     async def dropped(self, name: str) -> None:

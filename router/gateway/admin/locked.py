@@ -11,9 +11,9 @@
 
 :class:`AdminRun` is that shape; :meth:`AdminRun.open` runs it as a context, and
 :meth:`AdminRun.end` is the only place the update lock is released. A ready
-prepare keeps the lock past its own HTTP call (:meth:`AdminRun.keep_lock`): the
-prepared update owns it then, and the run that ends that update (complete,
-abort or expiry) adopts it and releases it in its own ``end``.
+prepare (and vLLM's ``/start_weight_update``) keeps the lock past its own HTTP call
+(:meth:`AdminRun.keep_lock`): the held update owns it then, and the run that ends
+that update (complete, abort, finish or expiry) adopts it and releases it in its own ``end``.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,7 +73,7 @@ class AdminContext:
 
 
 class LockHold:
-    """The admin update lock, held by one operation or one prepared update; released once."""
+    """The admin update lock, held by one operation or one held update; released once."""
 
     def __init__(self, gate: UpdateGate):
         self._gate = gate
@@ -94,6 +94,8 @@ class AdminRun:
         self.name = name or op.name
         self.fence: Fence | None = None
         self.outcome = "error"
+        self.kept: tuple[str, ...] = ()
+        """The targets :meth:`settle` kept fenced."""
         self._lock = lock
         self._kept = False
         self._ended = False
@@ -104,7 +106,7 @@ class AdminRun:
     async def open(
         cls, op: Operation, ctx: AdminContext, *, name: str | None = None, adopt: LockHold | None = None
     ) -> AsyncIterator[AdminRun]:
-        """Run one operation: take the lock if ``op`` is serialized (or ``adopt`` a prepared update's), end on exit.
+        """Run one operation: take the lock if ``op`` is serialized (or ``adopt`` a held update's), end on exit.
 
         Whatever escapes the body fails an unsettled fence closed: any target may
         already have started applying the call.
@@ -132,26 +134,34 @@ class AdminRun:
     async def fan_out(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
         return await self.ctx.fanout.to_all(targets, call)
 
-    async def settle(self, results: list[WorkerResult[Any]], **fields: Any) -> Outcome:
+    async def settle(
+        self, results: list[WorkerResult[Any]], *, uncertain: Collection[str] = (), **fields: Any
+    ) -> Outcome:
         """The caller's answer, and the fence settled worker by worker (:mod:`~router.gateway.admin.verdicts`).
 
-        When every target answers 501, nothing can have changed and the fence is restored.
+        ``uncertain``: workers whose state an earlier step of the same update (or a join this call
+        attempted) may have changed: a failure of theirs is never a refusal that changed nothing, so
+        they stay fenced. When every target answers 501, nothing can have changed and the fence is
+        restored. The workers kept fenced are in :attr:`kept` afterwards.
         """
         if self.fence is not None:
             self._fail_departed(results)
         failed = [r for r in results if not r.success]
         not_implemented = bool(results) and all(r.status_code == 501 for r in results)
         verdict = judge(self.op, results)
-        kept = () if not_implemented else verdict.kept
+        doubtful = [r.worker for r in failed if r.worker in uncertain and r.worker not in verdict.kept]
+        kept = () if not_implemented else (*verdict.kept, *doubtful)
+        all_refused = verdict.all_refused and not doubtful
+        self.kept = kept
         if self.fence is not None:
             await self.fence.settle(kept, summarize([r for r in failed if r.worker in kept]))
-        self.outcome = "success" if not failed else "refused" if verdict.all_refused else "failure"
+        self.outcome = "success" if not failed else "refused" if all_refused else "failure"
         if not failed:
             return Outcome(200, fleet_answer(self.op, results, "ok", **fields))
         if not_implemented:
             message = f"{self.op.path} is not implemented by the workers"
             return Outcome(501, fleet_answer(self.op, results, message, error={"message": message}, **fields))
-        if verdict.all_refused:
+        if all_refused:
             reasons = {r.reason() for r in results}
             message = (
                 reasons.pop() if len(reasons) == 1 else f"every worker refused {self.op.path}: {summarize(failed)}"
@@ -175,7 +185,7 @@ class AdminRun:
                 r.error = f"its pod left the fleet during {self.op.path} ({worker.departed})"
 
     def keep_lock(self) -> LockHold:
-        """Hand the lock to a prepared update: this run ends without releasing it."""
+        """Hand the lock to a held update: this run ends without releasing it."""
         if self._lock is None:
             raise RuntimeError(f"{self.name} holds no lock to keep")
         self._kept = True

@@ -19,6 +19,10 @@ the update, or it stopped answering) the update is aborted and settled at once,
 instead of holding the admin lock until expiry; a later complete or abort is told why. Each of the three ends runs as an
 :class:`~router.gateway.admin.locked.AdminRun` that adopts the update's lock,
 so the lock is released in that run's ``end``, like every other operation's.
+
+The holding itself (lock, fence, journal, expiry and health polling, the 409 for
+a call that finds no update) is :class:`HeldUpdates`, which vLLM's
+start/update/finish (:mod:`router.gateway.admin.weight_transfer`) shares.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 from router.contract import endpoints as ep
 from router.contract.admin import HealthStatus
@@ -62,39 +66,138 @@ ABORT = OPERATIONS[ep.ABORT_WEIGHTS_UPDATE.path]
 
 
 @dataclass
-class PreparedUpdate:
-    """An update between a ready prepare and its end: it owns the admin update lock and its fence."""
+class HeldUpdate:
+    """An update that holds the admin update lock, the fence on its targets and their journal entry
+    across several HTTP calls (a ready prepare to its complete; vLLM's start to its finish)."""
 
     group_name: str
     lock: LockHold
     fence: Fence
     targets: list[Worker]
-    expected_buckets: int
     instances: dict[str, str | None]
-    """Each target's process instance at prepare: another one later has lost the update."""
+    """Each target's process instance when the update began: another one later has lost the update."""
     receive_deadline: float
-    """``time.monotonic()`` past which the workers stop receiving (prepare's ``timeout_s`` from ready on)."""
+    """``time.monotonic()`` past which the workers stop receiving (the update's window from its start)."""
     expiry: asyncio.Task[None] | None = None
+    calls: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Held by a call that works inside the update without ending it; the expiry waits for it."""
 
     def receive_left_s(self) -> float:
         return max(self.receive_deadline - time.monotonic(), 0.0)
 
 
-class TwoPhaseCoordinator:
-    """Prepare / complete / abort for the whole fleet, with at most one prepared update at a time."""
+@dataclass(kw_only=True)
+class PreparedUpdate(HeldUpdate):
+    """An update between a ready prepare and its end."""
+
+    expected_buckets: int
+
+
+H = TypeVar("H", bound=HeldUpdate)
+
+
+class HeldUpdates(Generic[H]):
+    """At most one held update at a time (it owns the lock, so no other can begin): hold it, hand it to
+    the call that ends it, or end it when it expires or can no longer succeed."""
+
+    #: How a held update is named in messages.
+    what = "held update"
+    #: The call that ends a held update normally (named when it expires without one).
+    ending_call = "its end"
 
     def __init__(
         self, ctx: AdminContext, tasks: TaskSet, *, prepared_life_s: float | None, service_headers: dict[str, str]
     ):
         self._ctx = ctx
         self._tasks = tasks
-        #: Overrides the life of a prepared update (``--update-session-timeout-s``); by default its receive window + one margin.
+        #: Overrides the life of a held update (``--update-session-timeout-s``); by default its window + one margin.
         self._prepared_life_s = prepared_life_s
         # The router's own credentials, for calls no caller is waiting on (expiry).
         self._service_headers = service_headers
-        self.prepared: PreparedUpdate | None = None
-        #: Why the router itself ended the last prepared update of each group (told to a late complete or abort).
+        self.held: H | None = None
+        #: Why the router itself ended the last held update of each group (told to a late call).
         self._ended: dict[str, str] = {}
+
+    def _hold(self, held: H, window_s: float) -> None:
+        """``held`` owns the lock and the fence from now on, until a call ends it or it expires."""
+        life = self._prepared_life_s if self._prepared_life_s is not None else window_s + HOP_MARGIN_S
+        held.expiry = self._tasks.spawn(self._expire(held, life), name=f"held-update-{held.group_name}")
+        self.held = held
+
+    def _ended_note(self, group: str) -> str:
+        return f"; the router ended the last one itself: {self._ended[group]}" if group in self._ended else ""
+
+    def _detach(self, held: H) -> None:
+        self.held = None
+        if held.expiry is not None and held.expiry is not asyncio.current_task():
+            held.expiry.cancel()
+
+    async def _expire(self, held: H, life_s: float) -> None:
+        """End ``held`` at its expiry, or as soon as no target can complete it any more."""
+        deadline = time.monotonic() + life_s
+        unanswered = dict.fromkeys(held.instances, 0)
+        reason: str | None = None
+        while reason is None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                reason = f"expired after {life_s:.0f}s without {self.ending_call}"
+                break
+            await asyncio.sleep(min(RECEIVE_POLL_S, left))
+            if self.held is not held:
+                return
+            if held.calls.locked():
+                continue  # a call is at work inside the update: its answer says how the targets fare
+            answers = await asyncio.gather(*(self._ctx.prober.health(w) for w in held.targets))
+            if self.held is not held:
+                return
+            if held.calls.locked():
+                continue
+            reason = self._cannot_complete(held, answers, unanswered)
+        # A call at work inside the update ends first (each is bounded by its own wait).
+        async with held.calls:
+            if self.held is not held:
+                return
+            log.warning("%s of group %s ended by the router: %s; failing closed", self.what, held.group_name, reason)
+            self._ended[held.group_name] = reason
+            self._detach(held)
+            await self._end_by_router(held)
+
+    async def _end_by_router(self, held: H) -> None:
+        """End ``held`` after its expiry (or once it cannot succeed), failing closed."""
+        raise NotImplementedError
+
+    def _cannot_complete(self, held: H, answers: list[HealthStatus | None], unanswered: dict[str, int]) -> str | None:
+        """Why no target can complete ``held`` any more, or ``None`` while one still can."""
+        why: list[str] = []
+        for worker, status in zip(held.targets, answers, strict=True):
+            if status is None:
+                unanswered[worker.id] += 1
+                if unanswered[worker.id] < UNANSWERED_POLLS:
+                    return None
+                why.append(f"{worker.id}: no answer to {unanswered[worker.id]} health probes")
+                continue
+            unanswered[worker.id] = 0
+            known = held.instances[worker.id]
+            stuck = (
+                "its process restarted"
+                if known is not None and status.instance_id != known
+                else self._stuck(held, worker, status)
+            )
+            if stuck is None:
+                return None
+            why.append(f"{worker.id}: {stuck}")
+        return "no worker can complete it (" + "; ".join(why) + ")"
+
+    def _stuck(self, held: H, worker: Worker, status: HealthStatus) -> str | None:
+        """Why ``worker`` (answering, same process) can no longer complete ``held``, or ``None``."""
+        return None
+
+
+class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
+    """Prepare / complete / abort for the whole fleet, with at most one prepared update at a time."""
+
+    what = "prepared update"
+    ending_call = "complete"
 
     async def prepare(self, req: PrepareWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
         async with AdminRun.open(PREPARE, self._ctx) as run:
@@ -118,9 +221,7 @@ class TwoPhaseCoordinator:
                 instances={w.id: w.instance_id for w in targets},
                 receive_deadline=time.monotonic() + window,
             )
-            life = self._prepared_life_s if self._prepared_life_s is not None else window + HOP_MARGIN_S
-            prepared.expiry = self._tasks.spawn(self._expire(prepared, life), name=f"prepared-update-{req.group_name}")
-            self.prepared = prepared
+            self._hold(prepared, window)
             run.outcome = "success"
             return Outcome(200, fleet_answer(PREPARE, results, f"all {len(results)} worker(s) ready", status="ready"))
 
@@ -187,75 +288,31 @@ class TwoPhaseCoordinator:
 
     def _take(self, group: str, hint: str) -> PreparedUpdate:
         """Detach the prepared update of ``group`` (the caller's run now ends it), or 409."""
-        prepared = self.prepared
+        prepared = self.held
         if prepared is None or prepared.group_name != group:
             have = f"the prepared one is for group {prepared.group_name!r}" if prepared else "no update is prepared"
-            if group in self._ended:
-                have += f"; the router ended the last one itself: {self._ended[group]}"
-            raise Conflict(f"no prepared weight update for group {group!r} ({have}); {hint}")
+            raise Conflict(f"no prepared weight update for group {group!r} ({have}{self._ended_note(group)}); {hint}")
         self._detach(prepared)
         return prepared
-
-    def _detach(self, prepared: PreparedUpdate) -> None:
-        self.prepared = None
-        if prepared.expiry is not None and prepared.expiry is not asyncio.current_task():
-            prepared.expiry.cancel()
 
     def _abort_call(self, group: str, headers: dict[str, str]) -> AdminCall:
         req = AbortWeightsUpdateRequest(group_name=group)
         return AdminCall(ABORT, "POST", req, headers, timeout_s=ABORT.router_wait(req))
 
-    async def _expire(self, prepared: PreparedUpdate, life_s: float) -> None:
-        """End ``prepared`` at its expiry, or as soon as no target can complete it any more."""
-        deadline = time.monotonic() + life_s
-        unanswered = dict.fromkeys(prepared.instances, 0)
-        reason: str | None = None
-        while reason is None:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                reason = f"expired after {life_s:.0f}s without complete"
-                break
-            await asyncio.sleep(min(RECEIVE_POLL_S, left))
-            if self.prepared is not prepared:
-                return
-            answers = await asyncio.gather(*(self._ctx.prober.health(w) for w in prepared.targets))
-            if self.prepared is not prepared:
-                return
-            reason = self._cannot_complete(prepared, answers, unanswered)
-        log.warning("prepared update of group %s ended by the router: %s; failing closed", prepared.group_name, reason)
-        self._ended[prepared.group_name] = reason
-        self._detach(prepared)
-        async with AdminRun.open(ABORT, self._ctx, name="prepared_update_ended", adopt=prepared.lock) as run:
-            run.fence = prepared.fence
+    async def _end_by_router(self, held: PreparedUpdate) -> None:
+        async with AdminRun.open(ABORT, self._ctx, name="prepared_update_ended", adopt=held.lock) as run:
+            run.fence = held.fence
             # Workers that confirm the receive was dropped with nothing applied come back; the rest stay out.
-            results = await run.fan_out(prepared.targets, self._abort_call(prepared.group_name, self._service_headers))
+            results = await run.fan_out(held.targets, self._abort_call(held.group_name, self._service_headers))
             await run.settle(results)
             run.outcome = "failure"
 
-    @staticmethod
-    def _cannot_complete(
-        prepared: PreparedUpdate, answers: list[HealthStatus | None], unanswered: dict[str, int]
-    ) -> str | None:
-        """Why no target can complete ``prepared`` any more, or ``None`` while one still can."""
-        why: list[str] = []
-        for worker, status in zip(prepared.targets, answers, strict=True):
-            if status is None:
-                unanswered[worker.id] += 1
-                if unanswered[worker.id] < UNANSWERED_POLLS:
-                    return None
-                why.append(f"{worker.id}: no answer to {unanswered[worker.id]} health probes")
-                continue
-            unanswered[worker.id] = 0
-            known = prepared.instances[worker.id]
-            if known is not None and status.instance_id != known:
-                why.append(f"{worker.id}: its process restarted")
-            elif status.receive is None:
-                why.append(f"{worker.id}: holds no prepared update")
-            elif status.receive == "failed":
-                why.append(f"{worker.id}: its receive failed")
-            else:
-                return None
-        return "no worker can complete it (" + "; ".join(why) + ")"
+    def _stuck(self, held: PreparedUpdate, worker: Worker, status: HealthStatus) -> str | None:
+        if status.receive is None:
+            return "holds no prepared update"
+        if status.receive == "failed":
+            return "its receive failed"
+        return None
 
 
 def _check_counts(results: list[WorkerResult[Any]], expected: int) -> None:
