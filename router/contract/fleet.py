@@ -18,6 +18,7 @@ from pydantic import Field
 
 from router.contract.admin import ModelInfo, WeightsCheckerResult, WeightVersionResult
 from router.contract.base import WireRequest, WireResponse
+from router.contract.vllm import IsPausedResponse, PauseStatus, VllmResult
 from router.contract.weight_sync import (
     AbortWeightsUpdateResponse,
     CompleteWeightsUpdateResponse,
@@ -186,6 +187,36 @@ class GroupInitFleetAnswer(FleetAnswer[WeightSyncResponse], WeightSyncResponse):
     """``/init_weights_update_group`` through the router, with the ranks each worker was given."""
 
     ranks: list[RankAssignment] = Field(default_factory=list)
+
+
+class WeightTransferInitFleetAnswer(FleetAnswer[VllmResult], VllmResult):
+    """``/init_weight_transfer_engine`` through the router, with the ranks each worker was given."""
+
+    ranks: list[RankAssignment] = Field(default_factory=list)
+
+
+class WeightTransferFleetAnswer(FleetAnswer[VllmResult], VllmResult):
+    """``/start_weight_update``, ``/update_weights`` and ``/finish_weight_update`` through the router:
+    vLLM's ``message`` beside the envelope."""
+
+    update_open: bool = False
+    """The router still holds the update (its lock and fence) for more ``/update_weights`` and the finish."""
+    fenced: list[str] = Field(default_factory=list)
+    """Workers whose part of the update failed: they stay out of routing, also after the finish."""
+    weight_version: str | None = None
+    """After a finish: the version the fleet now serves."""
+
+
+class PauseFleetAnswer(FleetAnswer[PauseStatus], PauseStatus):
+    """vLLM's ``/pause`` and ``/resume`` through the router: ``status`` is ``paused`` (``resumed``) once
+    every worker is."""
+
+
+class IsPausedFleetAnswer(FleetAnswer[IsPausedResponse]):
+    """``GET /is_paused`` through the router: ``is_paused`` only when every live worker is paused
+    (each worker's own answer is in ``results``)."""
+
+    is_paused: bool = False
 
 
 class GroupMembership(WireResponse):

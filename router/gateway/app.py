@@ -43,6 +43,7 @@ from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.ranks import GroupInitializer
 from router.gateway.admin.two_phase import TwoPhaseCoordinator
 from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.admin.weight_transfer import WeightTransfer
 from router.gateway.config import RouterConfig
 from router.gateway.discovery.k8s import KubernetesPods
 from router.gateway.discovery.reconcile import DiscoveredFleet
@@ -191,6 +192,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     app[keys.GROUP_INIT] = GroupInitializer(ctx)
     app[keys.TWO_PHASE] = TwoPhaseCoordinator(
+        ctx, app[keys.TASKS], prepared_life_s=cfg.update_session_timeout_s, service_headers=app[keys.SERVICE_HEADERS]
+    )
+    app[keys.WEIGHT_TRANSFER] = WeightTransfer(
         ctx, app[keys.TASKS], prepared_life_s=cfg.update_session_timeout_s, service_headers=app[keys.SERVICE_HEADERS]
     )
     app[keys.VIEWS] = FleetViews(ctx)

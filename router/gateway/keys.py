@@ -13,6 +13,7 @@ from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.ranks import GroupInitializer
 from router.gateway.admin.two_phase import TwoPhaseCoordinator
 from router.gateway.admin.update_gate import UpdateGate
+from router.gateway.admin.weight_transfer import WeightTransfer
 from router.gateway.config import RouterConfig
 from router.gateway.discovery.k8s import DiscoveryStatus
 from router.gateway.discovery.reconcile import DiscoveredFleet
@@ -37,6 +38,7 @@ ADMIN = web.AppKey("admin", AdminContext)
 PROXY = web.AppKey("proxy", GenerateProxy)
 GROUP_INIT = web.AppKey("group_init", GroupInitializer)
 TWO_PHASE = web.AppKey("two_phase", TwoPhaseCoordinator)
+WEIGHT_TRANSFER = web.AppKey("weight_transfer", WeightTransfer)
 VIEWS = web.AppKey("fleet_views", FleetViews)
 HEALTH = web.AppKey("health_checker", HealthChecker)
 HEALTH_TASK = web.AppKey("health_task", asyncio.Task[None])

@@ -25,8 +25,12 @@ from router.contract.fleet import (
     CompleteFleetAnswer,
     FleetAnswer,
     GroupInitFleetAnswer,
+    IsPausedFleetAnswer,
+    PauseFleetAnswer,
     PrepareFleetAnswer,
     WeightsCheckerFleetAnswer,
+    WeightTransferFleetAnswer,
+    WeightTransferInitFleetAnswer,
 )
 
 
@@ -84,6 +88,15 @@ OPERATIONS: dict[str, Operation] = {
         # Run inside the update a ready prepare holds the lock for (see two_phase).
         Operation(ep.COMPLETE_WEIGHTS_UPDATE, changes_weights=True, answer=CompleteFleetAnswer),
         Operation(ep.ABORT_WEIGHTS_UPDATE),
+        # vLLM's weight-transfer API (see weight_transfer): init as /init_weights_update_group; start holds
+        # the lock and the fence until the finish; update_weights runs inside that update.
+        Operation(ep.INIT_WEIGHT_TRANSFER_ENGINE, fenced=True, answer=WeightTransferInitFleetAnswer),
+        Operation(ep.START_WEIGHT_UPDATE, fenced=True, in_group=True, answer=WeightTransferFleetAnswer),
+        Operation(ep.UPDATE_WEIGHTS, answer=WeightTransferFleetAnswer),
+        Operation(ep.FINISH_WEIGHT_UPDATE, changes_weights=True, answer=WeightTransferFleetAnswer),
+        Operation(ep.PAUSE, fenced=True, answer=PauseFleetAnswer),
+        Operation(ep.RESUME, answer=PauseFleetAnswer),
+        Operation(ep.IS_PAUSED, answer=IsPausedFleetAnswer),
         # Plain broadcasts.
         Operation(ep.FLUSH_CACHE),
         Operation(ep.ABORT_REQUEST),

@@ -5,23 +5,33 @@ takes ``tp_size`` consecutive ranks starting at its own ``rank_offset``, in
 registry order. Giving every worker the caller's single ``rank_offset`` (what a
 plain SGLang router would forward) makes ranks collide and hangs the
 rendezvous, so the router rewrites it per worker.
+
+Both dialects build the group the same way: SGLang's ``/init_weights_update_group``
+and vLLM's ``/init_weight_transfer_engine`` (whose fields sit in ``init_info``).
+A :class:`GroupJoin` is either request seen as the plan needs it: group name,
+world size, first rank, and the body each worker gets with its own offset.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from router.contract import endpoints as ep
+from router.contract.base import WireRequest
 from router.contract.errors import BadRequest, Unavailable
 from router.contract.fleet import RankAssignment, WorldSizeResponse
+from router.contract.vllm import InitWeightTransferEngineRequest
 from router.contract.weight_sync import DEFAULT_RANK_OFFSET, InitWeightsUpdateGroupRequest
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
+from router.gateway.admin.groups import GroupDialect
 from router.gateway.admin.locked import AdminContext, AdminRun
-from router.gateway.admin.operations import OPERATIONS
+from router.gateway.admin.operations import OPERATIONS, Operation
 
 INIT = OPERATIONS[ep.INIT_WEIGHTS_UPDATE_GROUP.path]
+INIT_VLLM = OPERATIONS[ep.INIT_WEIGHT_TRANSFER_ENGINE.path]
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +88,56 @@ def plan_ranks(
     return slots
 
 
+@dataclass(frozen=True, slots=True)
+class GroupJoin:
+    """One group init, whichever dialect asked for it: what the rank plan reads, and each worker's body."""
+
+    op: Operation
+    request: WireRequest
+    dialect: GroupDialect
+    group_name: str
+    world_size: int
+    rank_offset: int
+    timeout_s: float | None
+    """The caller's bound on the join (the workers' default when ``None``)."""
+    with_rank_offset: Callable[[int], WireRequest]
+    """The request one worker gets: the caller's, with that worker's own first rank."""
+
+    @classmethod
+    def sglang(cls, req: InitWeightsUpdateGroupRequest) -> GroupJoin:
+        return cls(
+            op=INIT,
+            request=req,
+            dialect="sglang",
+            group_name=req.group_name,
+            world_size=req.world_size,
+            rank_offset=req.rank_offset,
+            timeout_s=req.timeout_s,
+            with_rank_offset=lambda offset: req.model_copy(update={"rank_offset": offset}),
+        )
+
+    @classmethod
+    def vllm(cls, req: InitWeightTransferEngineRequest) -> GroupJoin:
+        info = req.init_info
+
+        def with_rank_offset(offset: int) -> WireRequest:
+            return req.model_copy(update={"init_info": info.model_copy(update={"rank_offset": offset})})
+
+        return cls(
+            op=INIT_VLLM,
+            request=req,
+            dialect="vllm",
+            group_name=info.group_name,
+            world_size=info.world_size,
+            rank_offset=info.rank_offset,
+            timeout_s=info.timeout_s,
+            with_rank_offset=with_rank_offset,
+        )
+
+    def router_wait(self) -> float:
+        return self.op.endpoint.budget.router_wait(self.timeout_s)
+
+
 class GroupInitializer:
     """``/init_weights_update_group`` through the router: plan, then one concurrent init per worker.
 
@@ -105,24 +165,37 @@ class GroupInitializer:
             groups=self._ctx.groups.views(targets),
         )
 
-    async def init(self, req: InitWeightsUpdateGroupRequest, headers: dict[str, str]) -> Outcome:
-        async with AdminRun.open(INIT, self._ctx) as run:
+    async def init(self, join: GroupJoin, headers: dict[str, str]) -> Outcome:
+        async with AdminRun.open(join.op, self._ctx) as run:
             targets = self._ctx.live_targets()
             # Every target's process is read before it joins: the group record names those processes.
             await self._ctx.refresh_versions(targets)
             slots = plan_ranks(
-                [(w.id, w.url, w.tp_size) for w in targets], world_size=req.world_size, rank_offset=req.rank_offset
+                [(w.id, w.url, w.tp_size) for w in targets], world_size=join.world_size, rank_offset=join.rank_offset
             )
-            per_worker = {s.worker_id: req.model_copy(update={"rank_offset": s.rank_offset}) for s in slots}
+            per_worker = {s.worker_id: join.with_rank_offset(s.rank_offset) for s in slots}
             call = AdminCall(
-                INIT, "POST", req, headers, timeout_s=INIT.router_wait(req), request_for=lambda w: per_worker[w.id]
+                join.op,
+                "POST",
+                join.request,
+                headers,
+                timeout_s=join.router_wait(),
+                request_for=lambda w: per_worker[w.id],
             )
             await run.fence_targets(targets)
             results = await run.fan_out(targets, call)
             ranks = [s.assignment() for s in slots]
-            outcome = await run.settle(results, ranks=ranks)
+            # A failed join may leave a half-built group behind: only a refusal before any join began
+            # (``join_attempted: false``) leaves its worker as it was.
+            joined = [r.worker for r in results if not r.success and _join_attempted(r.body)]
+            outcome = await run.settle(results, uncertain=joined, ranks=ranks)
             if outcome.status == 200:
-                await self._ctx.groups.built(req.group_name, req.world_size, ranks, targets)
+                await self._ctx.groups.built(join.group_name, join.world_size, ranks, targets, dialect=join.dialect)
             else:
-                await self._ctx.groups.dropped(req.group_name)
+                await self._ctx.groups.dropped(join.group_name)
             return outcome
+
+
+def _join_attempted(body: Any) -> bool:
+    """Whether a worker's answer to an init leaves open that it began to join (it says so, or says nothing)."""
+    return getattr(body, "join_attempted", None) is not False

@@ -18,9 +18,23 @@ from pydantic import BaseModel
 from router.contract import endpoints as ep
 from router.contract.admin import WeightsCheckerRequest
 from router.contract.base import WireRequest, WireResponse
-from router.contract.fleet import FleetModelInfo, FleetWeightVersion, WorldSizeResponse
+from router.contract.fleet import (
+    FleetModelInfo,
+    FleetWeightVersion,
+    IsPausedFleetAnswer,
+    PauseFleetAnswer,
+    WorldSizeResponse,
+)
+from router.contract.vllm import (
+    FinishWeightUpdateRequest,
+    InitWeightTransferEngineRequest,
+    IsPausedResponse,
+    PauseStatus,
+    StartWeightUpdateRequest,
+    UpdateWeightsRequest,
+)
 from router.contract.web.openapi import Route
-from router.contract.web.parsing import parse_model, read_json
+from router.contract.web.parsing import parse_model, read_json, typed_query
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     CompleteWeightsUpdateRequest,
@@ -32,6 +46,7 @@ from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import OPERATIONS, Operation
+from router.gateway.admin.ranks import GroupJoin
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -42,8 +57,11 @@ def _forward_headers(request: web.Request) -> dict[str, str]:
 
 
 async def _parse(request: web.Request, op: Operation) -> Any:
-    """The request model of ``op`` from the body, query parameters filling the gaps."""
+    """The request model of ``op`` from the body, query parameters filling the gaps (vLLM's ``/pause``
+    takes its arguments in the query, typed as JSON would carry them, and they win over the body's)."""
     data = await read_json(request)
+    if op.endpoint is ep.PAUSE:
+        return parse_model(op.endpoint.request, {**data, **typed_query(request.query)})
     return parse_model(op.endpoint.request, {**request.query, **data})
 
 
@@ -93,7 +111,8 @@ async def weights_checker(request: web.Request) -> web.Response:
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     req: InitWeightsUpdateGroupRequest = await _parse(request, OPERATIONS[ep.INIT_WEIGHTS_UPDATE_GROUP.path])
-    return await _detached(request, request.app[keys.GROUP_INIT].init(req, _forward_headers(request)), "init_group")
+    init = request.app[keys.GROUP_INIT].init(GroupJoin.sglang(req), _forward_headers(request))
+    return await _detached(request, init, "init_group")
 
 
 async def get_world_size(request: web.Request) -> web.Response:
@@ -115,6 +134,61 @@ async def abort_weights_update(request: web.Request) -> web.Response:
     return await _detached(request, request.app[keys.TWO_PHASE].abort(req, _forward_headers(request)), "abort")
 
 
+# -- vLLM's weight-transfer API
+
+
+async def init_weight_transfer_engine(request: web.Request) -> web.Response:
+    req: InitWeightTransferEngineRequest = await _parse(request, OPERATIONS[ep.INIT_WEIGHT_TRANSFER_ENGINE.path])
+    init = request.app[keys.GROUP_INIT].init(GroupJoin.vllm(req), _forward_headers(request))
+    return await _detached(request, init, "init_weight_transfer_engine")
+
+
+async def start_weight_update(request: web.Request) -> web.Response:
+    req: StartWeightUpdateRequest = await _parse(request, OPERATIONS[ep.START_WEIGHT_UPDATE.path])
+    work = request.app[keys.WEIGHT_TRANSFER].start(req, _forward_headers(request))
+    return await _detached(request, work, "start_weight_update")
+
+
+async def update_weights(request: web.Request) -> web.Response:
+    req: UpdateWeightsRequest = await _parse(request, OPERATIONS[ep.UPDATE_WEIGHTS.path])
+    work = request.app[keys.WEIGHT_TRANSFER].update(req, _forward_headers(request))
+    return await _detached(request, work, "update_weights")
+
+
+async def finish_weight_update(request: web.Request) -> web.Response:
+    req: FinishWeightUpdateRequest = await _parse(request, OPERATIONS[ep.FINISH_WEIGHT_UPDATE.path])
+    work = request.app[keys.WEIGHT_TRANSFER].finish(req, _forward_headers(request))
+    return await _detached(request, work, "finish_weight_update")
+
+
+async def pause_or_resume(request: web.Request) -> web.Response:
+    """vLLM's ``/pause`` (fenced like ``/pause_generation``) and ``/resume`` (like ``/continue_generation``):
+    ``status`` is the workers' (``paused``, ``resumed``) once every one of them answered it."""
+    op = OPERATIONS[request.path]
+    req = await _parse(request, op)
+    outcome = await request.app[keys.TASKS].run_detached(
+        broadcast(request.app[keys.ADMIN], op, _call(request, op, req)), name=op.name
+    )
+    answer = outcome.answer
+    statuses = {r.body.status for r in answer.results if isinstance(r.body, PauseStatus)}
+    if outcome.ok and isinstance(answer, PauseFleetAnswer) and len(statuses) == 1:
+        answer.status = statuses.pop()
+    return _json(outcome.status, answer)
+
+
+async def is_paused(request: web.Request) -> web.Response:
+    """``{"is_paused": true}`` only when every live worker says it is paused."""
+    op = OPERATIONS[ep.IS_PAUSED.path]
+    req = await _parse(request, op)
+    outcome = await broadcast(request.app[keys.ADMIN], op, _call(request, op, req))
+    answer = outcome.answer
+    if isinstance(answer, IsPausedFleetAnswer):
+        answer.is_paused = outcome.ok and all(
+            isinstance(r.body, IsPausedResponse) and r.body.is_paused for r in answer.results
+        )
+    return _json(outcome.status, answer)
+
+
 #: Operations whose fleet semantics need more than the generic broadcast.
 _SPECIAL: dict[str, Handler] = {
     ep.MODEL_INFO.path: model_info,
@@ -124,6 +198,13 @@ _SPECIAL: dict[str, Handler] = {
     ep.PREPARE_WEIGHTS_UPDATE.path: prepare_weights_update,
     ep.COMPLETE_WEIGHTS_UPDATE.path: complete_weights_update,
     ep.ABORT_WEIGHTS_UPDATE.path: abort_weights_update,
+    ep.INIT_WEIGHT_TRANSFER_ENGINE.path: init_weight_transfer_engine,
+    ep.START_WEIGHT_UPDATE.path: start_weight_update,
+    ep.UPDATE_WEIGHTS.path: update_weights,
+    ep.FINISH_WEIGHT_UPDATE.path: finish_weight_update,
+    ep.PAUSE.path: pause_or_resume,
+    ep.RESUME.path: pause_or_resume,
+    ep.IS_PAUSED.path: is_paused,
 }
 
 #: The router's answer where it is not the workers' answers lifted to the fleet.
