@@ -129,7 +129,7 @@ class VllmWeightTransfer:
 
     async def update(self, req: UpdateWeightsRequest) -> Answer:
         info = req.update_info
-        async with self.sync.holding("update_weights", wait_s=info.timeout_s or self.sync.receive_timeout_s):
+        async with self.sync.holding("update_weights"):
             opened = self._open
             if opened is None:
                 return _conflict("no weight update is started: call /start_weight_update before /update_weights")
