@@ -286,9 +286,13 @@ async def test_a_sync_holds_the_lock_and_fence_from_start_to_finish(fleet: Fleet
     assert (await fleet.call("POST", "/workers", {"url": "http://127.0.0.9:9"}))[0] == 409
 
     packed = {"update_info": {**CHUNK["update_info"], "packed": True, "packed_buffer_size_bytes": 4}}
+    held = fleet.client.app[keys.WEIGHT_TRANSFER].held
+    assert held is not None
     for chunk in (CHUNK, packed):
+        expires_at = held.expires_at
         status, body = await fleet.call("POST", "/update_weights", chunk)
         assert status == 200 and body["update_open"] and body["message"].startswith("weights received"), body
+        assert held.expires_at > expires_at  # each call extends the update's window, as on the workers
     assert all(s.bodies("/update_weights")[1]["update_info"]["packed"] for s in fleet.workers)
 
     status, body = await fleet.call("POST", "/finish_weight_update", {"weight_version": "v2"})

@@ -78,6 +78,9 @@ class HeldUpdate:
     """Each target's process instance when the update began: another one later has lost the update."""
     receive_deadline: float
     """``time.monotonic()`` past which the workers stop receiving (the update's window from its start)."""
+    expires_at: float = 0.0
+    """``time.monotonic()`` past which the router ends it (set when it is held; a call may extend it)."""
+    started: float = field(default_factory=time.monotonic)
     expiry: asyncio.Task[None] | None = None
     calls: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held by a call that works inside the update without ending it; the expiry waits for it."""
@@ -118,10 +121,14 @@ class HeldUpdates(Generic[H]):
         #: Why the router itself ended the last held update of each group (told to a late call).
         self._ended: dict[str, str] = {}
 
+    def _life_s(self, window_s: float) -> float:
+        """How long the router holds an update whose workers receive for ``window_s``."""
+        return self._prepared_life_s if self._prepared_life_s is not None else window_s + HOP_MARGIN_S
+
     def _hold(self, held: H, window_s: float) -> None:
         """``held`` owns the lock and the fence from now on, until a call ends it or it expires."""
-        life = self._prepared_life_s if self._prepared_life_s is not None else window_s + HOP_MARGIN_S
-        held.expiry = self._tasks.spawn(self._expire(held, life), name=f"held-update-{held.group_name}")
+        held.expires_at = time.monotonic() + self._life_s(window_s)
+        held.expiry = self._tasks.spawn(self._expire(held), name=f"held-update-{held.group_name}")
         self.held = held
 
     def _ended_note(self, group: str) -> str:
@@ -132,15 +139,14 @@ class HeldUpdates(Generic[H]):
         if held.expiry is not None and held.expiry is not asyncio.current_task():
             held.expiry.cancel()
 
-    async def _expire(self, held: H, life_s: float) -> None:
+    async def _expire(self, held: H) -> None:
         """End ``held`` at its expiry, or as soon as no target can complete it any more."""
-        deadline = time.monotonic() + life_s
         unanswered = dict.fromkeys(held.instances, 0)
         reason: str | None = None
         while reason is None:
-            left = deadline - time.monotonic()
+            left = held.expires_at - time.monotonic()
             if left <= 0:
-                reason = f"expired after {life_s:.0f}s without {self.ending_call}"
+                reason = f"expired after {time.monotonic() - held.started:.0f}s without {self.ending_call}"
                 break
             await asyncio.sleep(min(RECEIVE_POLL_S, left))
             if self.held is not held:

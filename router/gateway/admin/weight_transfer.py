@@ -20,8 +20,8 @@ update, held like a prepared two-phase update (:class:`~router.gateway.admin.two
   call of it, keeps the others fenced and records the fleet's weights and version.
 - ``/update_weights`` or ``/finish_weight_update`` with no update open is a 409 that touches no
   worker. An update nobody finishes ends after its window (start's ``timeout_s``, else the workers'
-  receive default) plus one margin, or sooner once no target can finish it (every one failed,
-  restarted or stopped answering), and fails closed.
+  receive default; each ``/update_weights`` extends it, as on the workers) plus one margin, or sooner
+  once no target can finish it (every one failed, restarted or stopped answering), and fails closed.
 
 Answers keep vLLM's ``message`` (a vLLM client reads it and the HTTP status) beside the router's
 envelope, with ``update_open`` and the workers kept ``fenced``.
@@ -69,6 +69,8 @@ class OpenUpdate(HeldUpdate):
     """Workers an ``/update_weights`` of this update may have written into."""
     chunks: int = 0
     """``/update_weights`` calls every worker still in the update took."""
+    window_s: float
+    """The update's window (start's ``timeout_s``, else the workers' receive default)."""
 
     def receiving(self) -> list[Worker]:
         return [w for w in self.targets if w.id not in self.failed]
@@ -101,6 +103,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
                 targets=targets,
                 instances={w.id: w.instance_id for w in targets},
                 receive_deadline=time.monotonic() + window,
+                window_s=window,
             )
             self._hold(held, window)
             run.outcome = "success"
@@ -121,10 +124,13 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
             raise Conflict("an /update_weights of this update is still in flight; send the next one after its answer")
         async with held.calls, AdminRun.open(UPDATE, self._ctx) as run:
             targets = held.receiving()
-            # The workers' receive ends with the update's window; the caller may bound it sooner.
+            # Each call extends the update's window on the workers (by its own timeout_s, else the
+            # window start set), and so the router's hold; the workers receive until that deadline.
+            window = req.update_info.timeout_s if req.update_info.timeout_s is not None else held.window_s
+            now = time.monotonic()
+            held.receive_deadline = max(held.receive_deadline, now + window)
+            held.expires_at = max(held.expires_at, now + self._life_s(window))
             bound = held.receive_left_s()
-            if req.update_info.timeout_s is not None:
-                bound = min(bound, req.update_info.timeout_s)
             call = AdminCall(UPDATE, "POST", req, headers, timeout_s=UPDATE.endpoint.budget.router_wait(bound))
             results = await run.fan_out(targets, call)
             failed = [r for r in results if not r.success]
