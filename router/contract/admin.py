@@ -151,15 +151,19 @@ class RankResult(WireResponse):
 class AdminResult(WireResponse):
     """The generic admin answer: ``{success, message, rank_results}`` plus the action's fields.
 
-    ``weights`` says what the call left the worker's weights as, success or not: ``intact``
+    ``weights`` says what the call did to the worker's weights, success or not: ``intact``
     (nothing was written: a refusal, or an operation that never writes), ``updated`` or
     ``partial``. A router keeps out of routing exactly the workers whose weights may differ
-    from the fleet's; a worker that does not say is treated as ``partial``."""
+    from the fleet's; a worker that does not say is treated as ``partial``.
+    ``weights_partial`` says what the weights are after the call, whatever it did: a mix of
+    versions (an earlier update failed) or released without a copy and not yet rewritten.
+    Such a worker generates nothing; a refusal on it is still ``intact``."""
 
     success: bool
     message: str = ""
     rank_results: list[RankResult] | None = None
     weights: WeightsEffect | None = None
+    weights_partial: bool | None = None
 
     @property
     def ok(self) -> bool:

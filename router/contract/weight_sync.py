@@ -229,6 +229,8 @@ class PrepareWeightsUpdateResponse(WireResponse):
     message: str = ""
     #: A prepare writes nothing (a streaming update writes its first bucket only once it arrives).
     weights: WeightsEffect | None = None
+    #: The worker's weights are partial already (see :class:`~router.contract.admin.AdminResult`).
+    weights_partial: bool | None = None
     rank_results: list[RankResult] | None = None
 
     @property

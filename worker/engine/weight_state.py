@@ -86,9 +86,10 @@ class WeightLedger:
         self.state = WeightState.WRITING
 
     def writing_failed(self) -> WeightsEffect:
-        """A streaming update ended without commit: ``partial`` if it wrote anything."""
+        """A streaming update ended without commit: ``partial`` if it wrote anything. One that wrote
+        nothing left the weights ``intact``, also when they were partial before it (they stay so)."""
         if self.state is not WeightState.WRITING:
-            return "partial" if self.state is WeightState.PARTIAL else "intact"
+            return "intact"
         self._to_partial()
         return "partial"
 

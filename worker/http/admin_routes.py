@@ -60,18 +60,19 @@ def admin_handler(fn: Handler) -> Handler:
 def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], body: WireResponse | dict[str, Any]) -> web.Response:
     """The route's response model as JSON: 200, or 400 with ``error.message`` when it reports a failure.
 
-    ``weights`` says what the call left the weights as. A route that never writes them
+    ``weights`` says what this call did to the weights. A route that never writes them
     leaves them ``intact``; one that may write them reports what it did (its handler sets
-    it). Either way, weights that are already a mix of versions (a failed update before)
-    are reported ``partial``: a router must not take them for the fleet's."""
+    it). ``weights_partial`` says what the weights are now, whatever the call did: already
+    a mix of versions (a failed update before) or released without a copy and not yet
+    rewritten. A refusal on such a worker still leaves them ``intact`` (it changed nothing);
+    the worker serves nothing until they are whole, and a router keeps it pending."""
     model = body if isinstance(body, WireResponse) else endpoint.response.model_validate(body)
     if "weights" in type(model).model_fields:
         said = getattr(model, "weights", None)
         if said is None and not endpoint.writes_weights:
             said = "intact"
-        if said == "intact" and request.app[COORDINATOR].worker.weights_partial:
-            said = "partial"
-        model = model.model_copy(update={"weights": said})
+        partial = bool(request.app[COORDINATOR].worker.weights_partial or getattr(model, "weights_partial", False))
+        model = model.model_copy(update={"weights": said, "weights_partial": partial})
     payload = model.model_dump(mode="json")
     if model.ok:
         return web.json_response(payload)

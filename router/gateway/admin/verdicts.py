@@ -9,7 +9,10 @@ into routing or must stay fenced because its weights may differ from the fleet's
 - it refused before touching anything (``weights: intact``; for a group init,
   refused before any join began): restored, unless other targets of a
   weight-writing operation succeeded, so that this one holds the previous
-  weights while the fleet moved on;
+  weights while the fleet moved on. A worker whose weights were already partial
+  before the call (``weights_partial: true``: a failed update, or weights released
+  without a copy) is restored too: the refusal changed nothing, and such a worker
+  is kept out of routing by its ``weight_state`` (pending), not by this fence;
 - anything else (no usable answer, ``partial``, an answer that does not say,
   a join that failed or timed out): kept fenced until an operator resolves it.
 
@@ -41,7 +44,7 @@ class Verdict:
 
 
 def refused_untouched(op: Operation, result: WorkerResult[Any]) -> bool:
-    """``result`` is a refusal that changed nothing on its worker."""
+    """``result`` is a refusal that changed nothing on its worker (whatever state its weights were in before)."""
     body = result.body
     if result.success or body is None or not (400 <= (result.status_code or 0) < 500):
         return False
