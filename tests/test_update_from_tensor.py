@@ -154,32 +154,3 @@ def test_bad_handle_messages_are_refused(workers, checkpoints) -> None:
     finally:
         segment.close()
         segment.unlink()
-
-
-def test_slimes_colocate_sequence_without_a_host_copy(worker_factory, checkpoints) -> None:
-    """release weights + KV (no host copy) → resume weights → update from tensor → resume KV → generate."""
-    w = worker_factory(checkpoints["llama"])
-    reference = worker_factory(checkpoints["llama_b"])
-    prompt = [1, 5, 9, 3]
-    w.ok("POST", "/pause_generation", {"mode": "retract"})
-    released = w.ok("POST", "/release_memory_occupation", {"tags": ["weights", "kv_cache"], "keep_weights": False})
-    assert sorted(released["released"]) == ["kv_cache", "weights"]
-    w.ok("POST", "/resume_memory_occupation", {"tags": ["weights"]})
-    # Resumed storage holds no weights: nothing is served until every tensor has been pushed.
-    assert w.info()["weight_state"] == "partial"
-    status, body = w.post("/generate", {"input_ids": prompt, "sampling_params": {"max_new_tokens": 2}})
-    assert status == 503 and "partial" in body["error"]["message"], body
-    named = _tensors(checkpoints["llama_b"])
-    half = len(named) // 2
-    for part, servable in ((named[:half], False), (named[half:], True)):
-        body, segment = build_cpu_handles(part)
-        try:
-            assert w.ok("POST", PATH, body)["success"] is True
-        finally:
-            segment.close()
-            segment.unlink()
-        assert (w.info()["weight_state"] == "serving") is servable
-    w.ok("POST", "/resume_memory_occupation", {"tags": ["kv_cache"]})
-    w.ok("POST", "/continue_generation", {})
-    assert w.checksum() == sent_checksum(named)
-    assert w.generate(prompt)["output_ids"] == reference.generate(prompt)["output_ids"]
