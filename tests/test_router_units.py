@@ -51,6 +51,21 @@ def test_router_import_leaves_torch_out():
     assert out.stdout.strip() == "False"
 
 
+def test_event_loop_choice():
+    from router.gateway.cli import event_loop_factory
+
+    assert event_loop_factory("asyncio") is None
+    try:
+        import uvloop
+    except ImportError:  # the fallback: asyncio's loop, and a clear refusal when uvloop is demanded
+        assert event_loop_factory("auto") is None
+        with pytest.raises(RuntimeError, match="not installed"):
+            event_loop_factory("uvloop")
+    else:
+        assert event_loop_factory("auto") is uvloop.new_event_loop
+        assert event_loop_factory("uvloop") is uvloop.new_event_loop
+
+
 class TestUrls:
     def test_normalizes(self):
         assert normalize_url("HTTP://LocalHost:8000/") == "http://localhost:8000"
@@ -384,6 +399,23 @@ class TestWire:
         assert json.loads(body)["rid"] == rid
         assert prepare_payload(b'{"text": "x", "rid": "mine"}')[1] == "mine"
         assert prepare_payload(b"not json") == (b"not json", None, False)
+        # A body that names its rid is forwarded byte for byte.
+        mine = b'{ "text" : "x","rid":"mine" }'
+        assert prepare_payload(mine)[0] is mine
+        # Injection keeps every other byte of the body; bodies it cannot splice are re-encoded whole.
+        for raw in (
+            b' \n{"text": "a", "sampling_params": {"max_new_tokens": 1}} ',
+            b'{"rid": null, "text": "a"}',
+            b"{}",
+        ):
+            body, rid, _ = prepare_payload(raw)
+            sent = json.loads(body)
+            assert sent.pop("rid") == rid and sent == {k: v for k, v in json.loads(raw).items() if k != "rid"}
+        body, rid, _ = prepare_payload(b'{"text": "x"}')
+        assert body == b'{"rid": "' + rid.encode() + b'", "text": "x"}'
+        # Workers abort by prefix: no assigned rid is a prefix of another.
+        rids = [prepare_payload(b'{"text": "x"}')[1] for _ in range(20)]
+        assert not any(a != b and b.startswith(a) for a in rids for b in rids)
 
 
 class TestAdminHttp:

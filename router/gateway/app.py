@@ -150,9 +150,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
     finally:
         info = request.match_info.route.resource
         route = info.canonical if info is not None else "unmatched"
-        m = request.app[keys.METRICS]
-        m.requests.labels(route, request.method, str(status)).inc()
-        m.latency.labels(route).observe(time.perf_counter() - start)
+        request.app[keys.METRICS].observe_request(route, request.method, status, time.perf_counter() - start)
 
 
 def _service_headers(config: RouterConfig) -> dict[str, str]:

@@ -10,7 +10,7 @@ import logging
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from aiohttp import web
@@ -23,6 +23,23 @@ from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, RouterConfig
 from router.gateway.shutdown import RequestDrain
 
 log = logging.getLogger("router")
+
+EVENT_LOOPS = ("auto", "uvloop", "asyncio")
+
+
+def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """The loop the router runs on: uvloop when installed (``auto``; part of the default install on
+    CPython outside Windows), else asyncio's own. uvloop's event loop and transports are C: less CPU
+    per proxied request (README, Benchmarks). ``None`` means asyncio's default loop."""
+    if choice == "asyncio":
+        return None
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise RuntimeError("--event-loop uvloop: uvloop is not installed (pip install uvloop)") from None
+        return None
+    return uvloop.new_event_loop
 
 
 class _JsonFormatter(logging.Formatter):
@@ -186,6 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="worker port on each pod; default: the container port named 'http'",
     )
+    p.add_argument(
+        "--event-loop",
+        choices=EVENT_LOOPS,
+        default="auto",
+        help="auto: uvloop when it is installed, else asyncio's loop",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     return p
@@ -235,7 +258,7 @@ async def serve(app: web.Application, host: str, port: int, config: RouterConfig
         await site.start()
         bound = [address[1] for address in runner.addresses]
         log.info(
-            "omni-router ready on http://%s:%s workers=%d policy=%s admin_auth=%s state_dir=%s discovery=%s",
+            "omni-router ready on http://%s:%s workers=%d policy=%s admin_auth=%s state_dir=%s discovery=%s loop=%s",
             host,
             bound[0] if bound else port,
             len(config.worker_urls),
@@ -243,6 +266,7 @@ async def serve(app: web.Application, host: str, port: int, config: RouterConfig
             "on" if config.admin_api_key else "off",
             config.state_dir,
             config.service_discovery,
+            type(loop).__module__.partition(".")[0],
         )
         # Start-up objects never die: keep them out of every later GC pass (shorter pauses).
         gc.freeze()
@@ -288,8 +312,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     if config.state_dir is None:
         log.warning("no --state-dir: a router crash mid-update cannot keep its targets disabled across restarts")
+    try:
+        loop_factory = event_loop_factory(args.event_loop)
+    except RuntimeError as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     started = time.monotonic()
-    asyncio.run(serve(app, args.host, args.port, config))
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        runner.run(serve(app, args.host, args.port, config))
     log.info("omni-router stopped after %.0fs", time.monotonic() - started)
     return 0
 

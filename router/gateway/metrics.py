@@ -98,6 +98,22 @@ class RouterMetrics:
             "omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r
         )
         r.register(_FleetCollector(workers))
+        # Labelled children bound once per label set: ``labels()`` takes a lock and builds a key on every
+        # call, and every request records two series.
+        self._request_counts: dict[tuple[str, str, int], Counter] = {}
+        self._request_latency: dict[str, Histogram] = {}
+
+    def observe_request(self, route: str, method: str, status: int, duration_s: float) -> None:
+        """One served HTTP request (the metrics middleware, on every request)."""
+        key = (route, method, status)
+        count = self._request_counts.get(key)
+        if count is None:
+            count = self._request_counts[key] = self.requests.labels(route, method, str(status))
+        count.inc()
+        latency = self._request_latency.get(route)
+        if latency is None:
+            latency = self._request_latency[route] = self.latency.labels(route)
+        latency.observe(duration_s)
 
     def observe_lock_wait(self, operation: str, waited_s: float, acquired: bool) -> None:
         self.lock_wait.labels(operation, "true" if acquired else "false").observe(waited_s)

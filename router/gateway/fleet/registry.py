@@ -167,7 +167,7 @@ class WorkerRegistry:
 
     def pending_reason(self, worker: Worker) -> str | None:
         """Why ``worker`` may not take generation traffic although it is healthy, or ``None``."""
-        return self.fleet.why_not_serving(worker.id, worker.weights)
+        return self.fleet.why_not_serving(worker.id, worker)
 
     def is_routable(self, worker: Worker) -> bool:
         return (

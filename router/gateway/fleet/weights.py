@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Protocol
 
 from pydantic import BaseModel, Field, ValidationError
 
@@ -51,6 +52,17 @@ class WorkerWeights(BaseModel):
     instance_id: str | None = None
 
 
+class ReportedWeights(Protocol):
+    """What a worker last said of its weights: a :class:`WorkerWeights`, or the registry's worker itself."""
+
+    @property
+    def weight_version(self) -> str | None: ...
+    @property
+    def weight_state(self) -> str | None: ...
+    @property
+    def instance_id(self) -> str | None: ...
+
+
 class FleetWeights:
     """The record, and the rule that decides whether a worker holds the fleet's weights."""
 
@@ -70,8 +82,11 @@ class FleetWeights:
             )
             return FleetRecord(weight_version=None, changed_at=time.time(), holders={})
 
-    def why_not_serving(self, worker_id: str, reported: WorkerWeights) -> str | None:
-        """Why this worker cannot serve the fleet's weights, or ``None`` when it can."""
+    def why_not_serving(self, worker_id: str, reported: ReportedWeights) -> str | None:
+        """Why this worker cannot serve the fleet's weights, or ``None`` when it can.
+
+        Routing asks this for every candidate of every request, so ``reported`` is read in place
+        (the registry passes the worker itself) rather than copied into a model."""
         if reported.weight_state in ("partial", "released", "writing"):
             return f"its weights are {reported.weight_state}"
         record = self.record

@@ -15,9 +15,10 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
-import uuid
+import secrets
 from typing import Any
 
 import aiohttp
@@ -37,8 +38,6 @@ log = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({502, 503, 504})
 STREAM_CHUNK = 64 * 1024
 WORKER_HEADER = "X-Omni-Worker"
-#: What the caller's request says about its body; its ``Authorization`` is never forwarded.
-_FORWARD_HEADERS = ("Content-Type", "Accept")
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 
@@ -78,8 +77,23 @@ def describe_fleet(registry: WorkerRegistry) -> str:
     )
 
 
+#: Router-assigned rids: a random per-process prefix and a fixed-width counter, so no rid is a prefix of
+#: another (workers abort by prefix) and none costs a system call (``uuid4`` reads ``os.urandom``).
+_RID_PREFIX = f"omni-{secrets.token_hex(8)}"
+_rid_counter = itertools.count()
+
+
+def _new_rid() -> str:
+    return f"{_RID_PREFIX}{next(_rid_counter):012x}"
+
+
 def prepare_payload(raw: bytes) -> tuple[bytes, Any, bool]:
-    """Return (body to send, rid to abort with, stream?). Injects a rid when none was given."""
+    """Return (body to send, rid to abort with, stream?). Injects a rid when none was given.
+
+    A body that carries its rid is forwarded as it came. An injected rid is spliced in after the
+    opening brace instead of re-encoding the whole body; a body where that is not a plain byte
+    splice (``"rid": null`` present, ``{}``, not UTF-8 or a byte-order mark) is re-encoded.
+    """
     try:
         payload = json.loads(raw) if raw else None
     except (UnicodeDecodeError, ValueError, RecursionError):
@@ -90,15 +104,19 @@ def prepare_payload(raw: bytes) -> tuple[bytes, Any, bool]:
     rid = payload.get("rid")
     if rid is not None:
         return raw, rid, stream
-    base = f"omni-{uuid.uuid4().hex}"
+    base = _new_rid()
     text = payload.get("text")
     if text is not None:
         batch = len(text) if isinstance(text, list) else None
     else:
         ids = payload.get("input_ids")
         batch = len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
-    payload["rid"] = base if batch is None else [f"{base}-{i}" for i in range(batch)]
     # Abort by prefix: every assigned rid starts with ``base``.
+    assigned: str | list[str] = base if batch is None else [f"{base}-{i}" for i in range(batch)]
+    start = len(raw) - len(raw.lstrip())
+    if payload and "rid" not in payload and raw[start : start + 1] == b"{":
+        return raw[: start + 1] + b'"rid": ' + json.dumps(assigned).encode() + b", " + raw[start + 1 :], base, stream
+    payload["rid"] = assigned
     return json.dumps(payload).encode(), base, stream
 
 
@@ -124,38 +142,59 @@ class GenerateProxy:
         self._tasks = tasks
         self._service_headers = service_headers
         self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
+        self._worker_auth = service_headers.get("Authorization")  # the router's own worker key
+        # The retry policy, built once: these strategies keep no state between calls.
+        self._stop = stop_after_attempt(1 + config.max_retries)
+        self._wait = wait_exponential_jitter(initial=config.retry_initial_backoff_s, max=config.retry_max_backoff_s)
+        self._retry_on = retry_if_exception_type(_Retryable)
 
-    def pick(self, tried: set[str]) -> Worker:
-        candidates = [w for w in self._registry.routable() if w.id not in tried]
+    def pick(self, tried: set[str] | frozenset[str] = frozenset()) -> Worker:
+        candidates = self._registry.routable()
+        if tried:
+            candidates = [w for w in candidates if w.id not in tried]
         if not candidates:
             raise Unavailable(describe_fleet(self._registry))
         return self._policy.choose(candidates)
 
+    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+        """What the caller said about its body; its ``Authorization`` is never forwarded."""
+        incoming = request.headers
+        headers = {"Content-Type": incoming.get("Content-Type") or "application/json"}
+        accept = incoming.get("Accept")
+        if accept is not None:
+            headers["Accept"] = accept
+        if self._worker_auth is not None:
+            headers["Authorization"] = self._worker_auth
+        return headers
+
     async def handle(self, request: web.Request, path: str = "/generate") -> web.StreamResponse:
         raw = await request.read()
         body, rid, _ = prepare_payload(raw)
-        headers = {k: request.headers[k] for k in _FORWARD_HEADERS if k in request.headers}
-        headers.setdefault("Content-Type", "application/json")
-        if "Authorization" in self._service_headers:  # the router's own worker key
-            headers["Authorization"] = self._service_headers["Authorization"]
-        tried: set[str] = set()
-        last: _Retryable | None = None
-        retrying = AsyncRetrying(
-            stop=stop_after_attempt(1 + self._cfg.max_retries),
-            wait=wait_exponential_jitter(initial=self._cfg.retry_initial_backoff_s, max=self._cfg.retry_max_backoff_s),
-            retry=retry_if_exception_type(_Retryable),
-            reraise=True,
-        )
+        headers = self._upstream_headers(request)
+        # The first attempt runs bare (no retry machinery): that is nearly every request.
+        worker = self.pick()
+        try:
+            return await self._attempt(request, worker, path, body, headers, rid)
+        except _Retryable as exc:
+            first = exc
+        return await self._retry(request, path, body, headers, rid, first)
+
+    async def _retry(
+        self, request: web.Request, path: str, body: bytes, headers: dict[str, str], rid: Any, first: _Retryable
+    ) -> web.StreamResponse:
+        """The first attempt failed before any byte reached the caller: back off, then other workers."""
+        tried = {first.worker.id}
+        last = first
+        retrying = AsyncRetrying(stop=self._stop, wait=self._wait, retry=self._retry_on, reraise=True)
         try:
             async for attempt in retrying:
                 with attempt:
-                    if attempt.retry_state.attempt_number > 1:
-                        self._metrics.retries.labels(last.kind if last else "unknown").inc()
+                    if attempt.retry_state.attempt_number == 1:
+                        raise first  # the bare attempt's failure is the policy's attempt 1: it backs off from here
+                    self._metrics.retries.labels(last.kind).inc()
                     try:
                         worker = self.pick(tried)
                     except Unavailable:
-                        if last is None:
-                            raise
                         break  # every routable worker was tried
                     tried.add(worker.id)
                     try:
@@ -165,7 +204,6 @@ class GenerateProxy:
                         raise
         except _Retryable as exc:
             last = exc
-        assert last is not None
         return self._give_up(last)
 
     def _give_up(self, last: _Retryable) -> web.Response:
