@@ -29,7 +29,7 @@ from router.contract.vllm import (
     VllmResult,
 )
 from router.contract.web.openapi import Route
-from router.contract.web.parsing import parse_body, parse_model, read_json
+from router.contract.web.parsing import parse_body, parse_model, read_json, typed_query
 from worker.engine import admin_ops
 from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
 from worker.http.keys import CONFIG, COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
@@ -79,7 +79,7 @@ async def finish_weight_update(request: web.Request) -> web.Response:
 
 @admin_handler
 async def pause(request: web.Request) -> web.Response:
-    data = {**(await read_json(request, allow_empty=True)), **_typed_query(request)}
+    data = {**(await read_json(request, allow_empty=True)), **typed_query(request.query)}
     req = parse_model(PauseQuery, data)
     mode = req.effective_mode
     coord = request.app[COORDINATOR]
@@ -107,21 +107,6 @@ async def get_world_size(request: web.Request) -> web.Response:
 
 
 _RESUME = ContinueRequest(torch_empty_cache=False)
-
-
-def _typed_query(request: web.Request) -> dict[str, Any]:
-    """Query parameters as JSON would carry them (``true``/``false``, numbers)."""
-    typed: dict[str, Any] = {}
-    for key, value in request.query.items():
-        low = value.lower()
-        if low in ("true", "false"):
-            typed[key] = low == "true"
-        else:
-            try:
-                typed[key] = float(value) if key == "timeout_s" else value
-            except ValueError:
-                typed[key] = value
-    return typed
 
 
 def _missing(field: str) -> VllmResult:
