@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from router.contract.base import MAX_ITEMS, Label, PathText, Text, WireRequest, WireResponse
 from router.contract.tensor_handles import HandleMessage
@@ -105,6 +105,15 @@ class UpdateWeightsFromTensorRequest(WireRequest):
     abort_all_requests: bool = False
     weight_version: Label | None = None
     tensor_handles: HandleMessage | None = None
+
+    @model_validator(mode="after")
+    def _one_carrier(self) -> UpdateWeightsFromTensorRequest:
+        # Checked here, so a router refuses a body without tensors before any worker is fenced for it.
+        if self.tensor_handles is not None and (self.serialized_named_tensors or self.load_format is not None):
+            raise ValueError("send either tensor_handles or serialized_named_tensors (with load_format), not both")
+        if self.tensor_handles is None and not self.serialized_named_tensors:
+            raise ValueError("serialized_named_tensors (one entry per TP rank) or tensor_handles is required")
+        return self
 
 
 class WeightsCheckerRequest(WireRequest):
