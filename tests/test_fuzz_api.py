@@ -8,7 +8,10 @@ route is documented as not implemented, and a 4xx must carry ``error.message``.
 
 Fences: after every refused (4xx) call through the router, no worker is disabled that
 was not before, no worker is pending, and the update journal is empty: a caller's
-mistake changes nothing.
+mistake changes nothing. The fenced routes are fuzzed once more while the router's
+worker holds partial weights (released without a copy, then resumed): a refusal then
+changes nothing either (the worker stays pending, unfenced), and a worker whose weights
+are partial is never routable.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from typing import Any
 import pytest
 from schemathesis import GenerationMode
 
+from router.gateway.admin.operations import OPERATIONS
 from tests import _fuzz
 from tests._router_fixtures import ADMIN_KEY, auth, start_router, start_workers, workers
 from tests.procs import http_json
@@ -27,6 +31,8 @@ pytestmark = pytest.mark.timeout(900)
 
 #: Cases per operation and generation mode: enough to reach every field, small enough for CI.
 EXAMPLES = 10
+#: Cases per fenced route and generation mode while the router's worker holds partial weights.
+PARTIAL_EXAMPLES = 3
 #: Routes that answer 501 by design (none today: ``/update_weights_from_tensor`` answers 4xx/200).
 NOT_IMPLEMENTED: tuple[str, ...] = ()
 
@@ -108,6 +114,18 @@ def _weights_partial(worker_url: str) -> bool:
     return http_json("GET", worker_url + "/health", timeout=10)[1].get("weight_state") == "partial"
 
 
+def _partial_weights(url: str, behind: str) -> None:
+    """Through the router: release the weights without a copy and resume them. The worker's weights are
+    partial (it serves nothing) until updates rewrite every tensor; the router holds it pending."""
+    for path, body in (
+        ("/release_memory_occupation", {"tags": ["weights"], "keep_weights": False}),
+        ("/resume_memory_occupation", {"tags": ["weights"]}),
+    ):
+        status, answer = http_json("POST", url + path, body, headers=auth(), timeout=30)
+        assert status == 200, (path, status, answer)
+    assert _weights_partial(behind)
+
+
 def _run_fuzz(base: str, *, via_router: bool, restore: Any, check_fences: bool) -> _fuzz.Tally:
     doc = _doc(base)
     rng = random.Random(0)
@@ -165,6 +183,52 @@ def test_fuzz_every_router_route(servers):
     _processes_alive(servers)
     # The fleet is whole and serves afterwards.
     restore()
+    assert all(not w["disabled"] and not w.get("pending") for w in workers(url, ADMIN_KEY))
+
+
+def test_fuzz_fenced_routes_on_partial_weights(servers):
+    url, behind = servers["router"], servers["behind"]
+    keep = {w["id"] for w in workers(url, ADMIN_KEY)}
+    fenced = {path for path, op in OPERATIONS.items() if op.fenced}
+    rng = random.Random(1)
+    tally = _fuzz.Tally()
+    headers = {**auth(), "Content-Type": "application/json"}
+    _partial_weights(url, behind)
+    baseline = _fence_state(url)
+    assert baseline == ([], sorted(keep), False), baseline  # pending (partial weights), not fenced
+
+    def execute(label: str, case: Any) -> None:
+        method, case_url, data, detail = _fuzz.case_request(case, url, rng)
+        try:
+            answer = _fuzz.send(method, case_url, data=data, headers=headers)
+        except TimeoutError:
+            raise AssertionError(f"no answer within {_fuzz.HANG_S + 30:.0f}s: {label} {detail[:500]}") from None
+        tally.record(label, answer, detail, allowed_5xx=_allowed_5xx(case.operation.path, via_router=True))
+        after = _fence_state(url)
+        if 400 <= answer.status < 500 and after != baseline:
+            tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {after}")
+        pending = set(after[1])
+        if _weights_partial(behind) and not keep <= pending:
+            tally.problems.append(f"a worker with partial weights is routable after {label} {detail[:200]}: {after}")
+        if not 400 <= answer.status < 500 or after != baseline:
+            _restore_router(url, keep, behind, servers["model"])
+            _partial_weights(url, behind)
+            again = _fence_state(url)
+            if again != baseline:
+                tally.problems.append(f"the harness could not restore partial weights after {label}: {again}")
+
+    for op in _fuzz.operations(_doc(url)):
+        if op.path not in fenced or op.method.upper() != "POST":
+            continue
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            tag = f"POST {op.path} [{mode.value}, partial weights]"
+            _fuzz.run_generated(op, mode, PARTIAL_EXAMPLES, lambda case, tag=tag: execute(tag, case))
+    print(f"router fuzz on partial weights: {tally.summary()}")
+    assert not tally.problems, "\n".join(tally.problems[:40])
+    assert tally.cases >= 2 * len(fenced), tally.summary()
+    _processes_alive(servers)
+    # Reloaded through the router, the fleet is whole and serves again.
+    _restore_router(url, keep, behind, servers["model"])
     assert all(not w["disabled"] and not w.get("pending") for w in workers(url, ADMIN_KEY))
 
 
