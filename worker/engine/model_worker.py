@@ -39,6 +39,7 @@ from worker.model import (
     rank_checksum,
     tensor_digest,
 )
+from worker.model.chat_template import ChatTemplateSlot
 from worker.model.checkpoint import check_config_file, read_checkpoint_chunked
 from worker.model.kv_cache import KVCache
 from worker.model.tensor_parallel import TensorParallel
@@ -116,6 +117,7 @@ class ModelWorker:
         # A set, built once: the scheduler tests every sampled token against it.
         self.eos_token_ids: frozenset[int] = frozenset(self.config.eos_token_ids)
         self.tokenizer = load_tokenizer(path)
+        self.chat_template = ChatTemplateSlot(path)
         self.model_path = path
         self.tokenizer_path = path
         self.served_model_name = served_model_name or path
@@ -175,8 +177,8 @@ class ModelWorker:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def memory_usage(self) -> dict[str, float]:
         gib = float(1 << 30)

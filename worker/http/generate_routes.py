@@ -61,15 +61,19 @@ def prompts_of(body: GenerateRequest, worker: ModelWorker) -> list[list[int]]:
     else:
         ids = body.input_ids or []
         prompts = [list(p) for p in ids] if body.is_batch else [list(ids)]  # type: ignore[arg-type]
-    vocab = worker.vocab_size
+    check_prompts(prompts, worker.vocab_size, body.is_batch)
+    return prompts
+
+
+def check_prompts(prompts: list[list[int]], vocab: int, is_batch: bool) -> None:
+    """Every prompt holds at least one token, and only ids of the vocabulary."""
     for i, ids in enumerate(prompts):
-        where = f"prompt {i}" if body.is_batch else "the prompt"
+        where = f"prompt {i}" if is_batch else "the prompt"
         if not ids:
             raise ApiError(400, f"{where} is empty")
         bad = next((t for t in ids if t < 0 or t >= vocab), None)
         if bad is not None:
             raise ApiError(400, f"{where} has token id {bad} outside the vocabulary [0, {vocab})")
-    return prompts
 
 
 def check_lengths(prompt_len: int, max_new_tokens: int, context_len: int) -> None:
@@ -101,13 +105,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if rid is not None and coord.rid_in_flight(rid):
             raise ApiError(400, f"a request with rid {rid!r} is already in flight")
         items.append((ids, generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num), rid))
-    if not coord.alive:
-        raise ApiError(503, "the scheduler thread is not running")
-    if coord.draining:  # checked with no await before the submit: nothing new slips into the drain
-        raise Unavailable(SHUTTING_DOWN)
-    why = coord.cannot_serve
-    if why is not None:
-        raise Unavailable(f"this worker cannot serve: {why}")
+    check_admission(coord)
 
     wakeup = asyncio.Event()
     handles: list[GenerationHandle] = []
@@ -131,7 +129,19 @@ async def generate(request: web.Request) -> web.StreamResponse:
             coord.release(handle)
 
 
-async def _updates(
+def check_admission(coord: Coordinator) -> None:
+    """Refuse a new generation the worker cannot take now (503); call it with no await before the
+    submit, so nothing new slips into a shutdown's drain. A paused worker admits: requests wait."""
+    if not coord.alive:
+        raise ApiError(503, "the scheduler thread is not running")
+    if coord.draining:
+        raise Unavailable(SHUTTING_DOWN)
+    why = coord.cannot_serve
+    if why is not None:
+        raise Unavailable(f"this worker cannot serve: {why}")
+
+
+async def follow(
     request: web.Request, coord: Coordinator, handles: list[GenerationHandle], wakeup: asyncio.Event
 ) -> AsyncIterator[list[GenerationHandle]]:
     """Yield the handles that received output, until all have finished.
@@ -163,7 +173,7 @@ async def _collect(
     request: web.Request, coord: Coordinator, handles: list[GenerationHandle], is_batch: bool, wakeup: asyncio.Event
 ) -> web.StreamResponse:
     try:
-        async for _ in _updates(request, coord, handles, wakeup):
+        async for _ in follow(request, coord, handles, wakeup):
             pass
     except ClientGone:
         return web.Response(status=499)
@@ -179,7 +189,7 @@ async def _stream(
     index = {id(h): i for i, h in enumerate(handles)}
     worker = coord.worker
     try:
-        async for changed in _updates(request, coord, handles, wakeup):
+        async for changed in follow(request, coord, handles, wakeup):
             for h in changed:
                 await send_event(
                     resp, h.build(worker.decode, worker.weight_version, index[id(h)] if is_batch else None)

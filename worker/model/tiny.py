@@ -1,8 +1,11 @@
 """Write tiny random Llama / Qwen2 checkpoints (for tests and the demo).
 
-Usage: ``omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N]``.
+Usage: ``omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N] [--chat-template]``.
 The checkpoint is a real Hugging Face directory: ``config.json`` and
-``model.safetensors`` with unfused tensor names.
+``model.safetensors`` with unfused tensor names. It has no ``tokenizer.json``, so the
+worker tokenizes bytes (ids 0..255; 256 and 257 are BOS and EOS and decode to nothing).
+With ``chat_template`` (``--chat-template``: :data:`TINY_CHAT_TEMPLATE`) it also gets a
+``tokenizer_config.json`` holding that template and its special tokens, as a chat model has.
 """
 
 from __future__ import annotations
@@ -18,6 +21,21 @@ from safetensors.torch import save_file
 
 BYTE_BOS = 256
 BYTE_EOS = 257
+
+#: A small ChatML-style template: turns wrapped in ``<|im_start|>role`` and ``eos_token``; roles other
+#: than system, user, assistant and tool are refused through ``raise_exception``. With the byte tokenizer
+#: the markers are plain text.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] not in ['system', 'user', 'assistant', 'tool'] %}"
+    "{{ raise_exception('unsupported role: ' + message['role']) }}"
+    "{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + (message['content'] or '') + eos_token + '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+#: The special tokens written beside :data:`TINY_CHAT_TEMPLATE` (as a Qwen2 chat checkpoint names them).
+TINY_SPECIAL_TOKENS: dict[str, Any] = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
 
 _BASE: dict[str, Any] = {
     "vocab_size": 512,
@@ -108,10 +126,17 @@ def write_checkpoint(out_dir: str | Path, config: dict[str, Any], state_dict: di
     return out
 
 
-def write_tiny_checkpoint(out_dir: str | Path, arch: str = "llama", seed: int = 0, **overrides: Any) -> Path:
-    """Write a tiny random checkpoint of ``arch`` and return its directory."""
+def write_tiny_checkpoint(
+    out_dir: str | Path, arch: str = "llama", seed: int = 0, *, chat_template: str | None = None, **overrides: Any
+) -> Path:
+    """Write a tiny random checkpoint of ``arch`` and return its directory; with ``chat_template``, a
+    ``tokenizer_config.json`` holding it and :data:`TINY_SPECIAL_TOKENS`."""
     config = tiny_config(arch, **overrides)
-    return write_checkpoint(out_dir, config, random_state_dict(config, seed))
+    out = write_checkpoint(out_dir, config, random_state_dict(config, seed))
+    if chat_template is not None:
+        tokenizer_config = {**TINY_SPECIAL_TOKENS, "chat_template": chat_template}
+        (out / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2))
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -119,9 +144,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--arch", choices=sorted(_ARCHS), default="llama")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--chat-template",
+        action="store_true",
+        help="also write tokenizer_config.json with a small ChatML-style chat template (for /v1/chat/completions)",
+    )
     args = parser.parse_args(argv)
-    path = write_tiny_checkpoint(args.out_dir, args.arch, args.seed)
-    print(f"wrote tiny {args.arch} checkpoint (seed {args.seed}) to {path}")
+    template = TINY_CHAT_TEMPLATE if args.chat_template else None
+    path = write_tiny_checkpoint(args.out_dir, args.arch, args.seed, chat_template=template)
+    extra = " with a chat template" if template else ""
+    print(f"wrote tiny {args.arch} checkpoint (seed {args.seed}){extra} to {path}")
     return 0
 
 

@@ -9,7 +9,7 @@ from typing import Protocol
 class Tokenizer(Protocol):
     """What the worker needs from a tokenizer."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def decode(self, ids: list[int]) -> str: ...
 
@@ -17,7 +17,7 @@ class Tokenizer(Protocol):
 class ByteTokenizer:
     """Token ids 0..255 are raw UTF-8 bytes; ids above are specials that decode to nothing."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
@@ -32,8 +32,9 @@ class HfTokenizer:
 
         self._tok = _Tokenizer.from_file(str(path))
 
-    def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``add_special_tokens=False`` for text that already holds them (a rendered chat template)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
