@@ -1,0 +1,114 @@
+"""OpenAI-compatible routes through the router: ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``.
+
+Completions and chat completions go through the same :class:`~router.gateway.routing.proxy.GenerateProxy`
+as ``/generate``, only to another worker path: the policy picks among routable workers (healthy,
+enabled, not pending: a worker fenced by an update gets none), a failure before the first byte
+is retried on another worker, streams pass through, and a caller that disconnects has its
+request aborted on the worker (the proxy gives the body a ``rid`` when it has none; the worker
+names a call's choices ``rid-0``, ``rid-1``, ... and aborts by that prefix). Bodies pass through
+untouched, so a caller's mistake is the worker's 400.
+
+``GET /v1/models`` asks every routable worker for its models and answers their union (by id),
+503 with the reason when none is routable or none answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from router.contract.errors import Unavailable
+from router.contract.openai import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    ModelList,
+)
+from router.contract.web.openapi import Route
+from router.gateway import keys
+from router.gateway.fleet.registry import Worker
+from router.gateway.routing.proxy import describe_fleet
+
+log = logging.getLogger(__name__)
+
+COMPLETIONS_PATH = "/v1/completions"
+CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
+MODELS_PATH = "/v1/models"
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.PROXY].handle(request, COMPLETIONS_PATH)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.PROXY].handle(request, CHAT_COMPLETIONS_PATH)
+
+
+async def _models_of(session: aiohttp.ClientSession, worker: Worker, headers: dict[str, str], timeout_s: float) -> Any:
+    try:
+        async with session.get(
+            worker.url + MODELS_PATH, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
+        ) as resp:
+            if resp.status != 200:
+                log.info("%s%s answered %d", worker.id, MODELS_PATH, resp.status)
+                return None
+            return ModelList.model_validate(await resp.json(content_type=None))
+    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
+        log.info("%s%s failed: %r", worker.id, MODELS_PATH, exc)
+        return None
+
+
+async def models(request: web.Request) -> web.Response:
+    app = request.app
+    registry = app[keys.REGISTRY]
+    routable = registry.routable()
+    if not routable:
+        raise Unavailable(describe_fleet(registry))
+    headers = {k: v for k, v in app[keys.SERVICE_HEADERS].items() if k != "Content-Type"}
+    timeout_s = app[keys.CONFIG].health_check_timeout_s
+    answers = await asyncio.gather(*(_models_of(app[keys.SESSION], w, headers, timeout_s) for w in routable))
+    cards: dict[str, dict[str, Any]] = {}
+    for answer in answers:
+        if answer is None:
+            continue
+        for card in answer.data:
+            cards.setdefault(card.id, card.model_dump(exclude_none=True))
+    if not any(a is not None for a in answers):
+        raise Unavailable(f"none of the {len(routable)} routable worker(s) listed its models")
+    return web.json_response({"object": "list", "data": list(cards.values())})
+
+
+def routes() -> list[Route]:
+    return [
+        Route(
+            "GET",
+            MODELS_PATH,
+            models,
+            "The models the routable workers serve (OpenAI's /v1/models)",
+            access="generation",
+            answer=ModelList,
+        ),
+        Route(
+            "POST",
+            COMPLETIONS_PATH,
+            completions,
+            "Complete prompts on one routable worker (OpenAI's /v1/completions; streams when asked)",
+            access="generation",
+            body=CompletionRequest,
+            answer=CompletionResponse,
+        ),
+        Route(
+            "POST",
+            CHAT_COMPLETIONS_PATH,
+            chat_completions,
+            "Answer a chat on one routable worker (OpenAI's /v1/chat/completions; streams when asked)",
+            access="generation",
+            body=ChatCompletionRequest,
+            answer=ChatCompletionResponse,
+        ),
+    ]
