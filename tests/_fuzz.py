@@ -7,8 +7,8 @@ that are not JSON objects). A new route is fuzzed as soon as it is in a route ta
 
 Loopback only: before a case is sent, every field that names an address to connect to
 (``master_address``, worker ``url``) is rewritten to a 127.0.0.0/8 address, and every
-wait the caller controls (``timeout_s``, ``timeout``, ``max_new_tokens``, batch sizes) is
-capped, so no case connects outside this machine and none runs long.
+wait the caller controls (``timeout_s``, ``timeout``, ``max_new_tokens``, ``max_tokens``, ``n``,
+batch sizes) is capped, so no case connects outside this machine and none runs long.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from schemathesis import GenerationMode
 #: One case slower than this is a hang.
 HANG_S = 30.0
 #: Bounds put on the fields that make a server wait or work.
-CAPS = {"timeout_s": 2.0, "timeout": 1.0, "max_new_tokens": 8}
+CAPS = {"timeout_s": 2.0, "timeout": 1.0, "max_new_tokens": 8, "max_tokens": 8, "max_completion_tokens": 8, "n": 2}
 MAX_BATCH = 4
 #: Operations that wait for a peer: a body without ``timeout_s`` (or with null) gets this bound.
 WAITING_PATHS = frozenset(
@@ -67,7 +67,7 @@ def make_safe(value: Any, rng: random.Random, *, path: str = "") -> Any:
             value[key] = loopback_url(rng)
         elif key in CAPS and isinstance(item, (int, float)) and not isinstance(item, bool) and item > CAPS[key]:
             value[key] = type(item)(CAPS[key])
-        elif key in ("text", "input_ids") and isinstance(item, list):
+        elif key in ("text", "input_ids", "prompt", "messages") and isinstance(item, list):
             value[key] = item[:MAX_BATCH]
         else:
             value[key] = make_safe(item, rng)
@@ -84,6 +84,10 @@ def make_safe(value: Any, rng: random.Random, *, path: str = "") -> Any:
                 sp.setdefault("max_new_tokens", CAPS["max_new_tokens"])
     elif path == "/generate" and "sampling_params" not in value:
         value["sampling_params"] = {"max_new_tokens": CAPS["max_new_tokens"]}
+    # OpenAI's routes: no bound (absent or null) means "whatever the context leaves", a thousand tokens here.
+    bounded = isinstance(value.get("max_completion_tokens"), int) or isinstance(value.get("max_tokens"), int)
+    if path.startswith("/v1/") and not bounded:
+        value["max_tokens"] = CAPS["max_tokens"]
     return value
 
 

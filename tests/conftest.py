@@ -31,6 +31,16 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
+@pytest.fixture(scope="session")
+def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """``llama`` (seed 0) with ``tokenizer_config.json`` holding the tiny ChatML-style chat template."""
+    from worker.model.tiny import TINY_CHAT_TEMPLATE, write_tiny_checkpoint
+
+    return write_tiny_checkpoint(
+        tmp_path_factory.mktemp("chat") / "llama-chat", "llama", 0, chat_template=TINY_CHAT_TEMPLATE
+    )
+
+
 @pytest.fixture(scope="module")
 def worker_factory() -> Iterator[Callable[..., Worker]]:
     """Start workers for this module; all are stopped at module teardown."""

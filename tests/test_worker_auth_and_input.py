@@ -16,6 +16,8 @@ ADMIN = {"Authorization": "Bearer admin-secret"}
 GEN = {"Authorization": "Bearer gen-secret"}
 # The routes the worker's table marks open (health probes and the OpenAPI document).
 OPEN = set(paths_with_access(route_table(), "open"))
+# Generation routes (/generate, OpenAI's /v1/*) take the API key (or the admin key).
+GENERATION = set(paths_with_access(route_table(), "generation"))
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def _raw(method, url, headers=None, body=b"{}"):
 
 
 def test_every_admin_route_needs_the_admin_key(kw, served_routes):
-    admin_routes = [(m, p) for m, p in served_routes if p not in OPEN and p != "/generate"]
+    admin_routes = [(m, p) for m, p in served_routes if p not in OPEN and p not in GENERATION]
     assert len(admin_routes) >= 20
     for method, path in admin_routes:
         for headers in (None, {"Authorization": "Bearer wrong"}, GEN, {"Authorization": "admin-secret"}):
@@ -97,7 +99,7 @@ def test_admin_key_opens_every_admin_route(kw, checkpoints, served_routes):
         status, data = kw.call(method, path, body)
         assert status == expected, (method, path, status, data)
     covered = {(m, p) for m, p, _, _ in VALID_CALLS}
-    mine = {(m, p) for m, p in served_routes if p not in OPEN and p != "/generate"}
+    mine = {(m, p) for m, p in served_routes if p not in OPEN and p not in GENERATION}
     # Weight-sync routes need a process group; tests/test_weight_sync_*.py cover them.
     assert not {r for r in mine - covered if not _is_extension(r[1])}
 
@@ -112,6 +114,13 @@ def test_generate_needs_the_api_key_and_accepts_the_admin_key(kw):
     assert http_json("POST", kw.url + "/generate", body, headers={"Authorization": "Bearer wrong"})[0] == 401
     assert http_json("POST", kw.url + "/generate", body, headers=GEN)[0] == 200
     assert http_json("POST", kw.url + "/generate", body, headers=ADMIN)[0] == 200
+    calls = [("/v1/completions", {"prompt": "auth", "max_tokens": 2}), ("/v1/models", None)]
+    for path, payload in calls:
+        method = "GET" if payload is None else "POST"
+        assert http_json(method, kw.url + path, payload)[0] == 401, path
+        assert http_json(method, kw.url + path, payload, headers={"Authorization": "Bearer wrong"})[0] == 401, path
+        assert http_json(method, kw.url + path, payload, headers=GEN)[0] == 200, path
+        assert http_json(method, kw.url + path, payload, headers=ADMIN)[0] == 200, path
 
 
 def test_admin_key_from_environment(worker_factory, checkpoints):
