@@ -166,6 +166,9 @@ class CompletionRequest(OpenAIRequest):
             raise ValueError("suffix is not supported by this worker")
         if self.echo and self.logprobs is not None:
             raise ValueError("echo with logprobs is not supported (prompt log-probabilities are not computed)")
+        choices = len(self.prompts()) * self.choices_per_prompt
+        if choices > MAX_ITEMS:
+            raise ValueError(f"{choices} choices asked for (prompts × n); at most {MAX_ITEMS} per call")
         return self
 
     @property
