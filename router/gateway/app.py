@@ -208,6 +208,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
             await app[keys.HEALTH_TASK]
         await app[keys.TASKS].close()
         fanout.close()
+        app[keys.PROXY].close()
         await session.close()
 
 

@@ -10,6 +10,8 @@
   (``POST /abort_request {"rid"}``); a rid is assigned when the caller gave none.
 - The worker's body (``meta_info.weight_version`` included) is passed through
   byte for byte.
+- Requests to ``http://`` workers go over the lean keep-alive client of
+  :mod:`router.gateway.routing.upstream`; ``https://`` workers over aiohttp.
 """
 
 from __future__ import annotations
@@ -31,12 +33,12 @@ from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.policy import Policy
+from router.gateway.routing.upstream import UpstreamError, UpstreamResponse, Upstreams, mime_type
 from router.gateway.tasks import TaskSet
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({502, 503, 504})
-STREAM_CHUNK = 64 * 1024
 WORKER_HEADER = "X-Omni-Worker"
 _ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
@@ -138,15 +140,19 @@ class GenerateProxy:
         self._registry = registry
         self._policy = policy
         self._session = session
+        self._upstreams = Upstreams(session, limit=config.max_connections, connect_timeout_s=config.connect_timeout_s)
         self._metrics = metrics
         self._tasks = tasks
         self._service_headers = service_headers
-        self._timeout = aiohttp.ClientTimeout(total=config.request_timeout_s, sock_connect=config.connect_timeout_s)
         self._worker_auth = service_headers.get("Authorization")  # the router's own worker key
         # The retry policy, built once: these strategies keep no state between calls.
         self._stop = stop_after_attempt(1 + config.max_retries)
         self._wait = wait_exponential_jitter(initial=config.retry_initial_backoff_s, max=config.retry_max_backoff_s)
         self._retry_on = retry_if_exception_type(_Retryable)
+
+    def close(self) -> None:
+        """Close the pooled worker connections (at shutdown, after the requests in flight)."""
+        self._upstreams.close()
 
     def pick(self, tried: set[str] | frozenset[str] = frozenset()) -> Worker:
         candidates = self._registry.routable()
@@ -219,33 +225,30 @@ class GenerateProxy:
         self, request: web.Request, worker: Worker, path: str, body: bytes, headers: dict[str, str], rid: Any
     ) -> web.StreamResponse:
         worker.inflight += 1
-        upstream: aiohttp.ClientResponse | None = None
+        upstream: UpstreamResponse | None = None
         try:
             try:
-                upstream = await self._session.post(
-                    worker.url + path, data=body, headers=headers, timeout=self._timeout
+                upstream = await self._upstreams.post(
+                    worker.url, path, body, headers, timeout_s=self._cfg.request_timeout_s
                 )
-            except (aiohttp.ClientConnectionError, OSError) as exc:
+            except (OSError, UpstreamError) as exc:  # TimeoutError and ConnectionError are OSErrors
                 self._metrics.upstream_errors.labels(worker.id).inc()
                 if self._registry.observe_probe(worker, False):
                     log.warning("worker %s is now %s after a failed request", worker.id, worker.health)
                 raise _Retryable(worker, f"{type(exc).__name__}: {exc}", "connect") from None
-            if upstream.status in RETRY_STATUSES:
-                data = await upstream.read()
+            status = upstream.status
+            if status in RETRY_STATUSES:
+                data = await self._read_before_relay(worker, upstream)
+                ctype = upstream.header("Content-Type")
                 raise _Retryable(
-                    worker,
-                    f"worker answered {upstream.status}",
-                    f"status_{upstream.status}",
-                    upstream.status,
-                    data,
-                    upstream.content_type,
+                    worker, f"worker answered {status}", f"status_{status}", status, data, mime_type(ctype)
                 )
-            restarted = upstream.headers.get(INSTANCE_HEADER)
+            restarted = upstream.header(INSTANCE_HEADER)
             if restarted is not None and worker.instance_id is not None and restarted != worker.instance_id:
                 # Another process than the last probe saw: it came back with its boot weights. Its answer is
                 # dropped, and the worker is pending until a weight update reaches the new process.
                 worker.instance_id = restarted
-                await upstream.read()
+                await self._read_before_relay(worker, upstream)
                 reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
                 raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())
             return await self._relay(request, worker, upstream, rid)
@@ -258,12 +261,19 @@ class GenerateProxy:
             if upstream is not None:
                 upstream.release()
 
+    async def _read_before_relay(self, worker: Worker, upstream: UpstreamResponse) -> bytes:
+        """A whole body before anything went to the caller: a failure here may still be retried."""
+        try:
+            return await upstream.read()
+        except (UpstreamError, TimeoutError) as exc:
+            raise _Retryable(worker, f"{type(exc).__name__}: {exc}", "reset") from None
+
     async def _relay(
-        self, request: web.Request, worker: Worker, upstream: aiohttp.ClientResponse, rid: Any
+        self, request: web.Request, worker: Worker, upstream: UpstreamResponse, rid: Any
     ) -> web.StreamResponse:
-        ctype = upstream.headers.get("Content-Type", "application/json")
+        ctype = upstream.header("Content-Type") or "application/json"
         if not ctype.startswith("text/event-stream"):
-            data = await upstream.read()
+            data = await self._read_before_relay(worker, upstream)
             return web.Response(
                 status=upstream.status, body=data, headers={"Content-Type": ctype, WORKER_HEADER: worker.id}
             )
@@ -273,12 +283,12 @@ class GenerateProxy:
         )
         await resp.prepare(request)
         try:
-            async for chunk in upstream.content.iter_chunked(STREAM_CHUNK):
+            async for chunk in upstream.chunks():
                 await resp.write(chunk)
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the caller went away
             self._abort_on_worker(worker, rid)
             return resp
-        except (TimeoutError, aiohttp.ClientError) as exc:
+        except (TimeoutError, UpstreamError) as exc:
             # Bytes already went out: no retry; end the stream and say why.
             log.warning("stream from %s broke: %r", worker.id, exc)
             error = json.dumps({"error": {"message": f"worker {worker.id} stream broke: {type(exc).__name__}"}})
@@ -286,7 +296,7 @@ class GenerateProxy:
             return resp
         try:
             await resp.write_eof()
-        except (ConnectionResetError, aiohttp.ClientConnectionResetError):
+        except ConnectionResetError:
             pass  # the caller hung up after the last event: the worker already finished, nothing to abort
         return resp
 

@@ -1,0 +1,191 @@
+"""The /generate proxy in-process, against two scripted loopback workers (pytest-aiohttp).
+
+What the real-worker tests cannot provoke on demand: a worker that answers 503, one whose process
+changed since its last probe (``X-Omni-Instance``), a stream that breaks halfway, and the exact
+bytes each worker received. End-to-end behaviour with real workers is in test_router_routing.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestClient, TestServer
+
+from router.contract.generate import INSTANCE_HEADER
+from router.gateway import keys
+from router.gateway.app import create_app
+from router.gateway.config import RouterConfig
+
+REPLY = b'{"text": " ok", "output_ids": [1], "meta_info": {"id": "x", "weight_version": "default"}}'
+
+
+class StandIn:
+    """A scripted worker: healthy, records every /generate body and every abort."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.instance = f"{name}-boot"
+        self.bodies: list[bytes] = []
+        self.aborts: list[Any] = []
+        self.mode = "ok"  # ok | unavailable | restarted | stream | broken_stream | slow_stream
+        self.aborted = asyncio.Event()
+
+    def app(self) -> web.Application:
+        async def health(_: web.Request) -> web.Response:
+            body = {
+                "status": "ok",
+                "weight_version": "default",
+                "weight_state": "serving",
+                "instance_id": self.instance,
+            }
+            return web.json_response(body)
+
+        async def model_info(_: web.Request) -> web.Response:
+            body = {"model_path": "standin", "weight_version": "default", "tp_size": 1, "instance_id": self.instance}
+            return web.json_response(body)
+
+        async def abort(request: web.Request) -> web.Response:
+            self.aborts.append((await request.json())["rid"])
+            self.aborted.set()
+            return web.json_response({"success": True})
+
+        async def generate(request: web.Request) -> web.StreamResponse:
+            self.bodies.append(await request.read())
+            headers = {INSTANCE_HEADER: self.instance}
+            if self.mode == "unavailable":
+                return web.json_response({"error": {"message": f"{self.name} is busy"}}, status=503, headers=headers)
+            if self.mode == "restarted":
+                headers[INSTANCE_HEADER] = f"{self.name}-new"
+            if self.mode in ("stream", "broken_stream", "slow_stream"):
+                resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
+                await resp.prepare(request)
+                for i in range(3):
+                    await resp.write(f'data: {{"text": "{self.name}-{i}"}}\n\n'.encode())
+                if self.mode == "broken_stream":
+                    assert request.transport is not None
+                    request.transport.close()
+                    return resp
+                if self.mode == "slow_stream":
+                    await asyncio.sleep(30)
+                await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+            return web.Response(body=REPLY, content_type="application/json", headers=headers)
+
+        app = web.Application()
+        app.router.add_get("/health", health)
+        app.router.add_get("/model_info", model_info)
+        app.router.add_post("/abort_request", abort)
+        app.router.add_post("/generate", generate)
+        return app
+
+
+@pytest.fixture
+async def fleet(aiohttp_client: Any, tmp_path: Path) -> AsyncIterator[tuple[TestClient, list[StandIn]]]:
+    standins = [StandIn("a"), StandIn("b")]
+    servers = [TestServer(s.app(), host="127.0.0.1") for s in standins]
+    for server in servers:
+        await server.start_server()
+    urls = [f"http://127.0.0.1:{server.port}" for server in servers]
+    config = RouterConfig(
+        worker_urls=urls,
+        state_dir=tmp_path / "state",
+        policy="round_robin",
+        health_check_interval_s=3600.0,  # one probe round at start-up
+        retry_initial_backoff_s=0.01,
+        retry_max_backoff_s=0.02,
+    )
+    client = await aiohttp_client(create_app(config))
+    registry = client.app[keys.REGISTRY]
+    for _ in range(200):
+        if len(registry.routable()) == 2:
+            break
+        await asyncio.sleep(0.02)
+    assert len(registry.routable()) == 2
+    yield client, standins
+    await client.close()
+    for server in servers:
+        await server.close()
+
+
+async def generate(client: TestClient, body: bytes) -> tuple[int, bytes, str | None]:
+    async with client.post("/generate", data=body, headers={"Content-Type": "application/json"}) as resp:
+        return resp.status, await resp.read(), resp.headers.get("X-Omni-Worker")
+
+
+async def test_bodies_pass_through_and_a_rid_is_assigned_only_when_missing(fleet) -> None:
+    client, (a, b) = fleet
+    mine = b'{"text": "hi",  "rid": "trainer-1"}'
+    for body in (mine, b'{"text": "hi"}', b'{"text": ["x", "y"]}'):
+        status, answer, worker = await generate(client, body)
+        assert status == 200 and answer == REPLY and worker is not None
+    seen = sorted(a.bodies + b.bodies, key=len)
+    assert mine in seen  # byte for byte
+    single = json.loads(next(x for x in seen if b'"hi"' in x and x != mine))
+    assert single["text"] == "hi" and single["rid"].startswith("omni-")
+    batch = json.loads(next(x for x in seen if b'"x"' in x))
+    assert batch["rid"] == [f"{batch['rid'][0][:-2]}-0", f"{batch['rid'][0][:-2]}-1"]
+
+
+async def test_a_worker_answering_503_is_retried_on_the_other_and_both_503_is_passed_on(fleet) -> None:
+    client, (a, b) = fleet
+    a.mode = "unavailable"
+    for _ in range(4):  # round robin: half of these try a first
+        status, answer, _ = await generate(client, b'{"text": "hi"}')
+        assert status == 200 and answer == REPLY
+    assert a.bodies and len(b.bodies) == 4
+    b.mode = "unavailable"
+    status, answer, worker = await generate(client, b'{"text": "hi"}')
+    assert status == 503 and b"is busy" in answer and worker is not None
+    metrics = (await (await client.get("/metrics")).read()).decode()
+    assert 'omni_router_generate_retries_total{reason="status_503"}' in metrics
+
+
+async def test_an_answer_from_a_restarted_worker_is_dropped_and_served_elsewhere(fleet) -> None:
+    client, (a, _) = fleet
+    registry = client.app[keys.REGISTRY]
+    wa, wb = list(registry)
+    a.mode = "restarted"
+    while not a.bodies:
+        status, answer, worker = await generate(client, b'{"text": "hi"}')
+        assert status == 200 and answer == REPLY and worker == wb.id
+    # a answered, and its answer never reached the caller: it came from another process than the probe saw.
+    assert len(a.bodies) == 1 and wa.instance_id == "a-new"
+    # Before any weight update every worker's boot weights are the fleet's: a serves again, as its new self.
+    served = {(await generate(client, b'{"text": "hi"}'))[2] for _ in range(2)}
+    assert served == {wa.id, wb.id}
+
+
+async def test_a_stream_is_relayed_and_a_broken_one_ends_with_an_error_event(fleet) -> None:
+    client, (a, b) = fleet
+    a.mode = b.mode = "stream"
+    status, answer, _ = await generate(client, b'{"text": "hi", "stream": true}')
+    assert status == 200 and answer.endswith(b"data: [DONE]\n\n") and answer.count(b"data: ") == 4
+    a.mode = b.mode = "broken_stream"
+    status, answer, _ = await generate(client, b'{"text": "hi", "stream": true}')
+    assert status == 200 and answer.count(b'-0"}') == 1  # what was relayed stays relayed, nothing retried
+    assert b"stream broke" in answer.rsplit(b"data: ", 1)[1]
+
+
+async def test_a_caller_that_leaves_a_stream_is_aborted_on_its_worker(fleet) -> None:
+    client, (a, b) = fleet
+    a.mode = b.mode = "slow_stream"
+    async with client.post("/generate", data=b'{"text": "hi", "stream": true}') as resp:
+        assert resp.status == 200
+        await resp.content.readuntil(b"\n\n")
+    # Leaving the block closed the connection mid-stream: the router aborts the request on its worker.
+    done, _ = await asyncio.wait(
+        [asyncio.ensure_future(a.aborted.wait()), asyncio.ensure_future(b.aborted.wait())],
+        timeout=10,
+        return_when=asyncio.FIRST_COMPLETED,
+    )
+    assert done
+    aborted = a.aborts + b.aborts
+    sent = json.loads((a.bodies + b.bodies)[0])
+    assert aborted == [sent["rid"]]

@@ -1,0 +1,265 @@
+"""The /generate path's lean HTTP/1.1 client against scripted loopback servers: every framing,
+keep-alive reuse and when a connection must not be reused, errors, the deadline, cancellation,
+the in-flight limit and flow control."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+
+from router.gateway.routing.upstream import HttpUpstream, UpstreamError
+
+Reply = Callable[[asyncio.StreamWriter, bytes], Awaitable[None]]
+
+
+class Server:
+    """Reads each request (head + Content-Length body) and answers with a scripted reply."""
+
+    def __init__(self, reply: Reply):
+        self.reply = reply
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.url = ""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.decode("latin-1").split("\r\n"):
+                    name, _, value = line.partition(":")
+                    if name.lower() == "content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                await self.reply(writer, body)
+                if writer.is_closing():
+                    return
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+@contextlib.asynccontextmanager
+async def serving(reply: Reply) -> AsyncIterator[Server]:
+    server = Server(reply)
+    srv = await asyncio.start_server(server._serve, "127.0.0.1", 0)
+    port = srv.sockets[0].getsockname()[1]
+    server.url = f"http://127.0.0.1:{port}"
+    try:
+        yield server
+    finally:
+        srv.close()
+
+
+def fixed(raw: bytes, *, close: bool = False) -> Reply:
+    async def reply(writer: asyncio.StreamWriter, _: bytes) -> None:
+        writer.write(raw)
+        await writer.drain()
+        if close:
+            writer.close()
+
+    return reply
+
+
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
+
+
+async def post(client: HttpUpstream, url: str, body: bytes = b'{"text": "hi"}', timeout_s: float = 10.0) -> bytes:
+    resp = await client.post(url, "/generate", body, {"Content-Type": "application/json"}, timeout_s=timeout_s)
+    try:
+        assert resp.status == 200
+        return await resp.read()
+    finally:
+        resp.release()
+
+
+async def test_content_length_answer_and_keep_alive_reuse():
+    async with serving(fixed(OK)) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        for _ in range(3):
+            assert await post(client, server.url) == b'{"ok":true}'
+        assert server.connections == 1
+        request = server.requests[0]
+        assert request.startswith(b"POST /generate HTTP/1.1\r\n")
+        assert b"Content-Length: 14\r\n" in request and request.endswith(b'\r\n\r\n{"text": "hi"}')
+        client.close()
+
+
+async def test_chunked_answer_in_small_pieces_and_its_chunks():
+    events = [b'data: {"text": "a"}\n\n', b'data: {"text": "ab"}\n\n', b"data: [DONE]\n\n"]
+
+    async def reply(writer: asyncio.StreamWriter, _: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n")
+        wire = b"".join(b"%x;ext=1\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\nX-Trailer: t\r\n\r\n"
+        for i in range(len(wire)):  # one byte at a time: every parser state is split somewhere
+            writer.write(wire[i : i + 1])
+            await writer.drain()
+
+    async with serving(reply) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        assert resp.header("content-type") == "text/event-stream"
+        got = b"".join([chunk async for chunk in resp.chunks()])
+        resp.release()
+        assert got == b"".join(events)
+        assert await post(client, server.url) == b"".join(events)  # the same connection, read whole
+        assert server.connections == 1
+        client.close()
+
+
+async def test_answers_that_end_the_connection_are_not_reused():
+    until_close = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + b"x" * 5000
+    async with serving(fixed(until_close, close=True)) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        assert await post(client, server.url) == b"x" * 5000
+        assert await post(client, server.url) == b"x" * 5000
+        assert server.connections == 2
+        client.close()
+    closing = OK.replace(b"Content-Length", b"Connection: close\r\nContent-Length")
+    async with serving(fixed(closing)) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        await post(client, server.url)
+        await post(client, server.url)
+        assert server.connections == 2
+        client.close()
+    # Bytes after a complete answer: that connection's framing cannot be trusted any more.
+    async with serving(fixed(OK + b"junk")) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        await post(client, server.url)
+        await post(client, server.url)
+        assert server.connections == 2
+        client.close()
+
+
+async def test_interim_answer_is_skipped_and_head_split_across_reads():
+    async def reply(writer: asyncio.StreamWriter, _: bytes) -> None:
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\nContent-Le")
+        await writer.drain()
+        writer.write(b"ngth: 2\r\n\r\n{}")
+
+    async with serving(reply) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        assert await post(client, server.url) == b"{}"
+        client.close()
+
+
+async def test_a_pooled_connection_the_worker_closed_is_not_reused():
+    async with serving(fixed(OK, close=True)) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        await post(client, server.url)
+        idle = client._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]
+        for _ in range(100):  # until the worker's close reached the client
+            if not idle or not idle[0].reusable:
+                break
+            await asyncio.sleep(0.02)
+        assert await post(client, server.url) == b'{"ok":true}'
+        assert server.connections == 2
+        client.close()
+
+
+async def test_errors_before_and_after_the_answer_began():
+    # Nobody listens: an OSError before any answer.
+    client = HttpUpstream(limit=8, connect_timeout_s=5)
+    async with serving(fixed(OK)) as server:
+        url = server.url
+    with pytest.raises(OSError):
+        await post(client, url)
+    # The worker closes without answering.
+    async with serving(fixed(b"", close=True)) as server:
+        with pytest.raises(ConnectionError):
+            await post(client, server.url)
+    # Not HTTP.
+    async with serving(fixed(b"SSH-2.0-OpenSSH\r\n\r\n")) as server:
+        with pytest.raises(UpstreamError, match="bad status line"):
+            await post(client, server.url)
+    # The answer began, then the connection closed before its Content-Length was complete.
+    async with serving(fixed(OK[:-4], close=True)) as server:
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        with pytest.raises(UpstreamError, match="mid-answer"):
+            await resp.read()
+        resp.release()
+    # A broken chunk.
+    chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
+    async with serving(fixed(chunked)) as server:
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        with pytest.raises(UpstreamError, match="chunk size"):
+            await resp.read()
+        resp.release()
+    # A header value that would split the request.
+    async with serving(fixed(OK)) as server:
+        with pytest.raises(UpstreamError, match="line break"):
+            await client.post(server.url, "/generate", b"{}", {"Accept": "a\r\nX-Evil: 1"}, timeout_s=10)
+    client.close()
+
+
+async def test_the_deadline_covers_the_head_and_the_body():
+    async def silent(writer: asyncio.StreamWriter, _: bytes) -> None:
+        await asyncio.sleep(30)
+
+    async def half(writer: asyncio.StreamWriter, _: bytes) -> None:
+        writer.write(OK[:-4])
+        await writer.drain()
+        await asyncio.sleep(30)
+
+    client = HttpUpstream(limit=8, connect_timeout_s=5)
+    async with serving(silent) as server:
+        with pytest.raises(TimeoutError):
+            await post(client, server.url, timeout_s=0.2)
+    async with serving(half) as server:
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=0.2)
+        with pytest.raises(TimeoutError):
+            await resp.read()
+        resp.release()
+    client.close()
+
+
+async def test_the_limit_queues_requests_and_cancellation_frees_the_slot():
+    gate = asyncio.Event()
+
+    async def held(writer: asyncio.StreamWriter, body: bytes) -> None:
+        if body == b"hold":
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    async with serving(held) as server:
+        client = HttpUpstream(limit=1, connect_timeout_s=5)
+        first = asyncio.ensure_future(post(client, server.url, b"hold"))
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(post(client, server.url))
+        await asyncio.sleep(0.05)
+        assert not second.done()  # waits for the only slot
+        first.cancel()  # the caller went away: its connection is closed and its slot freed
+        with pytest.raises(asyncio.CancelledError):
+            await first
+        assert await second == b'{"ok":true}'
+        gate.set()
+        client.close()
+
+
+async def test_a_large_body_read_whole_is_not_stalled_by_flow_control():
+    big = b"y" * (3 * 1024 * 1024)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)
+    async with serving(fixed(answer)) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        assert await post(client, server.url) == big
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        conn = resp._conn  # type: ignore[attr-defined]
+        for _ in range(100):  # a caller that reads nothing yet: the client stops reading at the high water
+            if conn._paused:
+                break
+            await asyncio.sleep(0.02)
+        assert conn._paused and not conn.complete
+        got = bytearray()
+        async for chunk in resp.chunks():  # reading resumes as the caller takes
+            got += chunk
+        resp.release()
+        assert got == big
+        assert server.connections == 1
+        client.close()
