@@ -89,6 +89,14 @@ VALID_CALLS = [
     ("POST", "/update_weights_from_tensor", {}, 400),
     ("POST", "/begin_weight_update", {"selector": "all"}, 200),
     ("POST", "/end_weight_update", {}, 200),
+    ("POST", "/pause", {"mode": "wait"}, 200),
+    ("POST", "/resume", {}, 200),
+    ("GET", "/is_paused", None, 200),
+    ("GET", "/get_world_size", None, 200),
+    ("POST", "/start_weight_update", {}, 200),
+    ("POST", "/update_weights", {}, 400),
+    ("POST", "/finish_weight_update", {}, 200),
+    ("POST", "/init_weight_transfer_engine", {}, 400),
 ]
 
 
