@@ -125,6 +125,7 @@ class TestWireModels:
             "status": "ready",
             "message": "",
             "weights": None,
+            "weights_partial": None,
             "rank_results": None,
         }
 
