@@ -118,8 +118,12 @@ def test_router_keeps_partial_workers_pending_and_a_refusal_changes_nothing(flee
     try:
         bucket = body["tensor_handles"]["buckets"][0]
         gone = {**bucket, "memory": {**bucket["memory"], "name": "psm_omni_no_such_segment"}}
+        tensors0 = bucket["tensors"]
+        misshapen = {**bucket, "tensors": [{**tensors0[0], "shape": [3, 5]}, *tensors0[1:]]}
         refusals = [
             (PATH, {"tensor_handles": {**body["tensor_handles"], "buckets": [gone]}}),
+            # Refused by the model check, before any memory is opened.
+            (PATH, {"tensor_handles": {**body["tensor_handles"], "buckets": [misshapen]}}),
             ("/update_weights_from_disk", {"model_path": str(checkpoints["llama"]) + "-no-such-dir"}),
         ]
         for path, refused in refusals:

@@ -19,6 +19,7 @@ from router import __version__
 from router.contract import endpoints as ep
 from router.contract.admin import (
     AbortRequest,
+    AdminResult,
     ContinueRequest,
     EmptyRequest,
     FlushCacheRequest,
@@ -216,7 +217,9 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
             allow_pickled=request.app[CONFIG].allow_pickled_tensors,
         )
     except ValueError as exc:  # MetadataError, UnsafePayload, HandleError are ValueErrors
-        raise ApiError(400, str(exc)) from None
+        # Refused before anything was opened: say so, so a router restores this worker's fence.
+        refusal = AdminResult(success=False, message=str(exc), weights="intact")
+        return answer(request, ep.UPDATE_WEIGHTS_FROM_TENSOR, refusal)
     result = await coord.update_weights_from_tensor(req, stage, ep.UPDATE_WEIGHTS_FROM_TENSOR.worker_bound(req))
     return stage_answer(request, ep.UPDATE_WEIGHTS_FROM_TENSOR, result)
 
