@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
+from router.gateway.routing import upstream
 from router.gateway.routing.upstream import HttpUpstream, UpstreamError
 
 Reply = Callable[[asyncio.StreamWriter, bytes], Awaitable[None]]
@@ -262,4 +263,38 @@ async def test_a_large_body_read_whole_is_not_stalled_by_flow_control():
         resp.release()
         assert got == big
         assert server.connections == 1
+        client.close()
+
+
+async def test_waiting_for_a_slot_counts_against_the_deadline():
+    gate = asyncio.Event()
+
+    async def held(writer: asyncio.StreamWriter, body: bytes) -> None:
+        if body == b"hold":
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    async with serving(held) as server:
+        client = HttpUpstream(limit=1, connect_timeout_s=5)
+        first = asyncio.ensure_future(post(client, server.url, b"hold"))
+        await asyncio.sleep(0.05)
+        with pytest.raises(TimeoutError):
+            await post(client, server.url, timeout_s=0.2)
+        gate.set()
+        assert await first == b'{"ok":true}'
+        assert await post(client, server.url) == b'{"ok":true}'  # the timed-out wait took no slot
+        client.close()
+
+
+async def test_idle_connections_of_workers_that_get_no_more_requests_are_closed(monkeypatch):
+    monkeypatch.setattr(upstream, "KEEPALIVE_S", 0.05)
+    async with serving(fixed(OK)) as gone, serving(fixed(OK)) as stays:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        await post(client, gone.url)
+        gone_key = ("127.0.0.1", int(gone.url.rsplit(":", 1)[1]))
+        assert len(client._idle[gone_key]) == 1
+        await asyncio.sleep(0.1)
+        await post(client, stays.url)  # a later request sweeps the pool
+        assert gone_key not in client._idle
         client.close()

@@ -389,6 +389,7 @@ class HttpUpstream:
         self._connect_timeout_s = connect_timeout_s
         self._targets: dict[str, tuple[tuple[str, int], str]] = {}
         self._closed = False
+        self._swept = time.monotonic()
 
     def _target(self, base_url: str) -> tuple[tuple[str, int], str]:
         target = self._targets.get(base_url)
@@ -411,8 +412,13 @@ class HttpUpstream:
         key, netloc = self._target(base_url)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        if self._slots is not None:
-            await self._slots.acquire()
+        slots = self._slots
+        if slots is not None:
+            if slots.locked():  # every slot is taken: wait for one, within this request's deadline
+                async with asyncio.timeout_at(deadline):
+                    await slots.acquire()
+            else:
+                await slots.acquire()
         try:
             conn = await self._checkout(key)
             timer = loop.call_at(deadline, conn.expire, f"no complete answer within {timeout_s:g}s")
@@ -445,11 +451,27 @@ class HttpUpstream:
     def _checkin(self, key: tuple[str, int], conn: _Connection) -> None:
         if self._slots is not None:
             self._slots.release()
+        now = time.monotonic()
         if conn.complete and conn.keep_alive and conn.error is None and conn.reusable and not self._closed:
-            conn.idle_since = time.monotonic()
+            conn.idle_since = now
             self._idle.setdefault(key, []).append(conn)
         else:
             conn.close()
+        if now - self._swept > KEEPALIVE_S:
+            self._sweep(now)
+
+    def _sweep(self, now: float) -> None:
+        """Close what idled out, here and for workers that get no more requests (removed ones)."""
+        self._swept = now
+        for key, idle in list(self._idle.items()):
+            keep = [c for c in idle if c.reusable and now - c.idle_since < KEEPALIVE_S]
+            for conn in idle:
+                if conn not in keep:
+                    conn.close()
+            if keep:
+                self._idle[key] = keep
+            else:
+                del self._idle[key]
 
     def close(self) -> None:
         self._closed = True
