@@ -9,7 +9,7 @@ changed. ``/pause`` takes its arguments as query parameters, as vLLM's does.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from typing import Any
 
@@ -20,12 +20,8 @@ from router.contract.admin import ContinueRequest
 from router.contract.vllm import (
     SCHEDULER_PAUSE_MODE,
     EmptyVllmRequest,
-    FinishWeightUpdateRequest,
-    InitWeightTransferEngineRequest,
     PauseQuery,
     PauseStatus,
-    StartWeightUpdateRequest,
-    UpdateWeightsRequest,
     VllmResult,
 )
 from router.contract.web.openapi import Route
@@ -43,38 +39,24 @@ def _answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], status: int, 
     return response
 
 
-@admin_handler
-async def init_weight_transfer_engine(request: web.Request) -> web.Response:
-    data = await read_json(request, allow_empty=True)
-    if "init_info" not in data:
-        return _answer(request, ep.INIT_WEIGHT_TRANSFER_ENGINE, 400, _missing("init_info"))
-    req = parse_model(InitWeightTransferEngineRequest, data)
-    status, body = await request.app[VLLM_TRANSFER].init_engine(req)
-    return _answer(request, ep.INIT_WEIGHT_TRANSFER_ENGINE, status, body)
+Call = Callable[[VllmWeightTransfer, Any], Awaitable[tuple[int, VllmResult]]]
 
 
-@admin_handler
-async def start_weight_update(request: web.Request) -> web.Response:
-    req = await parse_body(request, StartWeightUpdateRequest)
-    status, body = await request.app[VLLM_TRANSFER].start(req)
-    return _answer(request, ep.START_WEIGHT_UPDATE, status, body)
+def _transfer_handler(endpoint: ep.Endpoint[Any, Any], call: Call, required: str | None = None) -> Handler:
+    """Parse ``endpoint``'s request (``required``: the field vLLM answers 400 "Missing ..." without),
+    run ``call`` on the engine state, answer its status and body."""
 
+    @admin_handler
+    async def handle(request: web.Request) -> web.Response:
+        data = await read_json(request, allow_empty=True)
+        if required is not None and required not in data:
+            return _answer(request, endpoint, 400, _missing(required))
+        for key, value in typed_query(request.query).items():
+            data.setdefault(key, value)
+        status, body = await call(request.app[VLLM_TRANSFER], parse_model(endpoint.request, data))
+        return _answer(request, endpoint, status, body)
 
-@admin_handler
-async def update_weights(request: web.Request) -> web.Response:
-    data = await read_json(request, allow_empty=True)
-    if "update_info" not in data:
-        return _answer(request, ep.UPDATE_WEIGHTS, 400, _missing("update_info"))
-    req = parse_model(UpdateWeightsRequest, data)
-    status, body = await request.app[VLLM_TRANSFER].update(req)
-    return _answer(request, ep.UPDATE_WEIGHTS, status, body)
-
-
-@admin_handler
-async def finish_weight_update(request: web.Request) -> web.Response:
-    req = await parse_body(request, FinishWeightUpdateRequest)
-    status, body = await request.app[VLLM_TRANSFER].finish(req)
-    return _answer(request, ep.FINISH_WEIGHT_UPDATE, status, body)
+    return handle
 
 
 @admin_handler
@@ -120,11 +102,12 @@ async def vllm_transfer_ctx(app: web.Application) -> AsyncIterator[None]:
     await app[VLLM_TRANSFER].close()
 
 
+_V = VllmWeightTransfer
 _TABLE: list[tuple[ep.Endpoint[Any, Any], Handler]] = [
-    (ep.INIT_WEIGHT_TRANSFER_ENGINE, init_weight_transfer_engine),
-    (ep.START_WEIGHT_UPDATE, start_weight_update),
-    (ep.UPDATE_WEIGHTS, update_weights),
-    (ep.FINISH_WEIGHT_UPDATE, finish_weight_update),
+    (ep.INIT_WEIGHT_TRANSFER_ENGINE, _transfer_handler(ep.INIT_WEIGHT_TRANSFER_ENGINE, _V.init_engine, "init_info")),
+    (ep.START_WEIGHT_UPDATE, _transfer_handler(ep.START_WEIGHT_UPDATE, _V.start)),
+    (ep.UPDATE_WEIGHTS, _transfer_handler(ep.UPDATE_WEIGHTS, _V.update, "update_info")),
+    (ep.FINISH_WEIGHT_UPDATE, _transfer_handler(ep.FINISH_WEIGHT_UPDATE, _V.finish)),
     (ep.PAUSE, pause),
     (ep.RESUME, resume),
     (ep.IS_PAUSED, is_paused),
