@@ -33,7 +33,7 @@ class StandIn:
         self.instance = f"{name}-boot"
         self.bodies: list[bytes] = []
         self.aborts: list[Any] = []
-        self.mode = "ok"  # ok | unavailable | restarted | stream | broken_stream | slow_stream
+        self.mode = "ok"  # ok | unavailable | restarted | stream | broken_stream | slow_stream | not_http | trailing
         self.aborted = asyncio.Event()
 
     def app(self) -> web.Application:
@@ -60,6 +60,16 @@ class StandIn:
             headers = {INSTANCE_HEADER: self.instance}
             if self.mode == "unavailable":
                 return web.json_response({"error": {"message": f"{self.name} is busy"}}, status=503, headers=headers)
+            if self.mode in ("not_http", "trailing"):  # raw bytes on the wire, then the connection closes
+                raw = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(REPLY)
+                raw += b"%s: %s\r\n\r\n%s" % (INSTANCE_HEADER.encode(), self.instance.encode(), REPLY)
+                assert request.transport is not None
+                request.transport.write(
+                    raw.replace(b"HTTP/1.1", b"HTPT/1.1") if self.mode == "not_http" else raw + b"junk"
+                )
+                await asyncio.sleep(0.05)  # the router reads the answer before the close
+                request.transport.close()
+                raise ConnectionResetError("answered on the raw transport")
             if self.mode == "restarted":
                 headers[INSTANCE_HEADER] = f"{self.name}-new"
             if self.mode in ("stream", "broken_stream", "slow_stream"):
@@ -145,6 +155,21 @@ async def test_a_worker_answering_503_is_retried_on_the_other_and_both_503_is_pa
     assert status == 503 and b"is busy" in answer and worker is not None
     metrics = (await (await client.get("/metrics")).read()).decode()
     assert 'omni_router_generate_retries_total{reason="status_503"}' in metrics
+
+
+async def test_an_answer_that_is_not_http_is_retried_and_trailing_bytes_do_not_spoil_an_answer(fleet) -> None:
+    client, (a, b) = fleet
+    a.mode = "not_http"
+    for _ in range(4):  # round robin: half of these try a first, fail before any byte went out, and go to b
+        status, answer, _ = await generate(client, b'{"text": "hi"}')
+        assert status == 200 and answer == REPLY
+    assert a.bodies and len(b.bodies) == 4
+    metrics = (await (await client.get("/metrics")).read()).decode()
+    assert "omni_router_upstream_errors_total" in metrics
+    a.mode, b.mode = "trailing", "trailing"
+    for _ in range(4):  # each answer is whole; its connection is not reused
+        status, answer, _ = await generate(client, b'{"text": "hi"}')
+        assert status == 200 and answer == REPLY
 
 
 async def test_an_answer_from_a_restarted_worker_is_dropped_and_served_elsewhere(fleet) -> None:

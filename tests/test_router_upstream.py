@@ -129,12 +129,71 @@ async def test_answers_that_end_the_connection_are_not_reused():
         await post(client, server.url)
         assert server.connections == 2
         client.close()
-    # Bytes after a complete answer: that connection's framing cannot be trusted any more.
-    async with serving(fixed(OK + b"junk")) as server:
+    # Bytes after a complete answer (junk, or a second answer nobody asked for, even cut short):
+    # that connection's framing cannot be trusted any more.
+    for extra in (b"junk", OK, OK[:20]):
+        async with serving(fixed(OK + extra)) as server:
+            client = HttpUpstream(limit=8, connect_timeout_s=5)
+            assert await post(client, server.url) == b'{"ok":true}'
+            assert await post(client, server.url) == b'{"ok":true}'
+            assert server.connections == 2
+            client.close()
+    async with serving(fixed(OK + b"\r\n")) as server:  # an empty line between messages is no message
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         await post(client, server.url)
         await post(client, server.url)
+        assert server.connections == 1
+        client.close()
+    # HTTP/1.0 keeps the connection only when the answer asks to.
+    for head, connections in ((b"HTTP/1.0 200 OK\r\n", 2), (b"HTTP/1.0 200 OK\r\nConnection: keep-alive\r\n", 1)):
+        async with serving(fixed(head + OK.split(b"\r\n", 1)[1])) as server:
+            client = HttpUpstream(limit=8, connect_timeout_s=5)
+            await post(client, server.url)
+            await post(client, server.url)
+            assert server.connections == connections
+            client.close()
+
+
+async def test_bytes_that_arrive_while_a_connection_is_pooled_close_it():
+    async def reply(writer: asyncio.StreamWriter, _: bytes) -> None:
+        writer.write(OK)
+        await writer.drain()
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")  # nobody asked
+
+    async with serving(reply) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        await post(client, server.url)
+        idle = client._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]
+        for _ in range(100):
+            if not idle[0].reusable:
+                break
+            await asyncio.sleep(0.02)
+        assert not idle[0].reusable
+        assert await post(client, server.url) == b'{"ok":true}'
         assert server.connections == 2
+        client.close()
+
+
+async def test_an_answer_without_a_body_and_trailers_and_header_whitespace():
+    no_content = b"HTTP/1.1 204 No Content\r\nX-Omni-Instance:  w-1 \r\n\r\n"
+    async with serving(fixed(no_content)) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        assert resp.status == 204 and resp.header("X-Omni-Instance") == "w-1"
+        assert await resp.read() == b""
+        resp.release()
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)  # reused
+        resp.release()
+        assert server.connections == 1
+        client.close()
+    trailers = b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nContent-Type: c/d\r\n\r\n"
+    async with serving(fixed(trailers)) as server:
+        client = HttpUpstream(limit=8, connect_timeout_s=5)
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        assert await resp.read() == b"{}"
+        assert resp.header("content-type") == "a/b"  # trailers do not rewrite the head
+        resp.release()
         client.close()
 
 
@@ -177,7 +236,7 @@ async def test_errors_before_and_after_the_answer_began():
             await post(client, server.url)
     # Not HTTP.
     async with serving(fixed(b"SSH-2.0-OpenSSH\r\n\r\n")) as server:
-        with pytest.raises(UpstreamError, match="bad status line"):
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
             await post(client, server.url)
     # The answer began, then the connection closed before its Content-Length was complete.
     async with serving(fixed(OK[:-4], close=True)) as server:
@@ -189,13 +248,43 @@ async def test_errors_before_and_after_the_answer_began():
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
     async with serving(fixed(chunked)) as server:
         resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
-        with pytest.raises(UpstreamError, match="chunk size"):
+        with pytest.raises(UpstreamError, match="not valid HTTP"):
+            await resp.read()
+        resp.release()
+    # A chunked answer whose connection closed between chunks.
+    async with serving(fixed(chunked.replace(b"zz\r\n", b"2\r\n{}\r\n"), close=True)) as server:
+        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        with pytest.raises(UpstreamError, match="mid-answer"):
             await resp.read()
         resp.release()
     # A header value that would split the request.
     async with serving(fixed(OK)) as server:
         with pytest.raises(UpstreamError, match="line break"):
             await client.post(server.url, "/generate", b"{}", {"Accept": "a\r\nX-Evil: 1"}, timeout_s=10)
+    client.close()
+
+
+async def test_malformed_heads_and_upgrades_fail_before_the_answer():
+    client = HttpUpstream(limit=8, connect_timeout_s=5)
+    bad = [
+        b"HTTP/1.1 200 OK\r\nNo colon here\r\n\r\n",
+        b"HTTP/1.1 2x0 OK\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\nxx",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n\r\n",
+    ]
+    for raw in bad:
+        async with serving(fixed(raw)) as server:
+            with pytest.raises(UpstreamError, match="not valid HTTP"):
+                await post(client, server.url)
+    switch = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: upgrade\r\n\r\n"
+    async with serving(fixed(switch)) as server:
+        with pytest.raises(UpstreamError, match="switched protocols"):
+            await post(client, server.url)
+    endless = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (upstream.MAX_HEAD_BYTES + 1)
+    async with serving(fixed(endless)) as server:
+        with pytest.raises(UpstreamError, match="too large"):
+            await post(client, server.url)
     client.close()
 
 
@@ -244,10 +333,18 @@ async def test_the_limit_queues_requests_and_cancellation_frees_the_slot():
         client.close()
 
 
-async def test_a_large_body_read_whole_is_not_stalled_by_flow_control():
+@pytest.mark.parametrize("framing", ["length", "chunked", "until-close"])
+async def test_a_slow_caller_pauses_reading_and_a_large_body_read_whole_is_not_stalled(framing: str):
     big = b"y" * (3 * 1024 * 1024)
-    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)
-    async with serving(fixed(answer)) as server:
+    if framing == "length":
+        answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(big), big)
+    elif framing == "chunked":
+        pieces = [big[i : i + 100_000] for i in range(0, len(big), 100_000)]
+        answer = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        answer += b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
+    else:
+        answer = b"HTTP/1.1 200 OK\r\n\r\n" + big
+    async with serving(fixed(answer, close=framing == "until-close")) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         assert await post(client, server.url) == big
         resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
@@ -262,7 +359,7 @@ async def test_a_large_body_read_whole_is_not_stalled_by_flow_control():
             got += chunk
         resp.release()
         assert got == big
-        assert server.connections == 1
+        assert server.connections == (2 if framing == "until-close" else 1)
         client.close()
 
 

@@ -6,12 +6,18 @@ a payload writer that sends headers and body apart), and on a small machine that
 of what the router spends per request. A proxied ``/generate`` needs none of its features
 (cookies, redirects, proxies, compression): one POST written in one piece on a pooled connection,
 a response head, and the body as it arrives, framed by ``Content-Length``, chunked transfer
-coding or the end of the connection.
+coding or the end of the connection. Responses are parsed by llhttp, through ``httptools`` (the
+parser under uvicorn): its callbacks fill the head and hand over the body; what it does not do is
+bound the head's size (``MAX_HEAD_BYTES`` here) and end a body framed by the connection's end
+(llhttp's EOF call is not exposed: ``connection_lost`` completes it).
 
 Rules that keep it safe:
 
 - a connection carries one request at a time and returns to the pool only after a complete
-  response that did not ask to close, with no byte left over;
+  response that did not ask to close (llhttp's ``should_keep_alive``), with no byte left over:
+  any byte after a complete response, then or while pooled, is a second message llhttp begins or
+  refuses, and closes the connection (empty lines aside, which HTTP/1.1 lets a parser skip between
+  messages);
 - a pooled connection idle for ``KEEPALIVE_S`` is closed, never reused: it stays below the
   keep-alive timeout of the servers behind workers (uvicorn, under SGLang and vLLM, closes after
   5 s), so a reused connection is not one the worker is closing at that moment;
@@ -33,6 +39,7 @@ from typing import Protocol
 from urllib.parse import urlsplit
 
 import aiohttp
+import httptools
 
 MAX_HEAD_BYTES = 64 * 1024
 #: Body bytes buffered ahead of a slow caller before the router stops reading from the worker.
@@ -74,18 +81,15 @@ def mime_type(content_type: str | None) -> str:
 
 # ----------------------------------------------------------------------------- the lean client
 
-_LENGTH, _CHUNKED, _UNTIL_CLOSE, _NONE = range(4)
-_SIZE, _DATA, _DATA_END, _TRAILER = range(4)
-
 
 class _Connection(asyncio.Protocol):
-    """One TCP connection to a worker; parses one response per request."""
+    """One TCP connection to a worker; llhttp (``httptools``) parses one response per request."""
 
     def __init__(self) -> None:
         self.transport: asyncio.Transport | None = None
         self.closed = False
         self.idle_since = 0.0
-        self._buf = bytearray()
+        self._parser = httptools.HttpResponseParser(self)
         self._head_waiter: asyncio.Future[None] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
         self._reset()
@@ -93,64 +97,88 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.status = 0
         self.headers: dict[str, str] = {}
-        self.keep_alive = True
+        self.keep_alive = False
         self.complete = False
         self.error: BaseException | None = None
-        self.leftover = False
+        self._head_bytes = 0
         self._chunks: list[bytes] = []
         self._buffered = 0
         self._paused = False
-        self._framing = _NONE
-        self._remaining = 0
-        self._chunk_state = _SIZE
-        self._in_head = True
 
     # -- asyncio.Protocol
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
 
     def data_received(self, data: bytes) -> None:
-        if self._in_head:
-            self._buf += data
-            try:
-                if not self._parse_head():
-                    return
-            except UpstreamError as exc:
-                self._fail(exc)
-                self.close()
-                return
-            rest = bytes(self._buf)
-            self._buf.clear()
-            self._wake_head()
-            if rest:
-                self._feed(rest)
-        elif self.complete or self.error is not None:
-            self.leftover = True  # bytes after a complete answer: this connection is not reused
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._broken(UpstreamError("the worker switched protocols"))
+        except httptools.HttpParserError as exc:
+            # Before the answer is complete it is malformed; after it, these are bytes left over
+            # (on_message_begin refused a second answer): either way the connection is done.
+            self._broken(UpstreamError(f"the worker's answer is not valid HTTP/1.1: {exc}"))
         else:
-            self._feed(data)
+            if not self.status:  # still in the head: llhttp sets no bound on its size
+                self._head_bytes += len(data)
+                if self._head_bytes > MAX_HEAD_BYTES:
+                    self._broken(UpstreamError("the worker's response head is too large"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
-        if self._in_head:
-            if self._head_waiter is not None:
-                self._fail(exc or ConnectionResetError("the worker closed the connection before answering"))
-            return
         if self.complete or self.error is not None:
             return
-        if self._framing == _UNTIL_CLOSE and exc is None:
-            self._finish()
+        if not self.status:
+            if self._head_waiter is not None:
+                self._fail(exc or ConnectionResetError("the worker closed the connection before answering"))
+        elif exc is None and "content-length" not in self.headers and "transfer-encoding" not in self.headers:
+            self.on_message_complete()  # a body framed by the end of the connection ends here (llhttp has no EOF call)
         else:
             self._fail(UpstreamError(f"the worker's connection closed mid-answer: {exc or 'end of stream'}"))
+
+    # -- llhttp's callbacks
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise UpstreamError("bytes after a complete answer")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self.status:  # not trailers
+            self.headers[name.decode("latin-1").lower()] = value.decode(
+                "latin-1"
+            ).rstrip()  # llhttp keeps trailing blanks
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:  # an interim answer (100 Continue): the real one follows
+            self.headers = {}
+            return
+        self.status = status
+        self.keep_alive = self._parser.should_keep_alive()
+        waiter = self._head_waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def on_body(self, data: bytes) -> None:
+        self._chunks.append(data)
+        self._buffered += len(data)
+        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+        self._wake_body()
+
+    def on_message_complete(self) -> None:
+        if self.status:  # not an interim answer's end
+            self.complete = True
+            self._wake_body()
 
     # -- one exchange
     @property
     def reusable(self) -> bool:
-        return not self.closed and not self.leftover and self.transport is not None and not self.transport.is_closing()
+        return not self.closed and self.transport is not None and not self.transport.is_closing()
 
     def send(self, payload: bytes) -> asyncio.Future[None]:
         assert self.transport is not None
         self._reset()
-        self._buf.clear()
         self._head_waiter = asyncio.get_running_loop().create_future()
         self.transport.write(payload)
         return self._head_waiter
@@ -181,136 +209,9 @@ class _Connection(asyncio.Protocol):
         self._body_waiter = asyncio.get_running_loop().create_future()
         return self._body_waiter
 
-    # -- parsing
-    def _parse_head(self) -> bool:
-        buf = self._buf
-        while True:
-            end = buf.find(b"\r\n\r\n")
-            if end < 0:
-                if len(buf) > MAX_HEAD_BYTES:
-                    raise UpstreamError("the worker's response head is too large")
-                return False
-            lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
-            del buf[: end + 4]
-            version, _, rest = lines[0].partition(" ")
-            code = rest[:3]
-            if not version.startswith("HTTP/1.") or not code.isdigit():
-                raise UpstreamError(f"bad status line from the worker: {lines[0][:80]!r}")
-            status = int(code)
-            if 100 <= status < 200:
-                continue  # an interim answer (100 Continue): the real one follows
-            headers: dict[str, str] = {}
-            for line in lines[1:]:
-                name, sep, value = line.partition(":")
-                if not sep:
-                    raise UpstreamError(f"bad header line from the worker: {line[:80]!r}")
-                headers[name.strip().lower()] = value.strip()
-            break
-        self.status = status
-        self.headers = headers
-        connection = headers.get("connection", "").lower()
-        self.keep_alive = "close" not in connection if version == "HTTP/1.1" else "keep-alive" in connection
-        self._in_head = False
-        if "chunked" in headers.get("transfer-encoding", "").lower():
-            self._framing = _CHUNKED
-        elif "content-length" in headers:
-            try:
-                self._remaining = int(headers["content-length"])
-            except ValueError:
-                raise UpstreamError(f"bad Content-Length from the worker: {headers['content-length'][:40]!r}") from None
-            if self._remaining < 0:
-                raise UpstreamError("negative Content-Length from the worker")
-            self._framing = _LENGTH
-            if self._remaining == 0:
-                self._finish()
-        elif status in (204, 304):
-            self._finish()
-        else:
-            self._framing = _UNTIL_CLOSE
-            self.keep_alive = False
-        return True
-
-    def _feed(self, data: bytes) -> None:
-        if self._framing == _LENGTH:
-            if len(data) >= self._remaining:
-                if len(data) > self._remaining:
-                    self.leftover = True
-                self._deliver(data[: self._remaining] if self.leftover else data)
-                self._remaining = 0
-                self._finish()
-            else:
-                self._remaining -= len(data)
-                self._deliver(data)
-        elif self._framing == _CHUNKED:
-            self._buf += data
-            try:
-                self._dechunk()
-            except UpstreamError as exc:
-                self._fail(exc)
-                self.close()
-        else:  # until the connection closes
-            self._deliver(data)
-
-    def _dechunk(self) -> None:
-        buf = self._buf
-        while buf and not self.complete:
-            if self._chunk_state == _SIZE:
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > 4096:
-                        raise UpstreamError("bad chunk size line from the worker")
-                    return
-                field = bytes(buf[:end]).split(b";", 1)[0].strip()
-                try:
-                    size = int(field, 16)
-                except ValueError:
-                    raise UpstreamError(f"bad chunk size from the worker: {field[:20]!r}") from None
-                del buf[: end + 2]
-                if size == 0:
-                    self._chunk_state = _TRAILER
-                else:
-                    self._remaining = size
-                    self._chunk_state = _DATA
-            elif self._chunk_state == _DATA:
-                take = min(self._remaining, len(buf))
-                self._deliver(bytes(buf[:take]))
-                del buf[:take]
-                self._remaining -= take
-                if self._remaining == 0:
-                    self._chunk_state = _DATA_END
-            elif self._chunk_state == _DATA_END:
-                if len(buf) < 2:
-                    return
-                if buf[:2] != b"\r\n":
-                    raise UpstreamError("a chunk from the worker does not end with CRLF")
-                del buf[:2]
-                self._chunk_state = _SIZE
-            else:  # trailers, each a line, ended by an empty line
-                end = buf.find(b"\r\n")
-                if end < 0:
-                    if len(buf) > MAX_HEAD_BYTES:
-                        raise UpstreamError("the worker's trailers are too large")
-                    return
-                del buf[: end + 2]
-                if end == 0:
-                    if buf:
-                        self.leftover = True
-                    buf.clear()
-                    self._finish()
-
-    def _deliver(self, data: bytes) -> None:
-        if not data:
-            return
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake_body()
-
-    def _finish(self) -> None:
-        self.complete = True
-        self._wake_body()
+    def _broken(self, exc: UpstreamError) -> None:
+        self._fail(exc)
+        self.close()
 
     def _fail(self, exc: BaseException) -> None:
         if self.error is None and not self.complete:
@@ -318,11 +219,6 @@ class _Connection(asyncio.Protocol):
         for waiter in (self._head_waiter, self._body_waiter):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(exc)
-
-    def _wake_head(self) -> None:
-        waiter = self._head_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
     def _wake_body(self) -> None:
         waiter = self._body_waiter
