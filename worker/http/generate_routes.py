@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
-from router.contract.errors import ApiError, Unavailable, error_body
+from router.contract.errors import ApiError, Unavailable
 from router.contract.generate import GenerateRequest, GenerateResponse, SamplingParams
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
@@ -25,13 +25,9 @@ from worker.engine.model_worker import ModelWorker
 from worker.engine.request import GenerationParams
 from worker.generation import GenerationHandle
 from worker.http.keys import COORDINATOR
-from worker.http.streaming import client_gone, open_sse, send_done, send_event
+from worker.http.streaming import ClientGone, client_gone, event_stream, open_sse, send_event
 
 POLL_S = 0.5
-
-
-class ClientGone(Exception):
-    """The caller closed the connection."""
 
 
 def generation_params(sp: SamplingParams, return_logprob: bool, top_logprobs_num: int | None) -> GenerationParams:
@@ -188,21 +184,12 @@ async def _stream(
     resp = await open_sse(request)
     index = {id(h): i for i, h in enumerate(handles)}
     worker = coord.worker
-    try:
+    async with event_stream(resp):  # the handles are aborted by the caller's finally
         async for changed in follow(request, coord, handles, wakeup):
             for h in changed:
                 await send_event(
                     resp, h.build(worker.decode, worker.weight_version, index[id(h)] if is_batch else None)
                 )
-        await send_done(resp)
-    except (ClientGone, ConnectionResetError):
-        pass  # the handles are aborted by the caller's finally
-    except ApiError as exc:
-        try:
-            await send_event(resp, error_body(exc.message))
-            await send_done(resp)
-        except ConnectionResetError:
-            pass
     return resp
 
 

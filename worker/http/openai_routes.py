@@ -26,7 +26,7 @@ import uuid
 
 from aiohttp import web
 
-from router.contract.errors import ApiError, error_body
+from router.contract.errors import ApiError
 from router.contract.openai import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -41,9 +41,9 @@ from worker.coordinator import Coordinator
 from worker.engine.request import GenerationParams
 from worker.generation import GenerationHandle
 from worker.http import openai_answers as answers
-from worker.http.generate_routes import ClientGone, check_admission, check_lengths, check_prompts, follow
+from worker.http.generate_routes import check_admission, check_lengths, check_prompts, follow
 from worker.http.keys import COORDINATOR
-from worker.http.streaming import open_sse, send_done, send_event
+from worker.http.streaming import ClientGone, event_stream, open_sse, send_event
 from worker.model.chat_template import ChatTemplateError
 
 _SEED_SPAN = 2**64
@@ -184,7 +184,7 @@ async def _stream(
     resp = await open_sse(request)
     worker = coord.worker
     by_handle = {id(c.handle): c for c in call.choices}
-    try:
+    async with event_stream(resp):  # the handles are aborted by the caller's finally
         for choice in call.choices:
             opening = answers.opening(call, choice)
             if opening is not None:
@@ -201,15 +201,6 @@ async def _stream(
             last = answers.envelope(call, worker, chunk=True)
             last.update(choices=[], usage=answers.usage(call))
             await send_event(resp, last)
-        await send_done(resp)
-    except (ClientGone, ConnectionResetError):
-        pass  # the handles are aborted by the caller's finally
-    except ApiError as exc:
-        try:
-            await send_event(resp, error_body(exc.message))
-            await send_done(resp)
-        except ConnectionResetError:
-            pass
     return resp
 
 
