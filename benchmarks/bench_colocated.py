@@ -51,8 +51,23 @@ def memcpy_s(named: list[tuple[str, torch.Tensor]], into: list[torch.Tensor]) ->
     return time.perf_counter() - start
 
 
-def update_s(url: str, body: dict, version: str) -> float:
-    """Seconds from the request to the worker's answer (which comes once the weights are in the model)."""
+def update_s(url: str, body: dict, version: str, *, release_first: bool = False) -> float:
+    """Seconds from the request to the worker's answer (which comes once the weights are in the model).
+
+    ``release_first`` (not timed): slime's colocated cycle around it, release of weights and KV cache
+    without a host copy, resume of the weights before the update and of the KV cache after it; the
+    update then writes weights that are partial, which need no backup."""
+    if release_first:
+        post(url + "/release_memory_occupation", {"tags": ["weights", "kv_cache"], "keep_weights": False})
+        post(url + "/resume_memory_occupation", {"tags": ["weights"]})
+    try:
+        return _timed_update(url, body, version)
+    finally:
+        if release_first:
+            post(url + "/resume_memory_occupation", {"tags": ["kv_cache"]})
+
+
+def _timed_update(url: str, body: dict, version: str) -> float:
     start = time.perf_counter()
     answer = post(url + "/update_weights_from_tensor", {**body, "weight_version": version})
     elapsed = time.perf_counter() - start
@@ -68,6 +83,11 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--rounds", type=int, default=5, help="measured rounds (after one warm-up round)")
     p.add_argument("--num-threads", type=int, default=1, help="torch threads, in the worker and for the memcpy")
+    p.add_argument(
+        "--release-first",
+        action="store_true",
+        help="each update follows a release without a host copy (slime's colocated cycle; not timed)",
+    )
     args = p.parse_args()
     torch.set_num_threads(args.num_threads)
 
@@ -87,7 +107,7 @@ def main() -> None:
         memcpy_s(named, into)
         updates, copies = [], []
         for i in range(args.rounds):
-            updates.append(update_s(url, body, f"round-{i}"))
+            updates.append(update_s(url, body, f"round-{i}", release_first=args.release_first))
             copies.append(memcpy_s(named, into))
         checked = post(url + "/weights_checker", {"action": "checksum"})
         assert checked.get("per_gpu_checksum") == sent_checksum(named), "the worker does not hold the pushed weights"
@@ -104,7 +124,7 @@ def main() -> None:
     )
     print(
         f"\n== colocated update into one worker: {total / 2**20:.0f} MiB, {len(named)} float32 tensors, "
-        f"median of {args.rounds} rounds =="
+        f"median of {args.rounds} rounds{', each after a release without a copy' if args.release_first else ''} =="
     )
     print(f"{'path':44s} {'time s':>8s} {'GB/s':>8s}")
     print(f"{'update_weights_from_tensor (request->answer)':44s} {update:8.3f} {total / update / 1e9:8.2f}")

@@ -23,6 +23,8 @@ from router.trainer.sender import sent_checksum
 from router.trainer.tensor_handles import build_cpu_handles
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
 from tests.procs import http_json
+from worker.engine.model_worker import ModelWorker, RollbackFailed
+from worker.engine.weight_state import WeightLedger, WeightState
 from worker.model.checkpoint import read_checkpoint
 
 PATH = "/update_weights_from_tensor"
@@ -154,8 +156,6 @@ def test_router_keeps_partial_workers_pending_and_a_refusal_changes_nothing(flee
 
 
 def test_ledger_release_without_a_copy_is_partial_until_every_tensor_is_rewritten() -> None:
-    from worker.engine.weight_state import WeightLedger, WeightState
-
     ledger = WeightLedger(["a", "b"])
     ledger.released(discarded=True)
     assert ledger.state is WeightState.RELEASED and ledger.mixed
@@ -170,3 +170,25 @@ def test_ledger_release_without_a_copy_is_partial_until_every_tensor_is_rewritte
     assert not ledger.mixed
     ledger.resumed()
     assert ledger.servable
+
+
+def test_a_failed_write_on_partial_weights_takes_no_backup_and_resets_the_rewrite(checkpoints) -> None:
+    """Partial weights are written without a backup copy (nothing worth restoring); if the write
+    fails, every tensor must be rewritten again before the worker serves."""
+    import torch
+
+    from worker.engine.weight_state import WeightState
+
+    mw = ModelWorker(str(checkpoints["llama"]))
+    named = _tensors(checkpoints["llama_b"])
+    mw.ledger.released(discarded=True)
+    mw.ledger.resumed()
+    mw.apply_atomic(named[:1])
+    assert mw.ledger.committed([named[0][0]]) == "partial"
+    bad = [(named[1][0], torch.zeros(3, 5))]
+    with pytest.raises(RollbackFailed, match="every tensor must be rewritten"):
+        mw.apply_atomic(bad)
+    assert mw.ledger.state is WeightState.PARTIAL
+    # The first tensor's rewrite no longer counts: all but it is not enough.
+    assert mw.ledger.committed([n for n, _ in named[1:]]) == "partial"
+    assert mw.ledger.committed([n for n, _ in named]) == "updated"

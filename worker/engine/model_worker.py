@@ -235,12 +235,20 @@ class ModelWorker:
         """
         if self.weights_released:
             raise WeightUpdateError("weights are released; call /resume_memory_occupation before updating them")
-        views = dict(self.model.iter_checkpoint_tensors())
+        # Weights that are already a mix (a failed update, or released without a copy) are not worth
+        # a copy: a failed write leaves them partial, with every tensor to be rewritten again.
+        keep_backup = self.ledger.state is not WeightState.PARTIAL
+        views = dict(self.model.iter_checkpoint_tensors()) if keep_backup else {}
         backup = [(views[name], views[name].to("cpu", copy=True)) for name, _ in named if name in views]
         try:
             count = self.model.load_weights(named, require_complete=require_complete)
             self.synchronize()
         except Exception as exc:
+            if not keep_backup:
+                self.ledger.rollback_failed()
+                raise RollbackFailed(
+                    f"writing partial weights failed, every tensor must be rewritten: {type(exc).__name__}: {exc}"
+                ) from exc
             self._restore(backup)
             if isinstance(exc, WeightLoadError):
                 raise WeightUpdateError(str(exc)) from None
