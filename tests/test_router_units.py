@@ -39,7 +39,6 @@ from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
 from router.gateway.routing.proxy import prepare_payload
-from tests.procs import free_port
 
 
 def test_router_import_leaves_torch_out():
@@ -416,68 +415,3 @@ class TestWire:
         # Workers abort by prefix: no assigned rid is a prefix of another.
         rids = [prepare_payload(b'{"text": "x"}')[1] for _ in range(20)]
         assert not any(a != b and b.startswith(a) for a in rids for b in rids)
-
-
-class TestAdminHttp:
-    """The lean fan-out client against a real aiohttp server: every framing, keep-alive, timeouts."""
-
-    async def _server(self, aiohttp_server):
-        from aiohttp import web
-
-        async def sized(request):
-            return web.json_response(
-                {"echo": (await request.read()).decode(), "auth": request.headers.get("Authorization")}
-            )
-
-        async def chunked(request):
-            resp = web.StreamResponse()
-            await resp.prepare(request)
-            for part in (b'{"parts": ', b"[1, 2, ", b"3]}"):
-                await resp.write(part)
-            await resp.write_eof()
-            return resp
-
-        async def closing(request):
-            return web.Response(body=b"bye", headers={"Connection": "close"})
-
-        async def slow(request):
-            await asyncio.sleep(5)
-            return web.Response(text="late")
-
-        app = web.Application()
-        app.router.add_routes(
-            [
-                web.post("/sized", sized),
-                web.get("/chunked", chunked),
-                web.get("/close", closing),
-                web.get("/slow", slow),
-            ]
-        )
-        return await aiohttp_server(app)
-
-    async def test_framings_keepalive_and_timeout(self, aiohttp_server):
-        from router.gateway.admin.admin_http import AdminHttpClient
-
-        server = await self._server(aiohttp_server)
-        base = f"http://127.0.0.1:{server.port}"
-        client = AdminHttpClient()
-        kw = {"timeout_s": 5.0, "connect_timeout_s": 2.0}
-        status, body = await client.request(
-            "POST", base, "/sized", body=b"hi", headers={"Authorization": "Bearer k"}, **kw
-        )
-        assert status == 200 and json.loads(body) == {"echo": "hi", "auth": "Bearer k"}
-        # The connection went back to the pool and is reused.
-        assert len(client._idle[("127.0.0.1", server.port)]) == 1
-        status, body = await client.request("GET", base, "/chunked", body=None, headers={}, **kw)
-        assert status == 200 and json.loads(body) == {"parts": [1, 2, 3]}
-        status, body = await client.request("GET", base, "/close", body=None, headers={}, **kw)
-        assert (status, body) == (200, b"bye")
-        status, _ = await client.request("GET", base, "/missing", body=None, headers={}, **kw)
-        assert status == 404
-        with pytest.raises(TimeoutError):
-            await client.request("GET", base, "/slow", body=None, headers={}, timeout_s=0.2, connect_timeout_s=1.0)
-        with pytest.raises(ValueError):
-            await client.request("GET", base, "/sized", body=None, headers={"X": "a\r\nb"}, **kw)
-        client.close()
-        with pytest.raises(OSError):
-            await AdminHttpClient().request("GET", f"http://127.0.0.1:{free_port()}", "/", body=None, headers={}, **kw)

@@ -1,6 +1,7 @@
-"""The /generate path's lean HTTP/1.1 client against scripted loopback servers: every framing,
-keep-alive reuse and when a connection must not be reused, errors, the deadline, cancellation,
-the in-flight limit and flow control."""
+"""The router's lean HTTP/1.1 client (the proxy's and the admin fan-out's) against scripted loopback
+servers: every framing, keep-alive reuse and when a connection must not be reused, errors, the
+deadline, cancellation, the in-flight limit, flow control, and the fan-out's whole exchanges (any
+method, no body, the size cap, the idle bound per worker)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from router.gateway.routing import upstream
-from router.gateway.routing.upstream import HttpUpstream, UpstreamError
+from router.gateway import upstream_http as upstream
+from router.gateway.upstream_http import HttpUpstream, UpstreamError
 
 Reply = Callable[[asyncio.StreamWriter, bytes], Awaitable[None]]
 
@@ -395,3 +396,92 @@ async def test_idle_connections_of_workers_that_get_no_more_requests_are_closed(
         await post(client, stays.url)  # a later request sweeps the pool
         assert gone_key not in client._idle
         client.close()
+
+
+# ----------------------------------------------------------------------------- the admin fan-out's whole exchanges
+
+
+def echo_request() -> Reply:
+    """Answers each request with its own head and body back, Content-Length framed."""
+
+    async def reply(writer: asyncio.StreamWriter, body: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        await writer.drain()
+
+    return reply
+
+
+async def test_fetch_any_method_with_or_without_a_body_and_every_framing():
+    async with serving(echo_request()) as server:
+        client = HttpUpstream(limit=0, connect_timeout_s=5, max_idle_per_host=8)
+        status, body = await client.fetch(
+            "POST", server.url, "/flush_cache?x=1", b'{"a": 1}', {"Authorization": "Bearer k"}, timeout_s=5
+        )
+        assert (status, body) == (200, b'{"a": 1}')
+        head = server.requests[-1]
+        assert head.startswith(b"POST /flush_cache?x=1 HTTP/1.1\r\n")
+        assert b"\r\nAuthorization: Bearer k\r\n" in head and b"\r\nContent-Length: 8\r\n" in head
+        # A GET without a body carries no Content-Length at all, on the same pooled connection.
+        assert await client.fetch("GET", server.url, "/model_info", None, {}, timeout_s=5) == (200, b"")
+        assert server.requests[-1].startswith(b"GET /model_info HTTP/1.1\r\n")
+        assert b"content-length" not in server.requests[-1].lower()
+        assert server.connections == 1
+        client.close()
+    chunked = (
+        b'HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n4\r\n{"a"\r\n3\r\n: 1\r\n1\r\n}\r\n0\r\n\r\n'
+    )
+    async with serving(fixed(chunked)) as server:
+        client = HttpUpstream(limit=0, connect_timeout_s=5)
+        assert await client.fetch("GET", server.url, "/x", None, {}, timeout_s=5) == (404, b'{"a": 1}')
+        client.close()
+    async with serving(fixed(b"HTTP/1.1 200 OK\r\n\r\nbye", close=True)) as server:
+        client = HttpUpstream(limit=0, connect_timeout_s=5)
+        assert await client.fetch("GET", server.url, "/x", None, {}, timeout_s=5) == (200, b"bye")
+        assert not client._idle.get(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+        client.close()
+
+
+async def test_fetch_caps_the_body_and_closes_that_connection():
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
+    big_chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"32\r\n" + b"x" * 50 + b"\r\n" * 2
+    for raw in (big, big_chunked):
+        async with serving(fixed(raw)) as server:
+            client = HttpUpstream(limit=0, connect_timeout_s=5)
+            with pytest.raises(UpstreamError, match="larger than 40 bytes"):
+                await client.fetch("GET", server.url, "/x", None, {}, timeout_s=5, max_bytes=40)
+            assert not client._idle.get(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+            client.close()
+    assert upstream.MAX_BODY_BYTES == 64 * 1024 * 1024
+
+
+async def test_fetch_timeout_refusals_and_the_idle_bound_per_worker():
+    gate = asyncio.Event()
+
+    async def slow(writer: asyncio.StreamWriter, _: bytes) -> None:
+        await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    async with serving(slow) as server:
+        client = HttpUpstream(limit=0, connect_timeout_s=5, max_idle_per_host=2)
+        with pytest.raises(TimeoutError):
+            await client.fetch("POST", server.url, "/slow", b"{}", {}, timeout_s=0.2)
+        gate.set()
+        # Three at once (no bound in flight), two kept idle afterwards.
+        answers = await asyncio.gather(*(client.fetch("GET", server.url, "/", None, {}, timeout_s=5) for _ in range(3)))
+        assert answers == [(200, b'{"ok":true}')] * 3
+        assert len(client._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]) == 2
+        with pytest.raises(UpstreamError, match="line break"):
+            await client.fetch("GET", server.url, "/", None, {"X": "a\r\nb"}, timeout_s=5)
+        with pytest.raises(UpstreamError, match="HEAD"):
+            await client.fetch("HEAD", server.url, "/", None, {}, timeout_s=5)
+        client.close()
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(OSError):
+        await HttpUpstream(limit=0, connect_timeout_s=5).fetch(
+            "GET", f"http://127.0.0.1:{port}", "/", None, {}, timeout_s=5
+        )

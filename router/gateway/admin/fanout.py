@@ -6,6 +6,13 @@ response model and that model reports success (``success: true``, or
 failure with a message saying what was wrong, not something to probe with
 ``dict.get``. Admin POSTs are never retried: a second ``update_weights_*`` could
 apply twice.
+
+``http`` workers are reached over the router's lean HTTP/1.1 client
+(:mod:`router.gateway.upstream_http`, the same one the proxy uses) with a pool of its own: no
+bound on requests in flight (a broadcast is one request per worker, all at once), at most
+:data:`MAX_IDLE_PER_WORKER` idle connections kept per worker, a whole answer read at most
+``MAX_BODY_BYTES`` (64 MiB), and each call's own timeout covering connect, send and the whole
+answer. ``https`` workers go through the shared aiohttp session.
 """
 
 from __future__ import annotations
@@ -22,9 +29,9 @@ from pydantic import ValidationError
 from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import ErrorBody
 from router.contract.fleet import WorkerResult
-from router.gateway.admin.admin_http import AdminHttpClient, HttpProtocolError
 from router.gateway.admin.operations import Operation
 from router.gateway.fleet.registry import Worker
+from router.gateway.upstream_http import HttpUpstream, UpstreamError
 
 
 @dataclass(slots=True)
@@ -80,13 +87,16 @@ def _first_problem(exc: ValidationError) -> str:
     return f"{where}: {err.get('msg')}"
 
 
+MAX_IDLE_PER_WORKER = 8
+
+
 class FanOut:
     """Pooled connections to every worker; one typed :class:`WorkerResult` per call."""
 
     def __init__(self, session: aiohttp.ClientSession, *, connect_timeout_s: float):
         self._session = session
         self._connect_timeout_s = connect_timeout_s
-        self._lean = AdminHttpClient()
+        self._lean = HttpUpstream(limit=0, connect_timeout_s=connect_timeout_s, max_idle_per_host=MAX_IDLE_PER_WORKER)
 
     def close(self) -> None:
         self._lean.close()
@@ -100,7 +110,7 @@ class FanOut:
             body, error = decode_answer(call.op.endpoint.response, status, raw)
         except TimeoutError:
             error = f"no answer within {call.timeout_s:g}s"
-        except (aiohttp.ClientError, OSError, HttpProtocolError, ValueError) as exc:
+        except (aiohttp.ClientError, OSError, UpstreamError, ValueError) as exc:
             error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         success = error is None and status is not None and 200 <= status < 300 and body is not None and body.ok
         return WorkerResult[call.op.endpoint.response](  # type: ignore[name-defined]
@@ -119,18 +129,10 @@ class FanOut:
 
     async def _send(self, worker: Worker, call: AdminCall) -> tuple[int, bytes]:
         path = call.op.path + (f"?{call.query}" if call.query else "")
-        connect = min(self._connect_timeout_s, call.timeout_s)
         data = call.body_for(worker)
         if worker.url.startswith("http://"):
-            return await self._lean.request(
-                call.method,
-                worker.url,
-                path,
-                body=data,
-                headers=call.headers,
-                timeout_s=call.timeout_s,
-                connect_timeout_s=connect,
-            )
+            return await self._lean.fetch(call.method, worker.url, path, data, call.headers, timeout_s=call.timeout_s)
+        connect = min(self._connect_timeout_s, call.timeout_s)
         timeout = aiohttp.ClientTimeout(total=call.timeout_s, sock_connect=connect)
         async with self._session.request(
             call.method, worker.url + path, data=data, headers=call.headers, timeout=timeout
