@@ -227,34 +227,17 @@ class LeanResponse:
     async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body; past ``max_bytes`` it raises :class:`UpstreamError` and the connection closes."""
         conn = self._conn
-        if max_bytes is not None:
-            return await self._read_capped(max_bytes)
-        parts: list[bytes] = []
-        while True:
-            if conn.has_data():
-                parts.append(conn.take())  # taken as it comes, so a large body never stalls on the high water
-            if conn.complete:
-                break
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait_body()
-        if len(parts) == 1:
-            return parts[0]
-        return b"".join(parts)
-
-    async def _read_capped(self, max_bytes: int) -> bytes:
-        conn = self._conn
         declared = conn.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        if max_bytes is not None and declared is not None and declared.isdigit() and int(declared) > max_bytes:
             conn.close()
             raise UpstreamError(f"the worker's answer is larger than {max_bytes} bytes")
         parts: list[bytes] = []
         size = 0
         while True:
             if conn.has_data():
-                part = conn.take()
+                part = conn.take()  # taken as it comes, so a large body never stalls on the high water
                 size += len(part)
-                if size > max_bytes:
+                if max_bytes is not None and size > max_bytes:
                     conn.close()
                     raise UpstreamError(f"the worker's answer is larger than {max_bytes} bytes")
                 parts.append(part)
@@ -263,9 +246,7 @@ class LeanResponse:
             if conn.error is not None:
                 raise conn.error
             await conn.wait_body()
-        if len(parts) == 1:
-            return parts[0]
-        return b"".join(parts)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     async def chunks(self) -> AsyncIterator[bytes]:
         conn = self._conn
