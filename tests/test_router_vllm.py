@@ -93,7 +93,8 @@ class StandIn:
     async def _answer(self, path: str, request: web.Request, body: dict[str, Any]) -> Reply:
         if path == "/health":
             return 200, {"status": "ok", "weight_version": self.version, "weight_state": "serving",
-                         "instance_id": self.instance_id, "is_paused": self.paused}  # fmt: skip
+                         "instance_id": self.instance_id, "is_paused": self.paused,
+                         "weight_update": "open" if self.update_open else None}  # fmt: skip
         if path == "/model_info":
             return 200, {"model_path": "/stand-in", "tp_size": self.tp_size, "weight_version": self.version,
                          "weight_state": "serving", "instance_id": self.instance_id}  # fmt: skip
@@ -390,6 +391,22 @@ async def test_an_update_nobody_finishes_expires_and_fails_closed(make_fleet: Ca
     assert pending.state == "failed" and "expired" in pending.reason
     status, body = await fleet.call("POST", "/update_weights", CHUNK)
     assert status == 409 and "expired" in body["error"]["message"]
+
+
+async def test_an_update_every_worker_ended_by_itself_is_ended_at_once(
+    make_fleet: Callable[..., Awaitable[Fleet]],
+) -> None:
+    fleet = await make_fleet([StandIn(), StandIn()])
+    assert (await fleet.call("POST", "/start_weight_update", {"timeout_s": 600}))[0] == 200
+    for s in fleet.workers:
+        s.update_open = False  # each worker's own window passed: its /health no longer shows the update
+    for _ in range(200):  # bounded: the router reads /health every second
+        if not fleet.lock_held:
+            break
+        await asyncio.sleep(0.05)
+    assert not fleet.lock_held and await fleet.disabled() == [True, True]
+    pending = await fleet.journal()
+    assert pending.state == "failed" and "holds no open weight update" in pending.reason
 
 
 # -- pause, resume, is_paused

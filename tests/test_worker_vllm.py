@@ -173,9 +173,11 @@ class TestOrderAndInput:
         status, body = worker.post("/finish_weight_update", {"weight_version": "x"})
         assert status == 409
         worker.ok("POST", "/start_weight_update")
+        assert worker.get("/health")[1]["weight_update"] == "open"
         status, body = worker.post("/start_weight_update")
         assert status == 409 and "already started" in body["error"]["message"]
         worker.ok("POST", "/finish_weight_update")  # an empty update commits nothing but the (unchanged) version
+        assert worker.get("/health")[1]["weight_update"] is None
         assert (worker.checksum(), worker.info()["weight_version"]) == before
 
     def test_an_update_nobody_finishes_ends_by_itself(self, worker: Worker) -> None:

@@ -323,6 +323,9 @@ class HealthStatus(WireResponse):
     receive: ReceiveStateName | None = None
     """The state of a prepared two-phase update's receive, while there is one: a router ends
     the update at once when every target's receive has ``failed``."""
+    weight_update: Literal["open"] | None = None
+    """``open`` between vLLM's ``/start_weight_update`` and its end (finish, a failed transfer, or
+    the update's window passing): a router ends its held update once no target holds one open."""
 
 
 class ServerInfo(WireResponse):

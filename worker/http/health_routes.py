@@ -12,7 +12,7 @@ from aiohttp import web
 from router.contract.admin import HealthStatus
 from router.contract.web.openapi import Route
 from worker.coordinator import SHUTTING_DOWN
-from worker.http.keys import COORDINATOR, WEIGHT_SYNC
+from worker.http.keys import COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
 
 
 async def health(request: web.Request) -> web.Response:
@@ -21,7 +21,8 @@ async def health(request: web.Request) -> web.Response:
     It also says which weights the process holds (version, state, instance): a router reads
     them with every probe, so a worker that restarted or holds partial weights is taken out
     of routing at the first probe that sees it; and the state of a prepared update's
-    receive, so that a router can end an update whose receives all failed. 503 ``draining``
+    receive (and whether a vLLM update is open), so that a router can end an update no worker
+    can complete any more. 503 ``draining``
     while the worker shuts down: it finishes what it runs and takes nothing new."""
     coord = request.app[COORDINATOR]
     if not coord.alive:
@@ -33,6 +34,7 @@ async def health(request: web.Request) -> web.Response:
         weight_state=coord.weight_state,  # type: ignore[arg-type]
         instance_id=coord.instance_id,
         receive=request.app[WEIGHT_SYNC].receive_state,  # type: ignore[arg-type]
+        weight_update="open" if request.app[VLLM_TRANSFER].update_open else None,
     )
     if coord.draining:
         return web.json_response({**status.model_dump(), "message": SHUTTING_DOWN}, status=503)

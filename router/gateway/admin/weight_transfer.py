@@ -250,7 +250,11 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
             run.outcome = "failure"
 
     def _stuck(self, held: OpenUpdate, worker: Worker, status: HealthStatus) -> str | None:
-        return held.failed.get(worker.id)
+        if worker.id in held.failed:
+            return held.failed[worker.id]
+        if status.weight_update is None:
+            return "holds no open weight update (it ended on the worker)"
+        return None
 
 
 def _left_update(worker: Worker, why: str) -> WorkerResult[Any]:
