@@ -5,9 +5,9 @@
 One real ``omni-worker`` on 127.0.0.1; the trainer is this process. It writes the new weights into
 one CPU shared-memory segment (``build_cpu_handles``, not timed: a colocated trainer holds them
 there), then each round POSTs the handle message and times request → answer: the worker checks the
-message against the model, copies the tensors out of the segment and writes them through the update
-pipeline (one atomic step, with a backup of the old weights for rollback), and answers once they are
-in the model. The baseline is ``copy_`` of the same tensors into preallocated tensors in this process,
+message against the model, maps the segment and writes its tensors through the update pipeline
+straight from the mapping (one atomic step, with a backup of the old weights for rollback unless
+they are partial), and answers once they are in the model. The baseline is ``copy_`` of the same tensors into preallocated tensors in this process,
 with as many threads as the worker. Printed: the median of each over the rounds (after one warm-up
 round; update and memcpy interleaved) and the ratio update ÷ memcpy.
 """

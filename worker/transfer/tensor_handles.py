@@ -1,15 +1,19 @@
-"""Open a JSON handle message (:mod:`router.contract.tensor_handles`) and copy its tensors out.
+"""Open a JSON handle message (:mod:`router.contract.tensor_handles`) as tensors the update writes from.
 
 Names, dtypes and shapes are checked against the served model first
 (:func:`~worker.transfer.validation.validate_buckets`), so a wrong message opens
-no memory at all. The tensors are then COPIED out of the shared buffer: the
-segment is closed before this returns, so the trainer may unlink it as soon as
-the worker has answered, and the model never aliases memory another process writes.
+no memory at all. CPU shared memory is mapped by this worker and its tensors are
+views of that mapping: the update copies them straight into the model (one copy,
+no staging) and then drops them, which unmaps it; the trainer may unlink the
+segment at any time and must not rewrite it before the worker has answered. CUDA
+IPC buffers are copied out at once (the producer's handle is released before the
+update runs). The model never keeps a reference to memory another process writes.
 """
 
 from __future__ import annotations
 
 import base64
+import mmap
 from collections.abc import Callable
 from multiprocessing import resource_tracker, shared_memory
 
@@ -36,19 +40,16 @@ def check_against_model(message: HandleMessage, spec: Spec, is_ignored: Callable
     validate_buckets(metas, spec, flattened=False, is_ignored=is_ignored)
 
 
-def _copy_out(bucket: HandleBucket, buffer: memoryview | torch.Tensor) -> NamedTensors:
+def _tensors_in(bucket: HandleBucket, flat: torch.Tensor | None, *, copy: bool) -> NamedTensors:
+    """Each tensor of ``bucket`` inside ``flat`` (its buffer as ``uint8``): a view, or a copy."""
     out: NamedTensors = []
     for t in bucket.tensors:
         dtype = torch_dtype(t.dtype)
-        if not t.nbytes:
+        if not t.nbytes or flat is None:
             out.append((t.name, torch.empty(t.shape, dtype=dtype)))
             continue
-        if isinstance(buffer, torch.Tensor):
-            raw = buffer[t.offset : t.offset + t.nbytes]
-        else:
-            raw = torch.frombuffer(buffer, dtype=torch.uint8, count=t.nbytes, offset=t.offset)
-        out.append((t.name, raw.view(dtype).reshape(t.shape).clone()))
-        del raw
+        tensor = flat[t.offset : t.offset + t.nbytes].view(dtype).reshape(t.shape)
+        out.append((t.name, tensor.clone() if copy else tensor))
     return out
 
 
@@ -63,10 +64,14 @@ def _open_cpu(bucket: HandleBucket, memory: CpuShmMemory) -> NamedTensors:
     try:
         if segment.size < memory.capacity:
             raise HandleError(f"segment {memory.name!r} holds {segment.size} bytes, the message declares {memory.size}")
-        assert segment.buf is not None
-        return _copy_out(bucket, segment.buf)
+        # A mapping of this worker's own, owned by the views returned: the update copies from it
+        # straight into the model, and it is unmapped once the last view is dropped, whatever the
+        # trainer does with the segment's name meanwhile (unlinking a mapped segment is safe).
+        mapping = mmap.mmap(segment._fd, memory.capacity) if memory.capacity else None  # type: ignore[attr-defined]
     finally:
         segment.close()
+    flat = torch.frombuffer(mapping, dtype=torch.uint8) if mapping is not None else None
+    return _tensors_in(bucket, flat, copy=False)
 
 
 def _open_cuda(bucket: HandleBucket, memory: CudaIpcMemory) -> NamedTensors:  # pragma: no cover - needs a GPU
@@ -84,13 +89,14 @@ def _open_cuda(bucket: HandleBucket, memory: CudaIpcMemory) -> NamedTensors:  # 
     )
     flat = torch.empty(0, dtype=torch.uint8, device=f"cuda:{memory.device}").set_(storage)
     try:
-        return _copy_out(bucket, flat)
+        return _tensors_in(bucket, flat, copy=True)
     finally:
         del flat, storage
 
 
 def load(message: HandleMessage) -> NamedTensors:
-    """Every tensor of a checked message, copied out of its buffer (raises :class:`HandleError`)."""
+    """Every tensor of a checked message, as views of this worker's mapping (CPU) or copies (CUDA);
+    raises :class:`HandleError`."""
     named: NamedTensors = []
     for bucket in message.buckets:
         memory = bucket.memory
