@@ -4,8 +4,8 @@ Real parts: two omni-worker processes, the TP=2 one with its follower rank in a
 process of its own, joined by gloo; tiny safetensors checkpoints. Covered:
 generation equals TP=1 (single prompts, a batch, streaming); every admin
 operation answers one ``rank_results`` entry per rank; an update from disk
-reaches every rank and generation still equals TP=1 after it; a weight-update
-group is refused while weight sync at TP > 1 is not supported; a killed follower
+reaches every rank and generation still equals TP=1 after it, as do weight sync
+(SGLang's and vLLM's) and the tensor path's handle message; a killed follower
 makes the worker fail admin operations naming the rank, stop taking traffic and
 exit, without hanging.
 """
@@ -26,6 +26,7 @@ import torch
 from router.trainer import sent_checksum, vllm_sender
 from router.trainer.rendezvous import alongside
 from router.trainer.sender import TrainerWeightSender
+from router.trainer.tensor_handles import build_cpu_handles
 from tests._router_fixtures import ADMIN_KEY, auth, start_router
 from tests._router_trainer import run_trainer
 from tests._worker_helpers import Worker
@@ -287,4 +288,21 @@ def test_vllm_packed_update_reaches_every_rank(pair, checkpoints) -> None:
         assert [r["full_checksum"] for r in ranks] == [expected, expected]
     finally:
         sender.close()
+        tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
+
+
+def test_an_update_from_tensor_handles_reaches_every_rank(pair, checkpoints) -> None:
+    _, tp2 = pair
+    named = sorted(read_checkpoint(checkpoints["llama_b"], torch.float32))
+    body, segment = build_cpu_handles(named, weight_version="tp-shm")
+    try:
+        answer = tp2.ok("POST", "/update_weights_from_tensor", body)
+        assert [r["success"] for r in answer["rank_results"]] == [True, True], answer
+    finally:
+        segment.close()
+        segment.unlink()
+    try:
+        ranks = tp2.ok("POST", "/weights_checker", {"action": "checksum"})["ranks"]
+        assert [r["full_checksum"] for r in ranks] == [sent_checksum(named)] * 2
+    finally:
         tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
