@@ -306,3 +306,22 @@ def test_an_update_from_tensor_handles_reaches_every_rank(pair, checkpoints) -> 
         assert [r["full_checksum"] for r in ranks] == [sent_checksum(named)] * 2
     finally:
         tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
+
+
+def test_vllm_shared_memory_update_reaches_every_rank(pair, checkpoints) -> None:
+    _, tp2 = pair
+    named = sorted(read_checkpoint(checkpoints["llama_b"], torch.float32))
+    body, segment = build_cpu_handles(named)
+    try:
+        tp2.ok("POST", "/start_weight_update")
+        info = {**vllm_sender.update_info(named), "tensor_handles": body["tensor_handles"]}
+        tp2.ok("POST", "/update_weights", {"update_info": info})
+        tp2.ok("POST", "/finish_weight_update", {"weight_version": "tp-vllm-shm"})
+    finally:
+        segment.close()
+        segment.unlink()
+    try:
+        ranks = tp2.ok("POST", "/weights_checker", {"action": "checksum"})["ranks"]
+        assert [r["full_checksum"] for r in ranks] == [sent_checksum(named)] * 2
+    finally:
+        tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})

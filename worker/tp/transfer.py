@@ -165,6 +165,15 @@ def apply_bucket(s: Scheduler, *, index: int, wait_s: float) -> OpResult:
     return OpResult(True, "", {"applied": count})
 
 
+def apply_given(s: Scheduler, *, named: NamedTensors) -> OpResult:
+    """Streaming: write this rank's shard of full tensors rank 0 handed over (a shared-memory update)."""
+    try:
+        count = s.worker.apply_streamed(named)
+    except Exception as exc:
+        return OpResult(False, f"tensors not applied on this rank: {exc}", {"weights": "partial"})
+    return OpResult(True, "", {"applied": count})
+
+
 def apply_all(s: Scheduler, *, abort_all: bool, require_complete: bool, wait_s: float) -> OpResult:
     """Atomic: once this rank's receive finished, verify and write every staged bucket in one step."""
     receiver = _AGENT.receiver

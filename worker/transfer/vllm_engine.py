@@ -52,6 +52,7 @@ from router.dataplane.buckets import NamedTensors
 from router.dataplane.formats import for_load_format
 from worker.engine.weight_ops import CommitOptions
 from worker.stage import AdminBusy
+from worker.tp import transfer as tp_transfer
 from worker.transfer import vllm_handles
 from worker.transfer.controller import RECEIVE_GRACE_S, WeightSyncController
 from worker.updates import UpdateRefused, UpdateTransaction
@@ -200,8 +201,6 @@ class VllmWeightTransfer:
 
     async def _update_from_handles(self, opened: _OpenUpdate, info: WeightTransferUpdateInfo) -> Answer:
         coord = self.sync.coordinator
-        if coord.stage.tp_size > 1:
-            return _refused("shared-memory updates are served at tp_size 1 only; use the group transfer")
         model = coord.worker.model
         try:
             stage: Callable[[], NamedTensors] = vllm_handles.prepare(
@@ -216,7 +215,10 @@ class VllmWeightTransfer:
         opened.txn.deadline = max(opened.txn.deadline, time.monotonic() + (info.timeout_s or opened.window_s))
         try:
             named = await self.sync.in_thread(stage)
-            applied = self.updates.apply_streamed(opened.txn, named)
+            # Rank 0 maps the memory; tensor-parallel followers get the full tensors through their pipes.
+            applied = self.updates.apply_streamed(
+                opened.txn, named, follower_op=partial(tp_transfer.apply_given, named=named)
+            )
             await asyncio.wait_for(asyncio.wrap_future(applied), opened.txn.step_s())
         except Exception as exc:  # opening or writing failed: what was written is a mix
             return await self._fail(opened, f"loading the shared tensors failed: {type(exc).__name__}: {exc}")
