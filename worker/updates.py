@@ -81,6 +81,11 @@ class UpdateTransaction:
     def step_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0) + self.after_deadline_s
 
+    def extend(self, window_s: float) -> None:
+        """Let the update's own work run ``window_s`` more from now (a later call of an update held
+        across calls, as vLLM's ``/update_weights``); a deadline is never brought forward."""
+        self.deadline = max(self.deadline, time.monotonic() + window_s)
+
     def end(self) -> None:
         """Release the worker's writer lock; the only place it is released."""
         if not self.ended:

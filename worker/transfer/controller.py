@@ -499,7 +499,7 @@ class WeightSyncController:
             txn = await self.updates.begin(SYNC_ACTION, abort_all=abort_all, streaming=not atomic, timeout_s=window)
         else:
             txn = within
-            txn.deadline = max(txn.deadline, time.monotonic() + window)
+            txn.extend(window)
         names = tuple(s.name for layout in layouts for s in layout.slots)
         checksums = announced_checksums(buckets)
 

@@ -212,7 +212,7 @@ class VllmWeightTransfer:
             )
         except ValueError as exc:
             return _refused(str(exc))
-        opened.txn.deadline = max(opened.txn.deadline, time.monotonic() + (info.timeout_s or opened.window_s))
+        opened.txn.extend(info.timeout_s or opened.window_s)
         try:
             named = await self.sync.in_thread(stage)
             # Rank 0 maps the memory; tensor-parallel followers get the full tensors through their pipes.
