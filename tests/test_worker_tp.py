@@ -291,6 +291,15 @@ def test_vllm_packed_update_reaches_every_rank(pair, checkpoints) -> None:
         tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
 
 
+def _assert_every_rank_holds_then_reload(tp2: Worker, named: list[tuple[str, torch.Tensor]], boot: Path) -> None:
+    """Both ranks hold the full tensors of ``named``; afterwards the worker reloads ``boot``."""
+    try:
+        ranks = tp2.ok("POST", "/weights_checker", {"action": "checksum"})["ranks"]
+        assert [r["full_checksum"] for r in ranks] == [sent_checksum(named)] * 2
+    finally:
+        tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(boot)})
+
+
 def test_an_update_from_tensor_handles_reaches_every_rank(pair, checkpoints) -> None:
     _, tp2 = pair
     named = sorted(read_checkpoint(checkpoints["llama_b"], torch.float32))
@@ -301,11 +310,7 @@ def test_an_update_from_tensor_handles_reaches_every_rank(pair, checkpoints) -> 
     finally:
         segment.close()
         segment.unlink()
-    try:
-        ranks = tp2.ok("POST", "/weights_checker", {"action": "checksum"})["ranks"]
-        assert [r["full_checksum"] for r in ranks] == [sent_checksum(named)] * 2
-    finally:
-        tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
+    _assert_every_rank_holds_then_reload(tp2, named, checkpoints["llama"])
 
 
 def test_vllm_shared_memory_update_reaches_every_rank(pair, checkpoints) -> None:
@@ -320,8 +325,4 @@ def test_vllm_shared_memory_update_reaches_every_rank(pair, checkpoints) -> None
     finally:
         segment.close()
         segment.unlink()
-    try:
-        ranks = tp2.ok("POST", "/weights_checker", {"action": "checksum"})["ranks"]
-        assert [r["full_checksum"] for r in ranks] == [sent_checksum(named)] * 2
-    finally:
-        tp2.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
+    _assert_every_rank_holds_then_reload(tp2, named, checkpoints["llama"])
