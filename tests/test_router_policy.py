@@ -88,8 +88,13 @@ BAD_BODIES: list[tuple[str, Any, str]] = [
     ("/pause_generation", {"mode": "sideways"}, "mode"),
     ("/pause_generation", {"mode": 1}, "mode"),
     ("/update_weights_from_disk", {}, "model_path"),
-    ("/update_weights_from_disk", {"model_path": "/m", "abort_all_requests": "yes"}, "abort_all_requests"),
-    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "world_size": "3"}, "world_size"),
+    ("/update_weights_from_disk", {"model_path": "/m", "abort_all_requests": "maybe"}, "abort_all_requests"),
+    (
+        "/init_weights_update_group",
+        {"master_address": "127.0.0.1", "master_port": 1, "world_size": "three"},
+        "world_size",
+    ),
+    ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2.5}, "world_size"),
     (
         "/init_weights_update_group",
         {"master_address": "127.0.0.1", "master_port": 70000, "world_size": 3},
@@ -238,7 +243,7 @@ async def test_registry_crud_and_legacy_routes(client: TestClient) -> None:
         status, body = await call(client, "POST", "/workers", {"url": bad})
         assert status == 400 and "invalid worker url" in body["error"]["message"], bad
     assert len(WorkerList.model_validate((await call(client, "GET", "/workers"))[1]).workers) == 2
-    assert (await call(client, "PUT", f"/workers/{first.id}", {"disabled": "yes"}))[0] == 400
+    assert (await call(client, "PUT", f"/workers/{first.id}", {"disabled": "maybe"}))[0] == 400
     status, body = await call(client, "DELETE", f"/workers/{first.id}")
     assert status == 200 and body["removed"]["id"] == first.id
     status, body = await call(client, "POST", "/workers", {"url": first.url, "disabled": True})

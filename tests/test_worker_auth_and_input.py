@@ -79,6 +79,7 @@ VALID_CALLS = [
     ("POST", "/abort_request", {"rid": "nothing"}, 200),
     ("GET", "/flush_cache", None, 200),
     ("POST", "/flush_cache", None, 200),
+    ("POST", "/reset_prefix_cache", None, 200),
     ("POST", "/update_weights_from_disk", {"model_path": "<llama>"}, 200),
     ("GET", "/weights_checker", None, 200),
     ("POST", "/weights_checker", {"action": "snapshot"}, 200),
@@ -149,13 +150,14 @@ BAD_BODIES = {
         {"text": "a", "input_ids": [1]},
         {"input_ids": [1.5]},
         {"input_ids": [[1], 2]},
-        {"text": "a", "stream": "yes"},
-        {"text": "a", "return_logprob": "true"},
+        {"text": "a", "stream": "often"},
+        {"text": "a", "return_logprob": "sometimes"},
         {"text": ["a", "b"], "rid": "one"},
         {"text": "a", "rid": ["x", "y"]},
         {"text": "a", "sampling_params": {"temperature": "hot"}},
         {"text": "a", "sampling_params": {"max_new_tokens": -1}},
-        {"text": "a", "sampling_params": {"max_new_tokens": True}},
+        {"text": "a", "sampling_params": {"max_new_tokens": 2.5}},
+        {"text": "a", "sampling_params": {"max_new_tokens": "many"}},
         {"text": "a", "sampling_params": {"top_k": 0}},
         {"text": "a", "sampling_params": {"top_p": 0}},
         {"text": "a", "sampling_params": {"stop": [""]}},
@@ -164,22 +166,23 @@ BAD_BODIES = {
         {"text": ""},
     ],
     "/pause_generation": [{"mode": "stop"}, {"mode": 1}],
-    "/continue_generation": [{"torch_empty_cache": "no"}],
-    "/abort_request": [{"abort_all": "yes"}, {"rid": 5}],
-    "/update_weight_version": [{}, {"new_version": 3}, {"new_version": "x", "abort_all_requests": "false"}],
+    "/continue_generation": [{"torch_empty_cache": "nah"}],
+    "/abort_request": [{"abort_all": "perhaps"}, {"rid": 5}],
+    "/update_weight_version": [{}, {"new_version": 3}, {"new_version": "x", "abort_all_requests": "nope"}],
     "/update_weights_from_disk": [
         {},
         {"model_path": 7},
         {"model_path": ""},
-        {"model_path": "<llama>", "abort_all_requests": "true"},
-        {"model_path": "<llama>", "token_step": "3"},
-        {"model_path": "<llama>", "flush_cache": 1},
+        {"model_path": "<llama>", "abort_all_requests": "sure"},
+        {"model_path": "<llama>", "token_step": "three"},
+        {"model_path": "<llama>", "flush_cache": 2},
         {"model_path": "<llama>", "manifest": "x"},
     ],
     "/weights_checker": [{"action": "nope"}, {"action": 3}, {"skip_tensor_list": "x"}],
     "/release_memory_occupation": [{"tags": "weights"}, {"tags": ["nope"]}],
     "/resume_memory_occupation": [{"tags": [1]}],
     "/flush_cache": [{"timeout": -1}, {"timeout": "soon"}],
+    "/reset_prefix_cache": [{"reset_running_requests": "perhaps"}],
     "/model_info": [],
 }
 
@@ -209,3 +212,27 @@ def test_bad_input_is_400_json_and_changes_nothing(kw, checkpoints):
     assert kw.generate("steady", 8, headers=ADMIN)["output_ids"] == before_out
     assert kw.checksum() == before_sum
     assert kw.ok("GET", "/health")["status"] == "ok"
+
+
+def test_values_coerced_as_sglang_coerces_them(kw, checkpoints):
+    """SGLang validates request bodies with pydantic's lax mode, and trainers rely on it (AReaL
+    sends ports as strings): numeric strings, integral floats and boolean words are accepted and
+    take effect with their normalized values; the bounds still hold."""
+    out = kw.ok(
+        "POST",
+        "/generate",
+        {"text": "steady", "return_logprob": "true", "sampling_params": {"max_new_tokens": "3", "temperature": "0"}},
+        headers=ADMIN,
+    )
+    assert len(out["output_ids"]) == 3 and len(out["meta_info"]["output_token_logprobs"]) == 3
+    greedy = kw.generate("steady", 3, headers=ADMIN)["output_ids"]
+    assert out["output_ids"] == greedy
+    assert kw.post("/generate", {"text": "a", "sampling_params": {"max_new_tokens": "-1"}}, headers=ADMIN)[0] == 400
+    before = kw.info()["weight_version"]
+    version = kw.ok(
+        "POST", "/update_weight_version", {"new_version": "coerced", "abort_all_requests": "false"}, headers=ADMIN
+    )
+    assert version["success"] is True and kw.info()["weight_version"] == "coerced"
+    kw.ok("POST", "/update_weight_version", {"new_version": before, "abort_all_requests": 0}, headers=ADMIN)
+    assert kw.ok("GET", "/flush_cache?timeout=1.5", headers=ADMIN)["success"] is True
+    assert kw.info()["weight_version"] == before

@@ -343,3 +343,89 @@ class TestBufferSizeMismatch:
             assert status == 400 and "/init_weight_transfer_engine" in body["error"]["message"], body
         finally:
             worker.ok("POST", "/finish_weight_update")
+
+
+class TestWireParamsAtInit:
+    """vLLM 0.28+ trainers send ``packed`` and the buffer geometry once, in ``init_info``, and
+    per-round ``update_info`` without them. Last in the module: it initializes the engine again
+    (its own rendezvous and group, as a restarted trainer would)."""
+
+    BUFFER = 64 * 1024
+
+    @pytest.fixture(scope="class")
+    def packed_sender(self, worker: Worker) -> Iterator[TrainerWeightSender]:
+        s = TrainerWeightSender(
+            master_port=free_port(), world_size=2, group_name="packed_at_init", timeout_s=GROUP_TIMEOUT_S
+        )
+        info = {
+            "group_name": "packed_at_init",
+            "master_address": "127.0.0.1",
+            "master_port": str(s.master_port),  # as a string: the model coerces it, as vLLM's does
+            "rank_offset": 1,
+            "world_size": 2,
+            "packed": True,
+            "packed_buffer_size_bytes": self.BUFFER,
+            "packed_num_buffers": 2,
+        }
+        status, body = alongside(
+            lambda: worker.post("/init_weight_transfer_engine", {"init_info": info}, timeout=90),
+            s.join,
+            timeout_s=120,
+            what="init",
+        )
+        assert status == 200, body
+        yield s
+        s.close()
+
+    def _push(self, worker: Worker, sender: TrainerWeightSender, path: str, version: str) -> Any:
+        """One sync whose ``update_info`` carries no wire params; the trainer sends the init's."""
+        named = tensors(path)
+        announce = {k: v for k, v in vllm_sender.update_info(named).items() if not k.startswith("packed")}
+        group = sender.group
+        assert group is not None
+        worker.ok("POST", "/start_weight_update")
+        with ThreadPoolExecutor(1) as pool:
+            call = pool.submit(worker.post, "/update_weights", {"update_info": announce}, timeout=90)
+            sent = vllm_sender.send(
+                group, named, packed=True, packed_buffer_size_bytes=self.BUFFER, timeout_s=SEND_TIMEOUT_S
+            )
+            status, body = call.result(timeout=120)
+        assert status == 200, body
+        assert sent == len(packed_chunks([t.numel() * t.element_size() for _, t in named], self.BUFFER)) > 1
+        assert body["source"] == f"{sent} buffer(s)", body
+        return worker.ok("POST", "/finish_weight_update", {"weight_version": version})
+
+    def test_updates_use_the_init_time_params(
+        self,
+        worker: Worker,
+        packed_sender: TrainerWeightSender,
+        sync_ckpts: dict[str, str],
+        reference: dict[str, Any],
+    ) -> None:
+        self._push(worker, packed_sender, sync_ckpts["c"], "v-init-params")
+        assert worker.checksum() == reference["c"][0]
+
+    def test_an_update_that_contradicts_the_init_is_400_before_any_receive(
+        self,
+        worker: Worker,
+        packed_sender: TrainerWeightSender,
+        sync_ckpts: dict[str, str],
+        reference: dict[str, Any],
+    ) -> None:
+        before = worker.checksum(), worker.info()["weight_version"]
+        named = tensors(sync_ckpts["b"])[:2]
+        worker.ok("POST", "/start_weight_update")
+        try:
+            for override in ({"packed": False}, {"packed": True, "packed_buffer_size_bytes": self.BUFFER // 2}):
+                announce = {**vllm_sender.update_info(named)}
+                for key in ("packed", "packed_buffer_size_bytes", "packed_num_buffers"):
+                    announce.pop(key)
+                status, body = worker.post("/update_weights", {"update_info": {**announce, **override}}, timeout=30)
+                assert status == 400 and "disagrees" in body["error"]["message"], body
+                assert body["weights"] == "intact"
+        finally:
+            worker.ok("POST", "/finish_weight_update")  # the refusals left the update open and unchanged
+        assert (worker.checksum(), worker.info()["weight_version"]) == before
+        # Nothing was received and the group is still in step: the next sync goes through.
+        self._push(worker, packed_sender, sync_ckpts["b"], "v-after-refusal")
+        assert worker.checksum() == reference["b"][0]

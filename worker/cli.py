@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -97,7 +98,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="accept SGLang's pickled serialized_named_tensors on /update_weights_from_tensor (decoded by a "
         "restricted unpickler that still opens the shared memory the caller names); off by default",
     )
+    p.add_argument(
+        "--weight-transfer-config",
+        type=_weight_transfer_config,
+        default=d.weight_transfer_backend,
+        metavar="JSON",
+        dest="weight_transfer_backend",
+        help='vLLM\'s spelling, e.g. \'{"backend": "nccl"}\': the group /init_weight_transfer_engine builds. '
+        '"torch" (default): a torch.distributed group (gloo on CPU, NCCL on CUDA), as for '
+        "/init_weights_update_group; \"nccl\": vLLM's own NCCL engine rendezvous, which vLLM's trainer-side "
+        "engine (TRL, SkyRL) joins; CUDA only",
+    )
     return p
+
+
+WEIGHT_TRANSFER_BACKENDS = ("torch", "nccl")
+
+
+def _weight_transfer_config(text: str) -> str:
+    """``--weight-transfer-config``: vLLM's JSON form, or a bare backend name."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:
+        data = {"backend": text}
+    backend = data.get("backend") if isinstance(data, dict) else None
+    if backend not in WEIGHT_TRANSFER_BACKENDS:
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object with backend one of {', '.join(WEIGHT_TRANSFER_BACKENDS)}, got {text!r}"
+        )
+    return str(backend)
 
 
 def config_from_args(args: argparse.Namespace) -> WorkerConfig:
@@ -117,6 +146,7 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         shutdown_grace_s=args.shutdown_grace_s,
         tp_size=args.tp_size,
         allow_pickled_tensors=args.allow_pickled_tensors,
+        weight_transfer_backend=args.weight_transfer_backend,
     )
 
 
@@ -211,6 +241,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args.shutdown_grace_s >= 0:
         parser.error("--shutdown-grace-s must be >= 0")
     _check_device(parser, args.device)
+    if args.weight_transfer_backend == "nccl" and args.device == "cpu":
+        parser.error('--weight-transfer-config {"backend": "nccl"} needs a CUDA device (--device cuda)')
     config = config_from_args(args)
     if config.num_threads is not None:
         import torch

@@ -41,6 +41,12 @@ class WorkerConfig:
     """Accept SGLang's pickled ``serialized_named_tensors`` (restricted unpickler); the JSON
     handle format is always accepted."""
 
+    weight_transfer_backend: str = "torch"
+    """What vLLM's ``/init_weight_transfer_engine`` builds (``--weight-transfer-config``): ``torch``,
+    a ``torch.distributed`` group as SGLang's ``/init_weights_update_group`` builds it (gloo on CPU,
+    NCCL on CUDA); or ``nccl``, vLLM's own NCCL engine rendezvous (a ``StatelessProcessGroup``
+    store and a bare NCCL communicator, CUDA only), which vLLM's trainer-side engine joins."""
+
     def public_dict(self) -> dict[str, Any]:
         """The settings without secrets (for ``/server_info``)."""
         data = asdict(self)

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from router.contract.base import MAX_ITEMS, Label, PathText, Text, WireRequest, WireResponse
 from router.contract.tensor_handles import HandleMessage
+from router.contract.vllm_server import VllmConfigView
 
 PauseMode = Literal["abort", "retract", "in_place"]
 #: What one call left a worker's weights as: untouched, a consistent new version, or a mix of versions.
@@ -59,7 +60,7 @@ class FlushCacheRequest(WireRequest):
     """``GET|POST /flush_cache``; ``timeout`` (v0.5.23 query parameter) waits up
     to that many seconds for the worker to become idle before giving up."""
 
-    timeout: float = Field(0.0, ge=0.0, le=300.0, strict=False)
+    timeout: float = Field(0.0, ge=0.0, le=300.0)
 
 
 class UpdateWeightVersionRequest(WireRequest):
@@ -329,9 +330,16 @@ class HealthStatus(WireResponse):
 
 
 class ServerInfo(WireResponse):
-    """``/server_info``: the worker's settings (keys blanked) and per-rank scheduler counters."""
+    """``/server_info``: the worker's settings (keys blanked) and per-rank scheduler counters;
+    asked with ``config_format`` (vLLM's way), also vLLM's ``vllm_config`` (an object for
+    ``json``, a line of text for ``text``), ``vllm_env`` and ``system_env``."""
+
+    model_config = ConfigDict(extra="allow", validate_assignment=True)
 
     tp_size: int = 1
     weight_version: str | None = None
     version: str | None = None
     internal_states: list[dict[str, Any]] = Field(default_factory=list)
+    vllm_config: VllmConfigView | str | None = None
+    vllm_env: dict[str, Any] | None = None
+    system_env: dict[str, Any] | None = None

@@ -66,14 +66,22 @@ def check_host(host: str) -> str:
 class WireRequest(BaseModel):
     """A request body sent by a caller.
 
-    Types are strict: ``"true"`` where a bool belongs, ``1.5`` or ``true`` where an
-    int belongs is a 400, never a silent coercion; ``NaN`` and infinities are refused;
-    strings and lists have the bounds above. Unknown fields are accepted and
-    kept (not validated, not used): real trainers send fields of newer or patched
-    SGLang versions, and a router forwards them to workers that may know them.
+    Types are coerced as SGLang's and vLLM's servers coerce them: both validate
+    their request models with pydantic in its default (lax) mode, and real
+    trainers rely on it (AReaL sends ``"master_port": "29500"``). So a numeric
+    string where a number belongs, an integral float (``3.0``) where an int
+    belongs, ``"true"``/``"false"``/``0``/``1`` where a bool belongs are accepted and
+    normalized; ``1.5`` where an int belongs, ``"hot"`` where a number belongs or a
+    number where a string belongs are a 400. What this contract adds on top are
+    bounds, never narrower types: ``NaN`` and infinities are refused, numbers have
+    ranges, strings and lists the lengths above, JSON its depth. Unknown fields
+    are accepted and kept (not validated, not used): real trainers send fields of
+    newer or patched SGLang versions, and a router forwards them to workers that
+    may know them. A router forwards the normalized values (:meth:`to_json`), so
+    a worker behind it sees ``29500``, not ``"29500"``.
     """
 
-    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
 
     def to_json(self) -> bytes:
         """The body to forward: the fields the caller set (validated and normalized) and unknown ones."""

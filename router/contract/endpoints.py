@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from router.contract import admin, vllm, weight_sync
+from router.contract import admin, vllm, vllm_server, weight_sync
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, Budget
 
@@ -90,11 +90,11 @@ GET_WEIGHT_VERSION = Endpoint(
 SERVER_INFO = Endpoint(
     "/server_info",
     GET,
-    admin.EmptyRequest,
+    vllm_server.ServerInfoRequest,
     admin.ServerInfo,
     Budget(30.0),
     aliases=("/get_server_info",),
-    summary="Settings, scheduler counters and the version (keys blanked)",
+    summary="Settings, scheduler counters and the version (keys blanked); vLLM's vllm_config with config_format",
 )
 UPDATE_WEIGHT_VERSION = Endpoint(
     "/update_weight_version",
@@ -141,6 +141,16 @@ FLUSH_CACHE = Endpoint(
     Budget(30.0, overhead_s=30.0),
     timeout_field="timeout",
     summary="Flush the KV cache once idle",
+)
+#: vLLM's flush: 200 ``{"success": false}`` while requests hold cache, rather than a 400.
+RESET_PREFIX_CACHE = Endpoint(
+    "/reset_prefix_cache",
+    POST,
+    vllm_server.ResetPrefixCacheRequest,
+    vllm_server.ResetPrefixCacheResult,
+    Budget(30.0),
+    timeout_field=None,
+    summary="Reset the prefix cache unless requests hold it (vLLM)",
 )
 UPDATE_WEIGHTS_FROM_DISK = Endpoint(
     "/update_weights_from_disk",
@@ -352,6 +362,7 @@ WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
     CONTINUE_GENERATION,
     ABORT_REQUEST,
     FLUSH_CACHE,
+    RESET_PREFIX_CACHE,
     UPDATE_WEIGHTS_FROM_DISK,
     UPDATE_WEIGHTS_FROM_TENSOR,
     WEIGHTS_CHECKER,

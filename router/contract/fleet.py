@@ -16,9 +16,10 @@ from typing import Any, Generic, Literal, TypeVar
 
 from pydantic import Field
 
-from router.contract.admin import ModelInfo, WeightsCheckerResult, WeightVersionResult
+from router.contract.admin import ModelInfo, ServerInfo, WeightsCheckerResult, WeightVersionResult
 from router.contract.base import WireRequest, WireResponse
 from router.contract.vllm import IsPausedResponse, PauseStatus, VllmResult
+from router.contract.vllm_server import ResetPrefixCacheResult, VllmConfigView
 from router.contract.weight_sync import (
     AbortWeightsUpdateResponse,
     CompleteWeightsUpdateResponse,
@@ -210,6 +211,21 @@ class WeightTransferFleetAnswer(FleetAnswer[VllmResult], VllmResult):
 class PauseFleetAnswer(FleetAnswer[PauseStatus], PauseStatus):
     """vLLM's ``/pause`` and ``/resume`` through the router: ``status`` is ``paused`` (``resumed``) once
     every worker is."""
+
+
+class ServerInfoFleetAnswer(FleetAnswer[ServerInfo]):
+    """``GET /server_info`` through the router: each worker's answer in ``results``; asked vLLM's way
+    (``config_format``), also ``vllm_config`` for the fleet as one vLLM server whose data-parallel
+    replicas are the workers that answered."""
+
+    vllm_config: VllmConfigView | str | None = None
+    vllm_env: dict[str, Any] | None = None
+    system_env: dict[str, Any] | None = None
+
+
+class ResetPrefixCacheFleetAnswer(FleetAnswer[ResetPrefixCacheResult]):
+    """vLLM's ``/reset_prefix_cache`` through the router: answered (200) once every worker answered,
+    ``success`` only when every worker reset its cache, as vLLM's data-parallel engine reports it."""
 
 
 class IsPausedFleetAnswer(FleetAnswer[IsPausedResponse]):

@@ -1,8 +1,8 @@
 """``/generate`` wire messages (SGLang ``GenerateReqInput`` / ``SamplingParams``).
 
 Field names, defaults and shapes follow SGLang so that RL trainers written
-against SGLang work unchanged. Types are strict: ``"true"`` where a bool belongs,
-``1.5`` where an int belongs, or a bool where a number belongs is a 400.
+against SGLang work unchanged. Types are coerced as SGLang's own request models
+coerce them (pydantic's lax mode, :class:`~router.contract.base.WireRequest`).
 Unknown fields are ignored (newer SGLang clients send more than we read), but
 known SGLang sampling knobs that this worker does not implement are rejected
 when set to anything but their neutral value, so a trainer never silently gets

@@ -8,7 +8,8 @@ the sampling extras vLLM and SGLang add (``top_k``, ``min_p``, ``min_tokens``, `
 ``stop_token_ids``, ``include_stop_str_in_output``, ``return_token_ids``,
 ``return_tokens_as_token_ids``, ``chat_template_kwargs``, ``add_generation_prompt``, ``rid``).
 
-Types are strict as everywhere in this contract. Unknown fields are accepted and ignored (OpenAI
+Types are coerced as vLLM's and SGLang's OpenAI servers coerce them (pydantic's lax mode, as
+everywhere in this contract). Unknown fields are accepted and ignored (OpenAI
 clients send more than a sampler needs), but known knobs this worker does not implement
 (penalties, ``logit_bias``, ``best_of``, ``suffix``, a structured ``response_format``,
 ``continue_final_message``, a forced ``tool_choice``) are refused unless they hold their neutral

@@ -20,6 +20,7 @@ This module never imports torch; the router and the trainer client use it too.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -44,26 +45,78 @@ VllmPauseMode = Literal["abort", "wait", "keep"]
 SCHEDULER_PAUSE_MODE: dict[str, str] = {"abort": "abort", "wait": "drain", "keep": "in_place"}
 
 
-class WeightTransferInitInfo(WireRequest):
-    """``init_info``: vLLM's NCCL init fields, plus the optional group name and backend."""
+@dataclass(frozen=True, slots=True)
+class TransferParams:
+    """How a transfer over the group is laid out on the wire; trainer and worker must agree on it,
+    or their broadcasts pair up wrongly (vLLM's "must-agree wire params")."""
 
-    master_address: HostText
-    master_port: int = Field(ge=1, le=65535)
+    packed: bool = False
+    buffer_size_bytes: int = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    num_buffers: int = DEFAULT_PACKED_NUM_BUFFERS
+
+
+_PARAM_FIELDS = {
+    "packed": "packed",
+    "packed_buffer_size_bytes": "buffer_size_bytes",
+    "packed_num_buffers": "num_buffers",
+}
+PackedBufferSize = Annotated[int, Field(ge=1, le=MAX_PACKED_BUFFER_SIZE_BYTES)]
+PackedNumBuffers = Annotated[int, Field(ge=1, le=16)]
+#: ``ncclGetUniqueId``'s 128 bytes, standard base64 (vLLM's torch-free rendezvous).
+NcclUniqueIdB64 = Annotated[str, Field(min_length=1, max_length=256)]
+
+
+class WeightTransferInitInfo(WireRequest):
+    """``init_info``: vLLM's ``NCCLWeightTransferInitInfo`` (vLLM 0.28 and later also carry the
+    transfer's wire params here: ``packed``, ``packed_buffer_size_bytes``, ``packed_num_buffers``,
+    which every later ``/update_weights`` of the group then uses), plus the optional group name,
+    backend and timeout. The rendezvous is ``master_address`` + ``master_port``, or, for vLLM's
+    NCCL engine only, ``nccl_unique_id_b64`` — exactly one of the two, as vLLM checks."""
+
+    master_address: HostText | None = None
+    master_port: int | None = Field(default=None, ge=1, le=65535)
+    nccl_unique_id_b64: NcclUniqueIdB64 | None = None
     rank_offset: int = Field(ge=1, le=MAX_WORLD_SIZE)
     world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
+    packed: bool = False
+    packed_buffer_size_bytes: PackedBufferSize = DEFAULT_PACKED_BUFFER_SIZE_BYTES
+    packed_num_buffers: PackedNumBuffers = DEFAULT_PACKED_NUM_BUFFERS
     group_name: GroupName = VLLM_GROUP_NAME
     #: ``None`` = ``nccl`` on a CUDA worker, else ``gloo``.
     backend: Backend = None
     timeout_s: TimeoutS = None
 
     _timeout = field_validator("timeout_s")(_check_timeout)
-    _host = field_validator("master_address")(check_host)
+
+    @field_validator("master_address")
+    @classmethod
+    def _host(cls, value: str | None) -> str | None:
+        return None if value is None else check_host(value)
 
     @model_validator(mode="after")
     def _rank_in_world(self) -> WeightTransferInitInfo:
         if self.rank_offset >= self.world_size:
             raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
+        has_address = self.master_address is not None or self.master_port is not None
+        if self.nccl_unique_id_b64 is not None and has_address:
+            raise ValueError("pass nccl_unique_id_b64 OR master_address/master_port, not both")
+        if self.nccl_unique_id_b64 is None and (self.master_address is None or self.master_port is None):
+            raise ValueError(
+                "need nccl_unique_id_b64, or both master_address and master_port "
+                f"(got master_address={self.master_address!r}, master_port={self.master_port!r})"
+            )
         return self
+
+    def transfer_params(self) -> TransferParams | None:
+        """The wire params this init fixes for the group, or ``None`` when the trainer sent none
+        (vLLM before 0.28, whose trainers say ``packed`` in each ``update_info``)."""
+        if not self.model_fields_set & _PARAM_FIELDS.keys():
+            return None
+        return TransferParams(self.packed, self.packed_buffer_size_bytes, self.packed_num_buffers)
+
+    def group_fields(self) -> dict[str, object]:
+        """The fields a group join takes (the wire params and the rendezvous mode are the engine's)."""
+        return self.model_dump(exclude_unset=True, exclude={"group_name", "nccl_unique_id_b64", *_PARAM_FIELDS.keys()})
 
 
 class InitWeightTransferEngineRequest(WireRequest):
@@ -89,7 +142,9 @@ class WeightTransferUpdateInfo(WireRequest):
     vLLM's ``__post_init__`` checks) and how the bytes travel:
 
     * over the group (default): ``packed`` false = one broadcast per tensor, in order; true =
-      vLLM's packed buffers of ``packed_buffer_size_bytes`` (:func:`packed_chunks`);
+      vLLM's packed buffers of ``packed_buffer_size_bytes`` (:func:`packed_chunks`). Since vLLM
+      0.28 these come once, in ``init_info``; a value given here too must agree with it
+      (:meth:`transfer_params`);
     * in shared memory: ``tensor_handles`` (this project's JSON handle message), or vLLM's
       ``ipc_handles_pickled`` (only with ``--allow-pickled-tensors``, through the restricted
       unpickler); ``ipc_handles`` (Ray's in-process objects) cannot cross HTTP and is refused.
@@ -98,11 +153,10 @@ class WeightTransferUpdateInfo(WireRequest):
     names: Annotated[list[Label], Field(min_length=1, max_length=MAX_ITEMS)]
     dtype_names: Annotated[list[Label], Field(max_length=MAX_ITEMS)]
     shapes: Annotated[list[Shape], Field(max_length=MAX_ITEMS)]
-    packed: bool = False
-    packed_buffer_size_bytes: int = Field(
-        default=DEFAULT_PACKED_BUFFER_SIZE_BYTES, ge=1, le=MAX_PACKED_BUFFER_SIZE_BYTES
-    )
-    packed_num_buffers: int = Field(default=DEFAULT_PACKED_NUM_BUFFERS, ge=1, le=16)
+    #: Unset: the group's init-time value (vLLM 0.28+), else vLLM's default.
+    packed: bool | None = None
+    packed_buffer_size_bytes: PackedBufferSize | None = None
+    packed_num_buffers: PackedNumBuffers | None = None
     tensor_handles: HandleMessage | None = None
     ipc_handles_pickled: Annotated[str, Field(max_length=64 * 1024**2)] | None = None
     ipc_handles: None = None
@@ -134,6 +188,27 @@ class WeightTransferUpdateInfo(WireRequest):
     @property
     def uses_shared_memory(self) -> bool:
         return self.tensor_handles is not None or self.ipc_handles_pickled is not None
+
+    def transfer_params(self, at_init: TransferParams | None) -> TransferParams:
+        """The wire params of this transfer: the group's init-time ones, unless this update says
+        otherwise where the init said nothing. A value that contradicts the init's is refused
+        (``ValueError``) before anything is received: vLLM's workers would pair their broadcasts
+        wrongly and abort inside the collective."""
+        base = at_init or TransferParams()
+        chosen = {}
+        for wire, attr in _PARAM_FIELDS.items():
+            value = getattr(self, wire)
+            if value is None:
+                chosen[attr] = getattr(base, attr)
+                continue
+            if at_init is not None and value != getattr(at_init, attr):
+                raise ValueError(
+                    f"update_info {wire}={value!r} disagrees with {wire}={getattr(at_init, attr)!r} given to "
+                    "/init_weight_transfer_engine; the trainer and this worker must use the same wire params "
+                    "(send them once, at init, as vLLM 0.28+ does)"
+                )
+            chosen[attr] = value
+        return TransferParams(**chosen)
 
     def nbytes(self, index: int) -> int:
         n = DTYPE_ITEMSIZE[self.dtype_names[index]]

@@ -13,8 +13,8 @@ Field names and defaults follow SGLang's ``io_struct.py`` and the two-phase
 two-phase protocol exactly; every addition is optional with a default that keeps
 the original behaviour. Validation here is purely structural (list lengths,
 dtype names, alignment); checking metadata against the model happens in the
-worker. Requests are strict (a string where a bool belongs is a 400) and
-ignore unknown fields (``selector``, ``torch_empty_cache``, ... from newer SGLang).
+worker. Requests coerce types as SGLang's do (``"29500"`` where a port belongs is
+29500, :class:`~router.contract.base.WireRequest`) and ignore unknown fields (``selector``, ``torch_empty_cache``, ... from newer SGLang).
 """
 
 from __future__ import annotations

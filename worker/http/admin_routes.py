@@ -15,7 +15,6 @@ from typing import Any
 
 from aiohttp import web
 
-from router import __version__
 from router.contract import endpoints as ep
 from router.contract.admin import (
     AbortRequest,
@@ -32,11 +31,13 @@ from router.contract.admin import (
 )
 from router.contract.base import WireResponse
 from router.contract.errors import ApiError
+from router.contract.vllm_server import ResetPrefixCacheRequest, ResetPrefixCacheResult
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.engine import admin_ops
 from worker.engine.checker import engine_report
 from worker.http.keys import CONFIG, COORDINATOR
+from worker.http.server_info import server_info
 from worker.stage import AdminBusy, AdminTimeout, StageResult
 from worker.transfer import tensor_update
 
@@ -113,21 +114,6 @@ async def get_weight_version(request: web.Request) -> web.Response:
     return answer(request, ep.GET_WEIGHT_VERSION, {"weight_version": request.app[COORDINATOR].worker.weight_version})
 
 
-async def server_info(request: web.Request) -> web.Response:
-    """Settings, per-rank scheduler counters and the version. SGLang dumps all
-    server args here, API keys included; this worker blanks the keys."""
-    coord = request.app[COORDINATOR]
-    states = [rank.internal_state() for rank in coord.stage.ranks]
-    info = {
-        **request.app[CONFIG].public_dict(),
-        "tp_size": coord.stage.tp_size,
-        "internal_states": states,
-        "version": __version__,
-    }
-    info["weight_version"] = coord.worker.weight_version
-    return answer(request, ep.SERVER_INFO, info)
-
-
 # -- weight version ----------------------------------------------------------------------
 
 
@@ -176,6 +162,17 @@ async def flush_cache(request: web.Request) -> web.Response:
     if not result.success:
         raise ApiError(400, result.message)
     return stage_answer(request, ep.FLUSH_CACHE, result)
+
+
+@admin_handler
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    """vLLM's flush: the same as ``/flush_cache`` without the wait, but answered as vLLM does, 200
+    ``{"success": false}`` while requests hold cache (its callers retry, or carry on), never a 400."""
+    req = await parse_body(request, ResetPrefixCacheRequest)
+    result = await request.app[COORDINATOR].flush_cache(0.0, ep.RESET_PREFIX_CACHE.worker_bound(req))
+    return answer(
+        request, ep.RESET_PREFIX_CACHE, ResetPrefixCacheResult(success=result.success, message=result.message)
+    )
 
 
 # -- weights ------------------------------------------------------------------------------
@@ -273,6 +270,7 @@ ROUTES: list[Route] = [
         (ep.CONTINUE_GENERATION, continue_generation),
         (ep.ABORT_REQUEST, abort_request),
         (ep.FLUSH_CACHE, flush_cache),
+        (ep.RESET_PREFIX_CACHE, reset_prefix_cache),
         (ep.UPDATE_WEIGHTS_FROM_DISK, update_weights_from_disk),
         (ep.WEIGHTS_CHECKER, weights_checker),
         (ep.UPDATE_WEIGHTS_FROM_TENSOR, update_weights_from_tensor),

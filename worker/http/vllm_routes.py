@@ -25,7 +25,7 @@ from router.contract.vllm import (
     VllmResult,
 )
 from router.contract.web.openapi import Route
-from router.contract.web.parsing import parse_body, parse_model, read_json, typed_query
+from router.contract.web.parsing import parse_body, parse_model, read_json
 from worker.engine import admin_ops
 from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
 from worker.http.keys import CONFIG, COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
@@ -51,7 +51,7 @@ def _transfer_handler(endpoint: ep.Endpoint[Any, Any], call: Call, required: str
         data = await read_json(request, allow_empty=True)
         if required is not None and required not in data:
             return _answer(request, endpoint, 400, _missing(required))
-        for key, value in typed_query(request.query).items():
+        for key, value in request.query.items():
             data.setdefault(key, value)
         status, body = await call(request.app[VLLM_TRANSFER], parse_model(endpoint.request, data))
         return _answer(request, endpoint, status, body)
@@ -61,7 +61,7 @@ def _transfer_handler(endpoint: ep.Endpoint[Any, Any], call: Call, required: str
 
 @admin_handler
 async def pause(request: web.Request) -> web.Response:
-    data = {**(await read_json(request, allow_empty=True)), **typed_query(request.query)}
+    data = {**(await read_json(request, allow_empty=True)), **request.query}
     req = parse_model(PauseQuery, data)
     mode = req.effective_mode
     coord = request.app[COORDINATOR]

@@ -42,6 +42,7 @@ from router.contract.vllm import (
     FinishWeightUpdateRequest,
     InitWeightTransferEngineRequest,
     StartWeightUpdateRequest,
+    TransferParams,
     UpdateWeightsRequest,
     VllmResult,
     WeightTransferUpdateInfo,
@@ -83,6 +84,9 @@ class VllmWeightTransfer:
         self.updates = controller.updates
         self.allow_pickled = allow_pickled
         self.group_name = VLLM_GROUP_NAME
+        #: The wire params the group's init fixed (vLLM 0.28+), used by every update that does not
+        #: say otherwise; ``None`` when the init sent none.
+        self.transfer_params: TransferParams | None = None
         self._open: _OpenUpdate | None = None
 
     @property
@@ -97,17 +101,24 @@ class VllmWeightTransfer:
         info = req.init_info
         if self._open is not None:
             return _conflict("a weight update is open: call /finish_weight_update before initializing again")
+        if info.nccl_unique_id_b64 is not None:
+            return 400, VllmResult(
+                success=False,
+                message="nccl_unique_id_b64 is a rendezvous of vLLM's NCCL engine: start the worker with "
+                '--weight-transfer-config \'{"backend": "nccl"}\' on CUDA, or send master_address and master_port',
+                weights="intact",
+            )
         if self.sync.group(info.group_name) is not None:
             await self.sync.destroy_group(DestroyWeightsUpdateGroupRequest(group_name=info.group_name))
-        fields = info.model_dump(exclude_unset=True, exclude={"group_name"})
         joined = await self.sync.init_group(
-            InitWeightsUpdateGroupRequest.model_validate({**fields, "group_name": info.group_name})
+            InitWeightsUpdateGroupRequest.model_validate({**info.group_fields(), "group_name": info.group_name})
         )
         if not joined.success:
             return 400, VllmResult(
                 success=False, message=joined.message, weights="intact", join_attempted=joined.join_attempted
             )
         self.group_name = info.group_name
+        self.transfer_params = info.transfer_params()
         return 200, VllmResult(message="Weight transfer initialized", weights="intact", join_attempted=True)
 
     # -- start / update / finish -----------------------------------------------------------------
@@ -173,11 +184,12 @@ class VllmWeightTransfer:
             why = "is not initialized" if group is None else f"is out of step with the trainer ({group.broken_reason})"
             return _refused(f"group {self.group_name!r} {why}: call /init_weight_transfer_engine first")
         try:
-            buckets = _buckets(info)
+            params = info.transfer_params(self.transfer_params)
+            buckets = _buckets(info, params)
             receive = await self.sync.start_receive(
                 buckets,
                 self.group_name,
-                for_load_format("flattened_bucket" if info.packed else None),
+                for_load_format("flattened_bucket" if params.packed else None),
                 atomic=False,
                 abort_all=False,
                 weight_version=None,
@@ -192,7 +204,7 @@ class VllmWeightTransfer:
         receive.receiver.release()
         if not outcome.ok:
             await self.sync.cancel_followers(outcome.error or "the receive failed")
-            if info.packed:
+            if params.packed:
                 # Buffers of another size than announced also come in another number: the trainer
                 # and this worker no longer pair their broadcasts.
                 group.mark_broken(f"a packed update failed ({outcome.error})")
@@ -274,11 +286,11 @@ class VllmWeightTransfer:
             opened.txn.end()
 
 
-def _buckets(info: WeightTransferUpdateInfo) -> list[TensorListMeta]:
+def _buckets(info: WeightTransferUpdateInfo, params: TransferParams) -> list[TensorListMeta]:
     """The receive's buckets: vLLM's packed buffers, or runs of per-tensor broadcasts."""
     sizes = [info.nbytes(i) for i in range(len(info.names))]
-    if info.packed:
-        ranges = packed_chunks(sizes, info.packed_buffer_size_bytes)
+    if params.packed:
+        ranges = packed_chunks(sizes, params.buffer_size_bytes)
     else:
         ranges, start, total = [], 0, 0
         for i, size in enumerate(sizes):

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from aiohttp import web
@@ -94,24 +93,6 @@ def parse_model(model: type[M], data: Any) -> M:
         raise ApiError(400, validation_message(exc)) from None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"invalid request: {exc}") from None
-
-
-def typed_query(query: Mapping[str, str]) -> dict[str, Any]:
-    """Query parameters as JSON would carry them: ``true``/``false`` as booleans, ``timeout_s`` as a
-    number (vLLM's ``/pause?mode=wait&timeout_s=5``); anything else stays a string for the model to judge."""
-    typed: dict[str, Any] = {}
-    for key, value in query.items():
-        low = value.lower()
-        if low in ("true", "false"):
-            typed[key] = low == "true"
-        elif key == "timeout_s":
-            try:
-                typed[key] = float(value)
-            except ValueError:
-                typed[key] = value
-        else:
-            typed[key] = value
-    return typed
 
 
 async def parse_body(request: web.Request, model: type[M], *, allow_empty: bool = True) -> M:

@@ -8,6 +8,10 @@
   which covers every TP rank; ``rank_checksums`` each rank's checksum of the
   full tensors it serves, which a trainer recomputes from the tensors it sent,
   and which ``identical`` compares, so workers of different TP sizes compare).
+- ``/server_info`` asked vLLM's way: the fleet as one vLLM server whose data-parallel
+  replicas are the workers (a trainer reads the model and the weight-transfer backend there).
+- ``/reset_prefix_cache``: answered once every worker answered; ``success`` only when every
+  worker reset its cache (a worker still serving requests says no, and the caller may retry).
 """
 
 from __future__ import annotations
@@ -15,16 +19,25 @@ from __future__ import annotations
 from typing import Any
 
 from router.contract import endpoints as ep
-from router.contract.admin import ModelInfo, WeightsCheckerRequest, WeightsCheckerResult, WeightVersionResult
+from router.contract.admin import (
+    ModelInfo,
+    ServerInfo,
+    WeightsCheckerRequest,
+    WeightsCheckerResult,
+    WeightVersionResult,
+)
 from router.contract.errors import Conflict
 from router.contract.fleet import (
     FleetAnswer,
     FleetModelInfo,
     FleetWeightVersion,
+    ResetPrefixCacheFleetAnswer,
+    ServerInfoFleetAnswer,
     WeightsCheckerFleetAnswer,
     WorkerResult,
     WorkerVersion,
 )
+from router.contract.vllm_server import ResetPrefixCacheResult, ServerInfoRequest, VllmConfigView
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
@@ -34,6 +47,22 @@ from router.gateway.admin.operations import OPERATIONS
 MODEL_INFO = OPERATIONS[ep.MODEL_INFO.path]
 WEIGHT_VERSION = OPERATIONS[ep.GET_WEIGHT_VERSION.path]
 WEIGHTS_CHECKER = OPERATIONS[ep.WEIGHTS_CHECKER.path]
+SERVER_INFO = OPERATIONS[ep.SERVER_INFO.path]
+RESET_PREFIX_CACHE = OPERATIONS[ep.RESET_PREFIX_CACHE.path]
+
+
+def fleet_vllm_config(views: list[VllmConfigView]) -> VllmConfigView:
+    """Workers as the data-parallel replicas of one vLLM server. The weight-transfer backend is
+    reported only when every worker builds the same one (a trainer cannot join a mixed fleet)."""
+    first = views[0]
+    backends = {v.weight_transfer_config.backend if v.weight_transfer_config else None for v in views}
+    parallel = first.parallel_config.model_copy(update={"data_parallel_size": len(views)})
+    return first.model_copy(
+        update={
+            "parallel_config": parallel,
+            "weight_transfer_config": first.weight_transfer_config if len(backends) == 1 else None,
+        }
+    )
 
 
 def _version_of(result: WorkerResult[Any]) -> str | None:
@@ -123,4 +152,38 @@ class FleetViews:
             answer.identical = (
                 outcome.ok and all(ranks.values()) and None not in sums.values() and len(values) == 1 and not partial
             )
+        return outcome
+
+    async def server_info(self, req: ServerInfoRequest, call: AdminCall) -> Outcome:
+        outcome = await broadcast(self._ctx, SERVER_INFO, call)
+        answer = outcome.answer
+        if req.config_format is None or not outcome.ok or not isinstance(answer, ServerInfoFleetAnswer):
+            return outcome
+        views = [
+            r.body.vllm_config
+            for r in answer.results
+            if isinstance(r.body, ServerInfo) and isinstance(r.body.vllm_config, VllmConfigView)
+        ]
+        if len(views) != len(answer.results) or not views:
+            return outcome
+        fleet = fleet_vllm_config(views)
+        answer.vllm_config = fleet if req.config_format == "json" else fleet.summary()
+        answer.vllm_env = {}
+        first = answer.results[0].body
+        answer.system_env = first.system_env if isinstance(first, ServerInfo) else None
+        return outcome
+
+    async def reset_prefix_cache(self, call: AdminCall) -> Outcome:
+        outcome = await broadcast(self._ctx, RESET_PREFIX_CACHE, call)
+        answer = outcome.answer
+        if outcome.ok and isinstance(answer, ResetPrefixCacheFleetAnswer):
+            bodies = [r.body for r in answer.results]
+            answer.success = all(isinstance(b, ResetPrefixCacheResult) and b.success for b in bodies)
+            if not answer.success:
+                held = [
+                    r.worker
+                    for r in answer.results
+                    if not (isinstance(r.body, ResetPrefixCacheResult) and r.body.success)
+                ]
+                answer.message = f"cache still held by running requests on {', '.join(held)}; retry once they end"
         return outcome

@@ -28,6 +28,8 @@ from router.contract.fleet import (
     IsPausedFleetAnswer,
     PauseFleetAnswer,
     PrepareFleetAnswer,
+    ResetPrefixCacheFleetAnswer,
+    ServerInfoFleetAnswer,
     WeightsCheckerFleetAnswer,
     WeightTransferFleetAnswer,
     WeightTransferInitFleetAnswer,
@@ -99,9 +101,10 @@ OPERATIONS: dict[str, Operation] = {
         Operation(ep.IS_PAUSED, answer=IsPausedFleetAnswer),
         # Plain broadcasts.
         Operation(ep.FLUSH_CACHE),
+        Operation(ep.RESET_PREFIX_CACHE, answer=ResetPrefixCacheFleetAnswer),
         Operation(ep.ABORT_REQUEST),
         Operation(ep.GET_WEIGHT_VERSION),
-        Operation(ep.SERVER_INFO),
+        Operation(ep.SERVER_INFO, answer=ServerInfoFleetAnswer),
         Operation(ep.WEIGHTS_CHECKER, answer=WeightsCheckerFleetAnswer),
         Operation(ep.MODEL_INFO),
     )

@@ -33,8 +33,9 @@ from router.contract.vllm import (
     StartWeightUpdateRequest,
     UpdateWeightsRequest,
 )
+from router.contract.vllm_server import ServerInfoRequest
 from router.contract.web.openapi import Route
-from router.contract.web.parsing import parse_model, read_json, typed_query
+from router.contract.web.parsing import parse_model, read_json
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     CompleteWeightsUpdateRequest,
@@ -58,10 +59,10 @@ def _forward_headers(request: web.Request) -> dict[str, str]:
 
 async def _parse(request: web.Request, op: Operation) -> Any:
     """The request model of ``op`` from the body, query parameters filling the gaps (vLLM's ``/pause``
-    takes its arguments in the query, typed as JSON would carry them, and they win over the body's)."""
+    takes its arguments in the query, and they win over the body's; the model coerces their text)."""
     data = await read_json(request)
     if op.endpoint is ep.PAUSE:
-        return parse_model(op.endpoint.request, {**data, **typed_query(request.query)})
+        return parse_model(op.endpoint.request, {**data, **request.query})
     return parse_model(op.endpoint.request, {**request.query, **data})
 
 
@@ -100,6 +101,20 @@ async def get_weight_version(request: web.Request) -> web.Response:
     req = await _parse(request, op)
     status, body = await request.app[keys.VIEWS].weight_version(_call(request, op, req))
     return _json(status, body)
+
+
+async def server_info(request: web.Request) -> web.Response:
+    op = OPERATIONS[ep.SERVER_INFO.path]
+    req: ServerInfoRequest = await _parse(request, op)
+    outcome = await request.app[keys.VIEWS].server_info(req, _call(request, op, req))
+    return _json(outcome.status, outcome.answer)
+
+
+async def reset_prefix_cache(request: web.Request) -> web.Response:
+    op = OPERATIONS[ep.RESET_PREFIX_CACHE.path]
+    req = await _parse(request, op)
+    outcome = await request.app[keys.VIEWS].reset_prefix_cache(_call(request, op, req))
+    return _json(outcome.status, outcome.answer)
 
 
 async def weights_checker(request: web.Request) -> web.Response:
@@ -194,6 +209,8 @@ _SPECIAL: dict[str, Handler] = {
     ep.MODEL_INFO.path: model_info,
     ep.GET_WEIGHT_VERSION.path: get_weight_version,
     ep.WEIGHTS_CHECKER.path: weights_checker,
+    ep.SERVER_INFO.path: server_info,
+    ep.RESET_PREFIX_CACHE.path: reset_prefix_cache,
     ep.INIT_WEIGHTS_UPDATE_GROUP.path: init_weights_update_group,
     ep.PREPARE_WEIGHTS_UPDATE.path: prepare_weights_update,
     ep.COMPLETE_WEIGHTS_UPDATE.path: complete_weights_update,
