@@ -7,6 +7,7 @@ state in ways others would notice starts its own through ``worker_factory``.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,6 +17,10 @@ import pytest
 from tests._weight_sync_fixtures import LAYERS, WORKER_ARGS
 from tests._worker_helpers import Worker
 from tests.procs import start_worker
+
+#: The client-compatibility tier (``make test-clients``) runs in its own virtualenv, where the
+#: released RL clients are installed; the main suite's environment has none of them.
+collect_ignore = [] if importlib.util.find_spec("trl") is not None else ["clients"]
 
 
 @pytest.fixture(scope="session")

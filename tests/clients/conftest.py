@@ -1,0 +1,50 @@
+"""The client-compatibility tier: released RL clients, unchanged, against real omni-workers behind
+a real omni-router (``make test-clients``; its own virtualenv, see ``tests/clients/README.md``).
+
+Every check of an effect is independent of this project: after a sync, the workers' greedy tokens
+equal those ``transformers`` computes on the checkpoint the trainer sent.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# vLLM's get_ip() otherwise asks the kernel for a route to a public address; every group here is on loopback.
+os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
+
+from tests._router_fixtures import start_router, start_workers
+from tests._weight_sync_fixtures import WORKER_ARGS
+
+PROMPT = [1, 2, 3, 4, 5, 6]
+GREEDY_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def fleet(sync_ckpts: dict[str, str]) -> Iterator[tuple[list[str], str]]:
+    """Two workers serving checkpoint ``a`` behind a router without an admin key (the clients send none)."""
+    procs = start_workers(Path(sync_ckpts["a"]), 2, extra_args=WORKER_ARGS)
+    urls = [url for _, url in procs]
+    router, router_url = start_router(urls)
+    try:
+        yield urls, router_url
+    finally:
+        router.stop()
+        for proc, _ in procs:
+            proc.stop()
+
+
+def hf_greedy(path: str, prompt: list[int] = PROMPT, tokens: int = GREEDY_TOKENS) -> list[int]:
+    """Greedy continuation of ``prompt`` by ``transformers`` on the checkpoint at ``path``."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens, pad_token_id=0
+        )
+    return [int(t) for t in out[0, len(prompt) :]]
