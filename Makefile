@@ -9,8 +9,10 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
 # The client tier's virtualenv: torch, this project, the pinned clients (--no-deps) and what they import.
-CLIENTS_VENV ?= .venv-clients
-CPY          := $(CLIENTS_VENV)/bin/python
+# SkyRL 0.4 needs Python 3.12+: `make test-clients CLIENTS_PYTHON=python3.12` runs its test too (skipped below).
+CLIENTS_VENV   ?= .venv-clients
+CLIENTS_PYTHON ?= $(PYTHON)
+CPY            := $(CLIENTS_VENV)/bin/python
 
 .PHONY: install demo test test-clients lint bench clean
 
@@ -29,7 +31,7 @@ test: install
 	$(PY) -m pytest -q -n 2 --dist loadfile
 
 $(CLIENTS_VENV)/.installed: pyproject.toml tests/clients/clients.txt tests/clients/requirements.txt
-	$(PYTHON) -m venv $(CLIENTS_VENV)
+	$(CLIENTS_PYTHON) -m venv $(CLIENTS_VENV)
 	$(CPY) -c "import torch" 2>/dev/null || $(CPY) -m pip install -q "$(TORCH)"
 	$(CPY) -m pip install -q -e ".[worker]" pytest pytest-timeout pytest-xdist pytest-aiohttp -r tests/clients/requirements.txt
 	$(CPY) -m pip install -q --no-deps --ignore-requires-python -r tests/clients/clients.txt

@@ -42,7 +42,7 @@ def hf_greedy(path: str, prompt: list[int] = PROMPT, tokens: int = GREEDY_TOKENS
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         out = model.generate(
             torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, min_new_tokens=tokens, pad_token_id=0
