@@ -67,7 +67,10 @@ def client(fleet: tuple[list[str], str], monkeypatch_module: pytest.MonkeyPatch)
 
     c = vllm_client.VLLMClient(base_url=router, group_port=free_port(), connection_timeout=30)
     yield c
-    c.close_communicator()
+    communicator = c.communicator
+    c.close_communicator()  # TRL's own close drops its references; the gloo group is ours to end
+    if communicator is not None:
+        communicator.sender.close()
 
 
 @pytest.fixture(scope="module")
