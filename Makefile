@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
 
 # The client tier's virtualenv: torch, this project, the pinned clients (--no-deps) and what they import.
-# SkyRL 0.4 needs Python 3.12+: `make test-clients CLIENTS_PYTHON=python3.12` runs its test too (skipped below).
+# The interpreter of the tier's venv (CLIENTS_PYTHON=python3.12 tries the clients on another Python).
 CLIENTS_VENV   ?= .venv-clients
 CLIENTS_PYTHON ?= $(PYTHON)
 CPY            := $(CLIENTS_VENV)/bin/python

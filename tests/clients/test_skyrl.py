@@ -5,7 +5,8 @@ control-plane server: ``pause`` in its default ``keep`` mode (``/pause?mode=keep
 freezes a request in flight, ``resume`` lets it finish, and ``reset_prefix_cache`` (a JSON body,
 as SkyRL sends it) answers vLLM's ``{"success": ...}``. SkyRL's weight sync goes through vLLM's
 trainer engines, which ``test_trl`` and ``test_vllm`` cover; its ``/inference/v1/generate`` data
-plane is not served yet.
+plane is not served yet. On Python 3.11 the harness gives pydantic ``typing_extensions.TypedDict``
+(see below), as SkyRL 0.4 needs Python 3.12's.
 """
 
 from __future__ import annotations
@@ -21,7 +22,14 @@ from tests.clients.conftest import PROMPT
 from tests.procs import http_json
 
 if sys.version_info < (3, 12):
-    pytest.skip("SkyRL 0.4 needs Python 3.12+ (its pydantic models use typing.TypedDict)", allow_module_level=True)
+    # SkyRL 0.4 declares Python 3.12+: its pydantic models use typing.TypedDict, which pydantic takes
+    # on 3.12+ only. On 3.11 the harness hands pydantic typing_extensions' TypedDict (the same class
+    # 3.12's typing has) before SkyRL is imported; SkyRL's code itself is unchanged.
+    import typing
+
+    import typing_extensions
+
+    typing.TypedDict = typing_extensions.TypedDict  # type: ignore[assignment]
 remote_client = pytest.importorskip("skyrl.backends.skyrl_train.inference_servers.remote_inference_client")
 
 
