@@ -12,7 +12,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +108,23 @@ def start_router(
             lambda: sum(w["health"] == "healthy" for w in workers(url, admin_key)) >= n, 30, proc, "workers healthy"
         )
     return proc, url
+
+
+@contextmanager
+def running_fleet(
+    model_dir: Path, n: int, *, worker_args: Sequence[str] = (), admin_key: str | None = None
+) -> Iterator[tuple[list[str], str]]:
+    """``n`` workers behind one router: ``(worker urls, router url)``; all stopped on exit."""
+    procs = start_workers(model_dir, n, extra_args=worker_args)
+    try:
+        router, router_url = start_router([url for _, url in procs], admin_key=admin_key)
+        try:
+            yield [url for _, url in procs], router_url
+        finally:
+            router.stop()
+    finally:
+        for proc, _ in procs:
+            proc.stop()
 
 
 def workers(router_url: str, admin_key: str | None = None) -> list[dict[str, Any]]:

@@ -40,6 +40,16 @@ class Worker:
         assert status == 200, f"{method} {path} -> {status} {data}\n--- worker log ---\n{self.proc.log_text(3000)}"
         return data
 
+    def refused(self, path: str, body: Any, *words: str) -> None:
+        """``body`` on ``path`` is a 400 naming every one of ``words``, and the weights are unchanged."""
+        before = self.checksum()
+        status, answer = self.post(path, body)
+        assert status == 400, (status, answer)
+        message = answer["error"]["message"]
+        for word in words:
+            assert word in message, message
+        assert self.checksum() == before
+
     def generate(self, prompt: Any = "hello", max_new_tokens: int = 16, **fields: Any) -> dict:
         timeout = fields.pop("timeout", 120)
         headers = fields.pop("headers", self.headers)

@@ -311,16 +311,6 @@ def workers(worker_factory, checkpoints):
     }
 
 
-def _post_refused(worker, body: Any, *words: str) -> None:
-    before = worker.checksum()
-    status, answer = worker.post(PATH, body)
-    assert status == 400, (status, answer)
-    message = answer["error"]["message"]
-    for word in words:
-        assert word in message, message
-    assert worker.checksum() == before
-
-
 def test_worker_loads_a_verl_body(workers, checkpoints, tmp_path: Path) -> None:
     w = workers["pickles"]
     named = [(n, t.clone()) for n, t in read_checkpoint(checkpoints["llama_b"], torch.float32)]
@@ -333,17 +323,17 @@ def test_worker_loads_a_verl_body(workers, checkpoints, tmp_path: Path) -> None:
     assert w.checksum() == expected
     w.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
 
-    _post_refused(workers["plain"], verl_body(named), "--allow-pickled-tensors")
+    workers["plain"].refused(PATH, verl_body(named), "--allow-pickled-tensors")
     body = {**verl_body(named), "serialized_named_tensors": [base64.b64encode(wrapped(named, tp_size=2)).decode()]}
-    _post_refused(w, body, "holds 2 per-rank pickles", "tp_size 1")
+    w.refused(PATH, body, "holds 2 per-rank pickles", "tp_size 1")
     marker = tmp_path / "pwned"
     evil = serialize([(named[0][0], LocalSerializedTensor(values=[pickle.dumps(_Evil(marker))]))])
-    _post_refused(w, {"serialized_named_tensors": [base64.b64encode(evil).decode()]}, "posix.system")
+    w.refused(PATH, {"serialized_named_tensors": [base64.b64encode(evil).decode()]}, "posix.system")
     assert not marker.exists()
     # A CUDA IPC tensor named by a GPU this host does not have is refused before anything opens.
     name, t = named[0]
     cuda = base64.b64encode(_cuda_wrapped(name, tuple(t.shape), UUID_A)).decode()
-    _post_refused(w, {"serialized_named_tensors": [cuda]}, UUID_A, "not on this host")
+    w.refused(PATH, {"serialized_named_tensors": [cuda]}, UUID_A, "not on this host")
 
 
 # -- real CUDA (needs a GPU) ---------------------------------------------------------------

@@ -109,29 +109,19 @@ def test_pickled_list_and_flattened_bucket(workers, checkpoints) -> None:
     _reset(w, checkpoints)
 
 
-def _refused(worker, body: Any, *words: str) -> None:
-    before = worker.checksum()
-    status, answer = worker.post(PATH, body)
-    assert status == 400, (status, answer)
-    message = answer["error"]["message"]
-    for word in words:
-        assert word in message, message
-    assert worker.checksum() == before
-
-
 def test_malicious_pickles_are_refused(workers, checkpoints, tmp_path) -> None:
     w = workers["pickles"]
     marker = tmp_path / "pwned"
     evil = base64.b64encode(pickle.dumps(_Evil(marker), protocol=2)).decode()
-    _refused(w, {"serialized_named_tensors": [evil]}, "allowlist")
+    w.refused(PATH, {"serialized_named_tensors": [evil]}, "allowlist")
     for proto in (2, 4):
         inner = base64.b64encode(pickle.dumps([("model.norm.weight", _Evil(marker))], protocol=proto)).decode()
-        _refused(w, {"serialized_named_tensors": [inner]}, "posix.system")
+        w.refused(PATH, {"serialized_named_tensors": [inner]}, "posix.system")
     assert not marker.exists()
     # Without the flag a pickle is refused before it is even decoded.
-    _refused(workers["plain"], {"serialized_named_tensors": [evil]}, "--allow-pickled-tensors")
+    workers["plain"].refused(PATH, {"serialized_named_tensors": [evil]}, "--allow-pickled-tensors")
     named = _tensors(checkpoints["llama_b"])
-    _refused(workers["plain"], {"serialized_named_tensors": [_forking_pickle(named)]}, "--allow-pickled-tensors")
+    workers["plain"].refused(PATH, {"serialized_named_tensors": [_forking_pickle(named)]}, "--allow-pickled-tensors")
 
 
 def test_bad_handle_messages_are_refused(workers, checkpoints) -> None:
@@ -141,16 +131,18 @@ def test_bad_handle_messages_are_refused(workers, checkpoints) -> None:
     try:
         bucket = body["tensor_handles"]["buckets"][0]
         gone = {**bucket, "memory": {**bucket["memory"], "name": "psm_omni_no_such_segment"}}
-        _refused(w, {"tensor_handles": {**body["tensor_handles"], "buckets": [gone]}}, "psm_omni_no_such_segment")
+        w.refused(PATH, {"tensor_handles": {**body["tensor_handles"], "buckets": [gone]}}, "psm_omni_no_such_segment")
         outside = [{**bucket["tensors"][0], "offset": bucket["memory"]["size"]}, *bucket["tensors"][1:]]
-        _refused(
-            w, {"tensor_handles": {**body["tensor_handles"], "buckets": [{**bucket, "tensors": outside}]}}, "outside"
+        w.refused(
+            PATH, {"tensor_handles": {**body["tensor_handles"], "buckets": [{**bucket, "tensors": outside}]}}, "outside"
         )
         first = bucket["tensors"][0]
         wrong = [{**first, "shape": [1]}, *bucket["tensors"][1:]]
-        _refused(w, {"tensor_handles": {**body["tensor_handles"], "buckets": [{**bucket, "tensors": wrong}]}}, "shape")
+        w.refused(
+            PATH, {"tensor_handles": {**body["tensor_handles"], "buckets": [{**bucket, "tensors": wrong}]}}, "shape"
+        )
         bigger = {**bucket, "memory": {**bucket["memory"], "size": bucket["memory"]["size"] + 4096}}
-        _refused(w, {"tensor_handles": {**body["tensor_handles"], "buckets": [bigger]}}, "bytes")
+        w.refused(PATH, {"tensor_handles": {**body["tensor_handles"], "buckets": [bigger]}}, "bytes")
     finally:
         segment.close()
         segment.unlink()

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from tests._router_fixtures import ADMIN_KEY, auth, start_router, start_workers
+from tests._router_fixtures import ADMIN_KEY, auth, running_fleet
 from tests.procs import http_json
 
 SLOW = ["--step-delay-ms", "40", "--num-threads", "1"]
@@ -24,15 +24,8 @@ SLOW = ["--step-delay-ms", "40", "--num-threads", "1"]
 
 @pytest.fixture(scope="module")
 def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[list[str], str]]:
-    procs = start_workers(checkpoints["llama"], 2, extra_args=SLOW)
-    urls = [url for _, url in procs]
-    router, router_url = start_router(urls, admin_key=ADMIN_KEY)
-    try:
-        yield urls, router_url
-    finally:
-        router.stop()
-        for proc, _ in procs:
-            proc.stop()
+    with running_fleet(checkpoints["llama"], 2, worker_args=SLOW, admin_key=ADMIN_KEY) as fleet:
+        yield fleet
 
 
 def _get(url: str, headers: dict[str, str] | None = None) -> tuple[int, Any]:

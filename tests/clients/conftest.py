@@ -16,7 +16,7 @@ import pytest
 # vLLM's get_ip() otherwise asks the kernel for a route to a public address; every group here is on loopback.
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
-from tests._router_fixtures import start_router, start_workers
+from tests._router_fixtures import running_fleet
 from tests._weight_sync_fixtures import WORKER_ARGS
 
 PROMPT = [1, 2, 3, 4, 5, 6]
@@ -26,15 +26,8 @@ GREEDY_TOKENS = 8
 @pytest.fixture(scope="module")
 def fleet(sync_ckpts: dict[str, str]) -> Iterator[tuple[list[str], str]]:
     """Two workers serving checkpoint ``a`` behind a router without an admin key (the clients send none)."""
-    procs = start_workers(Path(sync_ckpts["a"]), 2, extra_args=WORKER_ARGS)
-    urls = [url for _, url in procs]
-    router, router_url = start_router(urls)
-    try:
-        yield urls, router_url
-    finally:
-        router.stop()
-        for proc, _ in procs:
-            proc.stop()
+    with running_fleet(Path(sync_ckpts["a"]), 2, worker_args=WORKER_ARGS) as fleet:
+        yield fleet
 
 
 def hf_greedy(path: str, prompt: list[int] = PROMPT, tokens: int = GREEDY_TOKENS) -> list[int]:
