@@ -97,7 +97,10 @@ def _missing(field: str) -> VllmResult:
 
 async def vllm_transfer_ctx(app: web.Application) -> AsyncIterator[None]:
     """The vLLM engine state over the weight-sync controller; an open update is ended at shutdown."""
-    app[VLLM_TRANSFER] = VllmWeightTransfer(app[WEIGHT_SYNC], allow_pickled=app[CONFIG].allow_pickled_tensors)
+    config = app[CONFIG]
+    app[VLLM_TRANSFER] = VllmWeightTransfer(
+        app[WEIGHT_SYNC], allow_pickled=config.allow_pickled_tensors, backend=config.weight_transfer_backend
+    )
     yield
     await app[VLLM_TRANSFER].close()
 

@@ -225,6 +225,23 @@ class WeightSyncController:
             success=True, message="Succeeded to initialize custom process group.", join_attempted=True
         )
 
+    async def adopt_group(self, name: str, join: Callable[[], WeightUpdateGroup]) -> WeightSyncResponse:
+        """A group joined by a rendezvous of its own (vLLM's NCCL engine): ``join`` blocks, so it runs
+        on a thread, bounded by its own timeout; at tp_size 1 only (no follower joins with it)."""
+        if name in self._groups or name in self._joining:
+            return _fail(f"group {name!r} already exists; destroy it first.", join_attempted=False)
+        if self.coordinator.stage.tp_size != 1:
+            return _fail("this rendezvous is served at tp_size 1 only", join_attempted=False)
+        self._joining.add(name)
+        try:
+            group = await self.in_thread(join)
+        except GroupError as exc:
+            return _fail(f"Failed to initialize the weight-transfer group: {exc}.", join_attempted=True)
+        finally:
+            self._joining.discard(name)
+        self._groups[name] = group
+        return WeightSyncResponse(success=True, message="Succeeded to initialize the group.", join_attempted=True)
+
     async def destroy_group(self, req: DestroyWeightsUpdateGroupRequest) -> WeightSyncResponse:
         group = self._groups.pop(req.group_name, None)
         if group is None:

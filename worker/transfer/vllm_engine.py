@@ -45,12 +45,14 @@ from router.contract.vllm import (
     TransferParams,
     UpdateWeightsRequest,
     VllmResult,
+    WeightTransferInitInfo,
     WeightTransferUpdateInfo,
     packed_chunks,
 )
 from router.contract.weight_sync import DestroyWeightsUpdateGroupRequest, InitWeightsUpdateGroupRequest, TensorListMeta
 from router.dataplane.buckets import NamedTensors
 from router.dataplane.formats import for_load_format
+from router.dataplane.group import WeightUpdateGroup
 from worker.engine.weight_ops import CommitOptions
 from worker.stage import AdminBusy
 from worker.tp import transfer as tp_transfer
@@ -79,10 +81,12 @@ class _OpenUpdate:
 class VllmWeightTransfer:
     """The vLLM routes' state: the engine's group and the update open between start and finish."""
 
-    def __init__(self, controller: WeightSyncController, *, allow_pickled: bool):
+    def __init__(self, controller: WeightSyncController, *, allow_pickled: bool, backend: str = "torch"):
         self.sync = controller
         self.updates = controller.updates
         self.allow_pickled = allow_pickled
+        #: ``torch``: a torch.distributed group; ``nccl``: vLLM's own NCCL engine rendezvous (CUDA).
+        self.backend = backend
         self.group_name = VLLM_GROUP_NAME
         #: The wire params the group's init fixed (vLLM 0.28+), used by every update that does not
         #: say otherwise; ``None`` when the init sent none.
@@ -101,7 +105,7 @@ class VllmWeightTransfer:
         info = req.init_info
         if self._open is not None:
             return _conflict("a weight update is open: call /finish_weight_update before initializing again")
-        if info.nccl_unique_id_b64 is not None:
+        if info.nccl_unique_id_b64 is not None and self.backend != "nccl":
             return 400, VllmResult(
                 success=False,
                 message="nccl_unique_id_b64 is a rendezvous of vLLM's NCCL engine: start the worker with "
@@ -110,9 +114,12 @@ class VllmWeightTransfer:
             )
         if self.sync.group(info.group_name) is not None:
             await self.sync.destroy_group(DestroyWeightsUpdateGroupRequest(group_name=info.group_name))
-        joined = await self.sync.init_group(
-            InitWeightsUpdateGroupRequest.model_validate({**info.group_fields(), "group_name": info.group_name})
-        )
+        if self.backend == "nccl":
+            joined = await self.sync.adopt_group(info.group_name, partial(self._join_vllm_nccl, info))
+        else:
+            joined = await self.sync.init_group(
+                InitWeightsUpdateGroupRequest.model_validate({**info.group_fields(), "group_name": info.group_name})
+            )
         if not joined.success:
             return 400, VllmResult(
                 success=False, message=joined.message, weights="intact", join_attempted=joined.join_attempted
@@ -120,6 +127,22 @@ class VllmWeightTransfer:
         self.group_name = info.group_name
         self.transfer_params = info.transfer_params()
         return 200, VllmResult(message="Weight transfer initialized", weights="intact", join_attempted=True)
+
+    def _join_vllm_nccl(self, info: WeightTransferInitInfo) -> WeightUpdateGroup:
+        """vLLM's NCCL engine rendezvous (its trainer hosts the store, or shares the NCCL id), as rank
+        ``rank_offset``. Runs on a thread; bounded by the init's timeout."""
+        from worker.transfer.vllm_nccl import join_vllm_nccl_group
+
+        return join_vllm_nccl_group(
+            master_address=info.master_address,
+            master_port=info.master_port,
+            nccl_unique_id_b64=info.nccl_unique_id_b64,
+            rank=info.rank_offset,
+            world_size=info.world_size,
+            device=self.sync.coordinator.worker.device,
+            timeout_s=info.timeout_s or self.sync.group_timeout_s,
+            group_name=info.group_name,
+        )
 
     # -- start / update / finish -----------------------------------------------------------------
 

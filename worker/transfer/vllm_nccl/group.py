@@ -192,7 +192,41 @@ def join_vllm_nccl_group(
     event loop. Every wait ends within ``timeout_s`` in all (or as soon as ``cancel`` is set) with
     :class:`~router.dataplane.group.GroupError`, leaving no store connection and no communicator
     behind. Nothing touches the network before the device and NCCL have been checked: a CPU worker
-    fails at once, without counting itself in the trainer's store."""
+    fails at once, without counting itself in the trainer's store.
+    Any other failure (a device torch cannot use, say) is raised as a ``GroupError`` too."""
+    try:
+        return _join(
+            master_address=master_address,
+            master_port=master_port,
+            nccl_unique_id_b64=nccl_unique_id_b64,
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            timeout_s=timeout_s,
+            group_name=group_name,
+            cancel=cancel,
+            library_path=library_path,
+        )
+    except GroupError:
+        raise
+    except Exception as exc:
+        raise GroupError(f"joining vLLM's NCCL group failed: {type(exc).__name__}: {exc}") from None
+
+
+def _join(
+    *,
+    master_address: str | None,
+    master_port: int | None,
+    nccl_unique_id_b64: str | None,
+    rank: int,
+    world_size: int,
+    device: torch.device | str | int,
+    timeout_s: float,
+    group_name: str = VLLM_GROUP_NAME,
+    cancel: threading.Event | None = None,
+    library_path: str | None = None,
+) -> VllmNcclGroup:
+    """:func:`join_vllm_nccl_group`'s steps; its failures are ``GroupError`` or unexpected."""
     if not 0 < rank < world_size:
         raise GroupError(f"rank {rank} is not a worker rank of world_size {world_size} (the trainer is rank 0)")
     if timeout_s <= 0:
