@@ -128,6 +128,16 @@ BAD_BODIES: list[tuple[str, Any, str]] = [
     ("/release_memory_occupation", {"tags": ["gpu"]}, "tags"),
     ("/update_weight_version", {}, "new_version"),
     ("/abort_request", {"rid": 5}, "rid"),
+    (
+        "/init_weight_transfer_engine",
+        {"init_info": {"nccl_unique_id_b64": "bm90LTEyOC1ieXRlcw==", "rank_offset": 1, "world_size": 3}},
+        "128 bytes",
+    ),
+    (
+        "/init_weight_transfer_engine",
+        {"init_info": {"nccl_unique_id_b64": "a-b_", "master_port": 1, "rank_offset": 1, "world_size": 3}},
+        "not both",
+    ),
     ("/pause_generation", b"{not json", "malformed JSON"),
     ("/pause_generation", b"[1, 2]", "JSON object"),
 ]

@@ -20,6 +20,8 @@ This module never imports torch; the router and the trainer client use it too.
 
 from __future__ import annotations
 
+import base64
+import binascii
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
@@ -63,7 +65,40 @@ _PARAM_FIELDS = {
 PackedBufferSize = Annotated[int, Field(ge=1, le=MAX_PACKED_BUFFER_SIZE_BYTES)]
 PackedNumBuffers = Annotated[int, Field(ge=1, le=16)]
 #: ``ncclGetUniqueId``'s 128 bytes, standard base64 (vLLM's torch-free rendezvous).
-NcclUniqueIdB64 = Annotated[str, Field(min_length=1, max_length=256)]
+NcclUniqueIdB64 = Annotated[str, Field(max_length=256)]
+#: The size of NCCL's ``ncclUniqueId``.
+NCCL_UNIQUE_ID_BYTES = 128
+
+
+def decode_unique_id_b64(
+    *, master_address: str | None, master_port: int | None, nccl_unique_id_b64: str | None
+) -> bytes | None:
+    """Check the rendezvous mode as vLLM does and return the pre-shared id's bytes, or ``None`` for
+    the store mode. Raises ``ValueError``:
+
+    * an id together with ``master_address`` or ``master_port`` (an empty id counts as none);
+    * no id, and not both ``master_address`` and ``master_port``;
+    * an id that is not standard base64 (RFC 4648 alphabet, padded; URL-safe ``-``/``_`` and
+      whitespace are refused);
+    * an id that does not decode to :data:`NCCL_UNIQUE_ID_BYTES` bytes.
+    """
+    has_id = bool(nccl_unique_id_b64)
+    if has_id and (master_address is not None or master_port is not None):
+        raise ValueError("pass nccl_unique_id_b64 or master_address/master_port, not both")
+    if not has_id:
+        if master_address is None or master_port is None:
+            raise ValueError(
+                "need nccl_unique_id_b64, or both master_address and master_port "
+                f"(got master_address={master_address!r}, master_port={master_port!r})"
+            )
+        return None
+    try:
+        raw = base64.b64decode(nccl_unique_id_b64 or "", validate=True)
+    except (binascii.Error, ValueError, TypeError):
+        raise ValueError("nccl_unique_id_b64 is not valid standard base64 (URL-safe base64 is not accepted)") from None
+    if len(raw) != NCCL_UNIQUE_ID_BYTES:
+        raise ValueError(f"nccl_unique_id_b64 must decode to {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
+    return raw
 
 
 class WeightTransferInitInfo(WireRequest):
@@ -97,14 +132,9 @@ class WeightTransferInitInfo(WireRequest):
     def _rank_in_world(self) -> WeightTransferInitInfo:
         if self.rank_offset >= self.world_size:
             raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
-        has_address = self.master_address is not None or self.master_port is not None
-        if self.nccl_unique_id_b64 is not None and has_address:
-            raise ValueError("pass nccl_unique_id_b64 OR master_address/master_port, not both")
-        if self.nccl_unique_id_b64 is None and (self.master_address is None or self.master_port is None):
-            raise ValueError(
-                "need nccl_unique_id_b64, or both master_address and master_port "
-                f"(got master_address={self.master_address!r}, master_port={self.master_port!r})"
-            )
+        decode_unique_id_b64(
+            master_address=self.master_address, master_port=self.master_port, nccl_unique_id_b64=self.nccl_unique_id_b64
+        )
         return self
 
     def transfer_params(self) -> TransferParams | None:

@@ -115,16 +115,6 @@ class VllmWeightTransfer:
         if self.sync.group(info.group_name) is not None:
             await self.sync.destroy_group(DestroyWeightsUpdateGroupRequest(group_name=info.group_name))
         if self.backend == "nccl":
-            from worker.transfer.vllm_nccl import decode_unique_id_b64
-
-            try:  # a malformed id is the caller's mistake: refused before anything is joined
-                decode_unique_id_b64(
-                    master_address=info.master_address,
-                    master_port=info.master_port,
-                    nccl_unique_id_b64=info.nccl_unique_id_b64,
-                )
-            except ValueError as exc:
-                return 400, VllmResult(success=False, message=str(exc), weights="intact", join_attempted=False)
             joined = await self.sync.adopt_group(info.group_name, partial(self._join_vllm_nccl, info))
         else:
             joined = await self.sync.init_group(

@@ -15,13 +15,12 @@ shared out of band as ``nccl_unique_id_b64``), and every rank joins a bare NCCL 
   :class:`~router.dataplane.group.WeightUpdateGroup` the receive path uses unchanged.
 """
 
+from router.contract.vllm import NCCL_UNIQUE_ID_BYTES, decode_unique_id_b64
 from worker.transfer.vllm_nccl.group import VllmNcclGroup, join_vllm_nccl_group
 from worker.transfer.vllm_nccl.nccl import NcclError
 from worker.transfer.vllm_nccl.rendezvous import (
-    NCCL_UNIQUE_ID_BYTES,
     RefusedUniqueId,
     RendezvousError,
-    decode_unique_id_b64,
     receive_unique_id,
     unique_id_from_pickle,
 )

@@ -23,21 +23,24 @@ the id from the trainer's store (:mod:`.rendezvous`) or from ``nccl_unique_id_b6
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, ParamSpec
 
 import torch
 import torch.distributed as dist
 
-from router.contract.vllm import VLLM_GROUP_NAME
+from router.contract.vllm import VLLM_GROUP_NAME, decode_unique_id_b64
 from router.dataplane.group import DESTROY_TIMEOUT_S, GroupError, WeightUpdateGroup
 from worker.transfer.vllm_nccl.nccl import NCCL_FLOAT32, Communicator, NcclError, load_library, nccl_type
-from worker.transfer.vllm_nccl.rendezvous import decode_unique_id_b64, receive_unique_id
+from worker.transfer.vllm_nccl.rendezvous import receive_unique_id
+
+P = ParamSpec("P")
 
 log = logging.getLogger(__name__)
 
@@ -171,6 +174,22 @@ def wait_event(
 # -- joining -------------------------------------------------------------------------------------
 
 
+def _as_group_error(join: Callable[P, VllmNcclGroup]) -> Callable[P, VllmNcclGroup]:
+    """Every failure of ``join`` as a ``GroupError``, the one error the controller's join handles."""
+
+    @functools.wraps(join)
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> VllmNcclGroup:
+        try:
+            return join(*args, **kwargs)
+        except GroupError:
+            raise
+        except Exception as exc:
+            raise GroupError(f"joining vLLM's NCCL group failed: {type(exc).__name__}: {exc}") from None
+
+    return wrapper
+
+
+@_as_group_error
 def join_vllm_nccl_group(
     *,
     master_address: str | None,
@@ -187,46 +206,13 @@ def join_vllm_nccl_group(
     """Join a vLLM trainer's NCCL weight-transfer group as worker ``rank`` (``rank_offset + tp_rank``).
 
     The rendezvous is the trainer's store at ``master_address:master_port`` or the pre-shared
-    ``nccl_unique_id_b64``, exactly one (:func:`.rendezvous.decode_unique_id_b64`). Blocks until
+    ``nccl_unique_id_b64``, exactly one (:func:`router.contract.vllm.decode_unique_id_b64`). Blocks until
     every rank has joined and the warm-up all-reduce has run; call from a thread, never from the
     event loop. Every wait ends within ``timeout_s`` in all (or as soon as ``cancel`` is set) with
     :class:`~router.dataplane.group.GroupError`, leaving no store connection and no communicator
     behind. Nothing touches the network before the device and NCCL have been checked: a CPU worker
     fails at once, without counting itself in the trainer's store.
     Any other failure (a device torch cannot use, say) is raised as a ``GroupError`` too."""
-    try:
-        return _join(
-            master_address=master_address,
-            master_port=master_port,
-            nccl_unique_id_b64=nccl_unique_id_b64,
-            rank=rank,
-            world_size=world_size,
-            device=device,
-            timeout_s=timeout_s,
-            group_name=group_name,
-            cancel=cancel,
-            library_path=library_path,
-        )
-    except GroupError:
-        raise
-    except Exception as exc:
-        raise GroupError(f"joining vLLM's NCCL group failed: {type(exc).__name__}: {exc}") from None
-
-
-def _join(
-    *,
-    master_address: str | None,
-    master_port: int | None,
-    nccl_unique_id_b64: str | None,
-    rank: int,
-    world_size: int,
-    device: torch.device | str | int,
-    timeout_s: float,
-    group_name: str = VLLM_GROUP_NAME,
-    cancel: threading.Event | None = None,
-    library_path: str | None = None,
-) -> VllmNcclGroup:
-    """:func:`join_vllm_nccl_group`'s steps; its failures are ``GroupError`` or unexpected."""
     if not 0 < rank < world_size:
         raise GroupError(f"rank {rank} is not a worker rank of world_size {world_size} (the trainer is rank 0)")
     if timeout_s <= 0:

@@ -27,8 +27,6 @@ by :func:`decode_unique_id_b64` with vLLM's rules (``nccl_common.decode_nccl_uni
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import pickle
 import socket
@@ -39,10 +37,10 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from router.contract.vllm import NCCL_UNIQUE_ID_BYTES
 from router.dataplane.group import GroupError
 
 #: ``sizeof(ncclUniqueId)``: NCCL's id is 128 opaque bytes.
-NCCL_UNIQUE_ID_BYTES = 128
 #: Where vLLM defines its ctypes ``ncclUniqueId`` (the module a pickle of it names).
 VLLM_PYNCCL_MODULE = "vllm.distributed.device_communicators.pynccl_wrapper"
 VLLM_UNIQUE_ID_CLASS = "ncclUniqueId"
@@ -72,37 +70,6 @@ UNIQUE_ID_KEY = broadcast_key(TRAINER_RANK, 0)
 
 
 # -- nccl_unique_id_b64 --------------------------------------------------------------------------
-
-
-def decode_unique_id_b64(
-    *, master_address: str | None, master_port: int | None, nccl_unique_id_b64: str | None
-) -> bytes | None:
-    """Check the rendezvous mode as vLLM does and return the pre-shared id's bytes, or ``None`` for
-    the store mode. Raises ``ValueError``:
-
-    * an id together with ``master_address`` or ``master_port`` (an empty id counts as none);
-    * no id, and not both ``master_address`` and ``master_port``;
-    * an id that is not standard base64 (RFC 4648 alphabet, padded; URL-safe ``-``/``_`` and
-      whitespace are refused);
-    * an id that does not decode to :data:`NCCL_UNIQUE_ID_BYTES` bytes.
-    """
-    has_id = bool(nccl_unique_id_b64)
-    if has_id and (master_address is not None or master_port is not None):
-        raise ValueError("pass nccl_unique_id_b64 or master_address/master_port, not both")
-    if not has_id:
-        if master_address is None or master_port is None:
-            raise ValueError(
-                "need nccl_unique_id_b64, or both master_address and master_port "
-                f"(got master_address={master_address!r}, master_port={master_port!r})"
-            )
-        return None
-    try:
-        raw = base64.b64decode(nccl_unique_id_b64 or "", validate=True)
-    except (binascii.Error, ValueError, TypeError):
-        raise ValueError("nccl_unique_id_b64 is not valid standard base64 (URL-safe base64 is not accepted)") from None
-    if len(raw) != NCCL_UNIQUE_ID_BYTES:
-        raise ValueError(f"nccl_unique_id_b64 must decode to {NCCL_UNIQUE_ID_BYTES} bytes, got {len(raw)}")
-    return raw
 
 
 # -- the restricted unpickler --------------------------------------------------------------------
