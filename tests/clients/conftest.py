@@ -30,6 +30,13 @@ def fleet(sync_ckpts: dict[str, str]) -> Iterator[tuple[list[str], str]]:
         yield fleet
 
 
+@pytest.fixture(scope="module")
+def pickle_fleet(sync_ckpts: dict[str, str]) -> Iterator[tuple[list[str], str]]:
+    """Two workers on checkpoint ``a`` that admit SGLang's pickled tensors (``--allow-pickled-tensors``)."""
+    with running_fleet(Path(sync_ckpts["a"]), 2, worker_args=[*WORKER_ARGS, "--allow-pickled-tensors"]) as fleet:
+        yield fleet
+
+
 def hf_greedy(path: str, prompt: list[int] = PROMPT, tokens: int = GREEDY_TOKENS) -> list[int]:
     """Greedy continuation of ``prompt`` by ``transformers`` on the checkpoint at ``path``."""
     import torch
