@@ -336,6 +336,22 @@ def test_worker_loads_a_verl_body(workers, checkpoints, tmp_path: Path) -> None:
     w.refused(PATH, {"serialized_named_tensors": [cuda]}, UUID_A, "not on this host")
 
 
+def test_a_tp2_worker_loads_a_verl_body_for_two_ranks(worker_factory, checkpoints) -> None:
+    tp2 = worker_factory(checkpoints["llama"], "--tp-size", "2", "--allow-pickled-tensors", "--num-threads", "1")
+    named = [(n, t.clone()) for n, t in read_checkpoint(checkpoints["llama_b"], torch.float32)]
+    one_entry = {
+        **verl_body(named, tp_size=2),
+        "serialized_named_tensors": verl_body(named, 2)["serialized_named_tensors"][:1],
+    }
+    tp2.refused(PATH, one_entry, "1 entries", "tp_size 2")
+    one_value = base64.b64encode(wrapped(named, tp_size=1)).decode()
+    tp2.refused(PATH, {"serialized_named_tensors": [one_value, one_value]}, "holds 1 per-rank pickles")
+    answer = tp2.ok("POST", PATH, verl_body(named, tp_size=2))
+    assert [r["success"] for r in answer["rank_results"]] == [True, True], answer
+    ranks = tp2.ok("POST", "/weights_checker", {"action": "checksum"})["ranks"]
+    assert [r["full_checksum"] for r in ranks] == [sent_checksum(named)] * 2  # both ranks hold the new weights
+
+
 # -- real CUDA (needs a GPU) ---------------------------------------------------------------
 
 

@@ -205,15 +205,12 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     model = coord.worker.model
     try:
-        if coord.stage.tp_size > 1 and req.tensor_handles is None:
-            # SGLang's pickles carry one payload per rank; only the JSON message is served at tp_size > 1
-            # (rank 0 maps it, and each follower gets the full tensors as an update from disk does).
-            raise ValueError("pickled serialized_named_tensors are served at tp_size 1 only; send tensor_handles")
         stage = tensor_update.prepare(
             req,
             model.checkpoint_spec(),
             model.is_ignored_weight,
             allow_pickled=request.app[CONFIG].allow_pickled_tensors,
+            tp_size=coord.stage.tp_size,
         )
     except ValueError as exc:  # MetadataError, UnsafePayload, HandleError are ValueErrors
         # Refused before anything was opened: say so, so a router restores this worker's fence.

@@ -20,13 +20,21 @@ from worker.transfer import safe_unpickle, sglang_wrappers, tensor_handles
 from worker.transfer.validation import Spec, validate_buckets
 
 PICKLE_FORMATS = (None, "direct", "flattened_bucket")
-#: The route serves pickled payloads at tp_size 1 only, so this worker is TP rank 0 of 1: it
-#: loads ``serialized_named_tensors[0]`` and, of each ``LocalSerializedTensor``, ``values[0]``.
-TP_RANK, TP_SIZE = 0, 1
+#: The TP rank whose part of a pickled payload is opened. SGLang's trainers send one entry per TP
+#: rank, each wrapping one copy of the full tensor per rank (``LocalSerializedTensor.values``), and
+#: every rank of an SGLang server opens its own. Here TP rank 0 opens ``serialized_named_tensors[0]``
+#: and ``values[0]`` and hands the full tensors to its followers as every other update does, so the
+#: other ranks' handles are never opened (on a GPU: they stay the trainer's memory, untouched).
+OPENING_RANK = 0
 
 
 def prepare(
-    req: UpdateWeightsFromTensorRequest, spec: Spec, is_ignored: Callable[[str], bool], *, allow_pickled: bool
+    req: UpdateWeightsFromTensorRequest,
+    spec: Spec,
+    is_ignored: Callable[[str], bool],
+    *,
+    allow_pickled: bool,
+    tp_size: int = 1,
 ) -> Callable[[], NamedTensors]:
     if req.tensor_handles is not None:
         if req.serialized_named_tensors or req.load_format is not None:
@@ -43,7 +51,12 @@ def prepare(
             "pickled serialized_named_tensors are refused: start the worker with --allow-pickled-tensors "
             "(restricted unpickler), or send the JSON handle format in tensor_handles"
         )
-    obj = safe_unpickle.loads(req.serialized_named_tensors[TP_RANK])
+    if len(req.serialized_named_tensors) < tp_size:
+        raise ValueError(
+            f"serialized_named_tensors has {len(req.serialized_named_tensors)} entries; this worker has "
+            f"tp_size {tp_size} and, as SGLang, needs one per TP rank"
+        )
+    obj = safe_unpickle.loads(req.serialized_named_tensors[OPENING_RANK])
     if req.load_format == "flattened_bucket":
         flat, entries = safe_unpickle.flattened_entries(obj)
         _check([(e.name, dtype_name(e.dtype), e.shape) for e in entries], spec, is_ignored)
@@ -54,7 +67,7 @@ def prepare(
             return [(e.name, buffer[e.start : e.end].view(e.dtype).reshape(e.shape).clone()) for e in entries]
 
         return stage_flat
-    pairs = safe_unpickle.named_lazy_tensors(obj, req.load_format, tp_rank=TP_RANK, tp_size=TP_SIZE)
+    pairs = safe_unpickle.named_lazy_tensors(obj, req.load_format, tp_rank=OPENING_RANK, tp_size=tp_size)
     _check([(name, dtype_name(r.dtype), r.shape) for name, r in pairs], spec, is_ignored)
     records = sglang_wrappers.on_local_devices([r for _, r in pairs])
     pairs = [(name, r) for (name, _), r in zip(pairs, records, strict=True)]
