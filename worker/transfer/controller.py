@@ -41,6 +41,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -147,6 +148,8 @@ class WeightSyncController:
         self._lock_holder: str | None = None
         # Joins and receive waits block for up to their timeouts: they get their own threads.
         self._threads = ThreadPoolExecutor(max_workers=4, thread_name_prefix="weight-sync")
+        # Set at shutdown: a rendezvous still waiting for its peers gives up at once.
+        self._closing = threading.Event()
 
     def group(self, name: str) -> WeightUpdateGroup | None:
         return self._groups.get(name)
@@ -225,20 +228,24 @@ class WeightSyncController:
             success=True, message="Succeeded to initialize custom process group.", join_attempted=True
         )
 
-    async def adopt_group(self, name: str, join: Callable[[], WeightUpdateGroup]) -> WeightSyncResponse:
-        """A group joined by a rendezvous of its own (vLLM's NCCL engine): ``join`` blocks, so it runs
-        on a thread, bounded by its own timeout; at tp_size 1 only (no follower joins with it)."""
+    async def adopt_group(self, name: str, join: Callable[[threading.Event], WeightUpdateGroup]) -> WeightSyncResponse:
+        """A group joined by a rendezvous of its own (vLLM's NCCL engine): ``join(cancel)`` blocks, so
+        it runs on a thread, bounded by its own timeout and given up when the worker shuts down
+        (``cancel`` is set); at tp_size 1 only (no follower joins with it)."""
         if name in self._groups or name in self._joining:
             return _fail(f"group {name!r} already exists; destroy it first.", join_attempted=False)
         if self.coordinator.stage.tp_size != 1:
             return _fail("this rendezvous is served at tp_size 1 only", join_attempted=False)
         self._joining.add(name)
         try:
-            group = await self.in_thread(join)
+            group = await self.in_thread(partial(join, self._closing))
         except GroupError as exc:
             return _fail(f"Failed to initialize the weight-transfer group: {exc}.", join_attempted=True)
         finally:
             self._joining.discard(name)
+        if self._closing.is_set():  # joined just as the worker began to shut down: leave at once
+            await self.in_thread(group.destroy)
+            return _fail("the worker is shutting down", join_attempted=True)
         self._groups[name] = group
         return WeightSyncResponse(success=True, message="Succeeded to initialize the group.", join_attempted=True)
 
@@ -627,7 +634,8 @@ class WeightSyncController:
         return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
 
     async def close(self) -> None:
-        """Cancel any update and leave every group (worker shutdown)."""
+        """Cancel any update and any rendezvous in progress, and leave every group (worker shutdown)."""
+        self._closing.set()
         update = self._update
         if update is not None:
             self._detach(update)

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -128,9 +129,9 @@ class VllmWeightTransfer:
         self.transfer_params = info.transfer_params()
         return 200, VllmResult(message="Weight transfer initialized", weights="intact", join_attempted=True)
 
-    def _join_vllm_nccl(self, info: WeightTransferInitInfo) -> WeightUpdateGroup:
+    def _join_vllm_nccl(self, info: WeightTransferInitInfo, cancel: threading.Event) -> WeightUpdateGroup:
         """vLLM's NCCL engine rendezvous (its trainer hosts the store, or shares the NCCL id), as rank
-        ``rank_offset``. Runs on a thread; bounded by the init's timeout."""
+        ``rank_offset``. Runs on a thread; bounded by the init's timeout, given up once ``cancel`` is set."""
         from worker.transfer.vllm_nccl import join_vllm_nccl_group
 
         return join_vllm_nccl_group(
@@ -142,6 +143,7 @@ class VllmWeightTransfer:
             device=self.sync.coordinator.worker.device,
             timeout_s=info.timeout_s or self.sync.group_timeout_s,
             group_name=info.group_name,
+            cancel=cancel,
         )
 
     # -- start / update / finish -----------------------------------------------------------------
