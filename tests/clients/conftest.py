@@ -1,5 +1,5 @@
 """The client-compatibility tier: released RL clients, unchanged, against real omni-workers behind
-a real omni-router (``make test-clients``; its own virtualenv, see ``tests/clients/README.md``).
+a real omni-router (``make test-clients``; its own virtualenv, see the README's compatibility section).
 
 Every check of an effect is independent of this project: after a sync, the workers' greedy tokens
 equal those ``transformers`` computes on the checkpoint the trainer sent.
