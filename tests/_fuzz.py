@@ -84,6 +84,10 @@ def make_safe(value: Any, rng: random.Random, *, path: str = "") -> Any:
                 sp.setdefault("max_new_tokens", CAPS["max_new_tokens"])
     elif path == "/generate" and "sampling_params" not in value:
         value["sampling_params"] = {"max_new_tokens": CAPS["max_new_tokens"]}
+    # vLLM's token route: no ``max_tokens`` in its sampling params is "whatever the context leaves" too.
+    params = value.get("sampling_params")
+    if path == "/inference/v1/generate" and isinstance(params, dict) and not isinstance(params.get("max_tokens"), int):
+        params["max_tokens"] = CAPS["max_tokens"]
     # OpenAI's routes: no bound (absent or null) means "whatever the context leaves", a thousand tokens here.
     bounded = isinstance(value.get("max_completion_tokens"), int) or isinstance(value.get("max_tokens"), int)
     if path.startswith("/v1/") and not bounded:

@@ -38,7 +38,7 @@ from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
-from router.gateway.routing.proxy import prepare_payload
+from router.gateway.routing.proxy import prepare_payload, prepare_tokens_payload
 
 
 def test_router_import_leaves_torch_out():
@@ -415,3 +415,19 @@ class TestWire:
         # Workers abort by prefix: no assigned rid is a prefix of another.
         rids = [prepare_payload(b'{"text": "x"}')[1] for _ in range(20)]
         assert not any(a != b and b.startswith(a) for a in rids for b in rids)
+
+    def test_request_id_injection_for_vllm_token_generation(self):
+        """``/inference/v1/generate`` is aborted by the id its worker runs it as: ``generate-tokens-<id>``."""
+        mine = b'{"token_ids": [1], "request_id": "mine"}'
+        assert prepare_tokens_payload(mine, None) == (mine, "generate-tokens-mine")
+        assert prepare_tokens_payload(mine, "hdr") == (mine, "generate-tokens-hdr")  # X-Request-Id wins, as in vLLM
+        body, request_id = prepare_tokens_payload(b'{"token_ids": [1]}', None)
+        assert request_id == "generate-tokens-" + json.loads(body)["request_id"]
+        assert body.endswith(b', "token_ids": [1]}')  # spliced, the rest byte for byte
+        for raw in (b'{"token_ids": [1], "request_id": ""}', b'{"request_id": null}', b"{}"):
+            body, request_id = prepare_tokens_payload(raw, None)
+            sent = json.loads(body)
+            assert request_id == "generate-tokens-" + sent.pop("request_id") and len(request_id) > 20
+        assert prepare_tokens_payload(b'{"request_id": 5}', None) == (b'{"request_id": 5}', None)  # the worker's 400
+        assert prepare_tokens_payload(b"[1]", None) == (b"[1]", None)
+        assert prepare_tokens_payload(b"not json", None) == (b"not json", None)

@@ -98,6 +98,10 @@ VALID_CALLS = [
     ("POST", "/update_weights", {}, 400),
     ("POST", "/finish_weight_update", {}, 200),
     ("POST", "/init_weight_transfer_engine", {}, 400),
+    ("POST", "/sleep", {"level": 1, "tags": ["kv_cache"]}, 200),
+    ("GET", "/is_sleeping", None, 200),
+    ("POST", "/wake_up", {}, 200),
+    ("POST", "/abort_requests", {"request_ids": ["nothing"]}, 200),
 ]
 
 

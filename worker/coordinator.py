@@ -23,10 +23,13 @@ from typing import Any, TypeVar
 from router.contract import endpoints as ep
 from router.contract.admin import (
     ContinueRequest,
+    MemoryOccupationRequest,
     PauseRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
 )
+from router.contract.vllm import SCHEDULER_PAUSE_MODE
+from router.contract.vllm_dev import SLEEP_PAUSE_MODE, AbortRequestsRequest, SleepQuery, WakeUpQuery
 from router.dataplane.buckets import NamedTensors
 from worker.engine import admin_ops
 from worker.engine.admin_ops import OpResult
@@ -52,6 +55,7 @@ SHUTDOWN_ABORT_WAIT_S = 5.0
 SHUTTING_DOWN = "the worker is shutting down"
 #: How often a ``drain`` pause looks whether the running requests have ended.
 DRAIN_POLL_S = 0.02
+_NO_EMPTY = ContinueRequest(torch_empty_cache=False)
 
 
 class Coordinator:
@@ -211,11 +215,62 @@ class Coordinator:
         drain is called off, generation goes on, and the caller gets :class:`AdminTimeout`)."""
         deadline = time.monotonic() + timeout_s
         async with self.admin_section(action, timeout_s):
-            result = await self.admin(action, partial(admin_ops.pause, mode=mode), _left(deadline))
-            if mode == "abort":
-                await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
-            elif mode == "drain":
-                await self._drained(action, deadline, timeout_s)
+            return await self._pause_held(mode, action, deadline, timeout_s)
+
+    async def _pause_held(self, mode: str, action: str, deadline: float, timeout_s: float) -> StageResult:
+        """:meth:`pause_in`'s work, inside the admin section."""
+        result = await self.admin(action, partial(admin_ops.pause, mode=mode), _left(deadline))
+        if mode == "abort":
+            await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
+        elif mode == "drain":
+            await self._drained(action, deadline, timeout_s)
+        return result
+
+    @property
+    def is_sleeping(self) -> bool:
+        """vLLM's ``is_sleeping``: generation paused, or any memory released."""
+        return self.is_paused or bool(self.worker.released_tags)
+
+    async def sleep(self, req: SleepQuery, timeout_s: float) -> StageResult:
+        """vLLM's ``/sleep``: pause in ``req.mode`` (at level 1 or 2 ``keep`` retracts: the KV is about
+        to be freed), then at level 1 or 2 release the memory, the weights with a host copy at level 1
+        and without one at level 2. A release that is refused un-pauses a worker this call paused,
+        so the refusal leaves generation as it found it (requests a pause in ``abort`` mode ended stay
+        ended, as in vLLM, whose sleep aborts them first too)."""
+        deadline = time.monotonic() + timeout_s
+        async with self.admin_section("sleep", timeout_s):
+            was_paused = self.is_paused
+            mode = (SLEEP_PAUSE_MODE if req.level else SCHEDULER_PAUSE_MODE)[req.mode]
+            paused = await self._pause_held(mode, "sleep", deadline, timeout_s)
+            if not req.level:
+                return paused
+            release = MemoryOccupationRequest(tags=req.tags, keep_weights=req.keep_weights)
+            result = await self.admin("sleep", partial(admin_ops.release_memory, req=release), _left(deadline))
+            if not result.success and not was_paused:
+                await self.admin("sleep", partial(admin_ops.continue_generation, req=_NO_EMPTY), _left(deadline))
+            return result
+
+    async def wake_up(self, req: WakeUpQuery, timeout_s: float) -> StageResult:
+        """vLLM's ``/wake_up``: restore the released memory ``req`` names (all of it by default), then,
+        once nothing is released any more, resume generation (vLLM resumes its scheduler when fully awake)."""
+        deadline = time.monotonic() + timeout_s
+        async with self.admin_section("wake_up", timeout_s):
+            tags = req.memory_tags()
+            resume = MemoryOccupationRequest.model_validate({"tags": tags or None})
+            if tags == []:  # ``scheduling`` alone: no memory to restore
+                result = self._answer("wake_up", True, "nothing to restore", resumed=[])
+            else:
+                result = await self.admin("wake_up", partial(admin_ops.resume_memory, req=resume), _left(deadline))
+            if result.success and not self.worker.released_tags and self.is_paused:
+                await self.admin("wake_up", partial(admin_ops.continue_generation, req=_NO_EMPTY), _left(deadline))
+            return result
+
+    async def abort_requests(self, req: AbortRequestsRequest, timeout_s: float) -> StageResult:
+        """vLLM's ``/abort_requests``: the requests ``req`` names, or all; answers once their callers have
+        their (aborted) answers."""
+        deadline = time.monotonic() + timeout_s
+        result = await self.admin("abort_requests", partial(admin_ops.abort_requests, req=req), _left(deadline))
+        await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
         return result
 
     async def _drained(self, action: str, deadline: float, timeout_s: float) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from router.contract import admin, vllm, vllm_server, weight_sync
+from router.contract import admin, vllm, vllm_dev, vllm_server, weight_sync
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, Budget
 
@@ -46,6 +46,9 @@ class Endpoint(Generic[Req, Resp]):
     """The call may change the weights or their version label; its answer must say how (``weights``)."""
     summary: str = ""
     """One line for the API description."""
+    query_params: bool = False
+    """The route takes its arguments as query parameters, as vLLM's dev routes do (``/pause?mode=``):
+    they win over the body's fields, and a list field takes every value of a repeated name."""
 
     @property
     def name(self) -> str:
@@ -324,6 +327,7 @@ PAUSE = Endpoint(
     vllm.PauseStatus,
     Budget(300.0),
     serialized=True,
+    query_params=True,
     summary="Pause generation: abort, wait (drain) or keep (freeze) (vLLM)",
 )
 RESUME = Endpoint(
@@ -350,6 +354,46 @@ GET_WORLD_SIZE = Endpoint(
     vllm.WorkerWorldSize,
     Budget(10.0),
     summary="Ranks this worker holds in a weight-transfer group (vLLM)",
+)
+
+
+# -- vLLM's dev routes: sleep and wake, abort ----------------------------------------------
+#: A pause (a drain may take its ``timeout_s``), then a memory release like /release_memory_occupation.
+SLEEP = Endpoint(
+    "/sleep",
+    POST,
+    vllm_dev.SleepQuery,
+    vllm_dev.SleepResult,
+    Budget(300.0),
+    serialized=True,
+    query_params=True,
+    summary="Pause generation and release memory: level 1 keeps a host copy of the weights, 2 drops them (vLLM)",
+)
+WAKE_UP = Endpoint(
+    "/wake_up",
+    POST,
+    vllm_dev.WakeUpQuery,
+    vllm_dev.WakeUpResult,
+    Budget(300.0),
+    serialized=True,
+    query_params=True,
+    summary="Restore released memory; generation resumes once nothing sleeps (vLLM)",
+)
+IS_SLEEPING = Endpoint(
+    "/is_sleeping",
+    GET,
+    vllm.EmptyVllmRequest,
+    vllm_dev.IsSleepingResponse,
+    Budget(10.0),
+    summary="Whether generation is paused or memory released (vLLM)",
+)
+ABORT_REQUESTS = Endpoint(
+    "/abort_requests",
+    POST,
+    vllm_dev.AbortRequestsRequest,
+    vllm_dev.AbortRequestsResult,
+    Budget(30.0),
+    summary="Abort requests by id (all when none are given) (vLLM)",
 )
 
 #: Every admin route a worker serves, in the order they are documented.
@@ -384,4 +428,8 @@ WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
     RESUME,
     IS_PAUSED,
     GET_WORLD_SIZE,
+    SLEEP,
+    WAKE_UP,
+    IS_SLEEPING,
+    ABORT_REQUESTS,
 )

@@ -19,6 +19,7 @@ from pydantic import Field
 from router.contract.admin import ModelInfo, ServerInfo, WeightsCheckerResult, WeightVersionResult
 from router.contract.base import WireRequest, WireResponse
 from router.contract.vllm import IsPausedResponse, PauseStatus, VllmResult
+from router.contract.vllm_dev import AbortRequestsResult, IsSleepingResponse
 from router.contract.vllm_server import ResetPrefixCacheResult, VllmConfigView
 from router.contract.weight_sync import (
     AbortWeightsUpdateResponse,
@@ -233,6 +234,17 @@ class IsPausedFleetAnswer(FleetAnswer[IsPausedResponse]):
     (each worker's own answer is in ``results``)."""
 
     is_paused: bool = False
+
+
+class IsSleepingFleetAnswer(FleetAnswer[IsSleepingResponse]):
+    """``GET /is_sleeping`` through the router: ``is_sleeping`` only when every live worker sleeps (as
+    SkyRL reads its servers: all of them)."""
+
+    is_sleeping: bool = False
+
+
+class AbortRequestsFleetAnswer(FleetAnswer[AbortRequestsResult], AbortRequestsResult):
+    """vLLM's ``/abort_requests`` through the router: ``aborted`` sums what every worker ended."""
 
 
 class GroupMembership(WireResponse):

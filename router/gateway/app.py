@@ -51,7 +51,7 @@ from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FleetWeights
 from router.gateway.metrics import RouterMetrics
-from router.gateway.routes import admin, fleet, openai
+from router.gateway.routes import admin, fleet, openai, tokens
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.tasks import TaskSet
@@ -76,6 +76,7 @@ def routes() -> list[Route]:
         Route("POST", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
         Route("PUT", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
         *openai.routes(),
+        *tokens.routes(),
         Route("GET", "/health", fleet.health, "The router process serves", access="open"),
         Route("GET", "/liveness", fleet.liveness, "The router process serves", access="open"),
         Route("GET", "/readiness", fleet.readiness, "At least one worker takes generation traffic", access="open"),

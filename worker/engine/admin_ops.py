@@ -17,6 +17,7 @@ from router.contract.admin import (
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
 )
+from router.contract.vllm_dev import AbortRequestsRequest
 from worker.engine.checker import CheckerError, compare_ok
 from worker.engine.model_worker import MEMORY_TAGS, WeightUpdateError
 from worker.engine.scheduler import Scheduler
@@ -65,6 +66,24 @@ def abort_request(s: Scheduler, req: AbortRequest) -> OpResult:
         for rid in rids:
             aborted += s.abort_matching(rid, message=message)
     return OpResult(True, f"aborted {len(aborted)} request(s)", {"num_aborted": len(aborted), "aborted_rids": aborted})
+
+
+def abort_requests(s: Scheduler, req: AbortRequestsRequest) -> OpResult:
+    """vLLM's abort: the requests whose rid is one of ``req``'s ids, with their choices (a call's
+    choice ``j`` runs as ``<id>-<j>``); every request when ``req`` names none."""
+    message = "Aborted by /abort_requests"
+    if req.abort_all:
+        aborted = s.abort_all(message)
+    else:
+        wanted = set(req.ids())
+        aborted = s.abort_where(lambda rid: rid in wanted or _parent_rid(rid) in wanted, message)
+    return OpResult(True, f"aborted {len(aborted)} request(s)", {"aborted": len(aborted), "aborted_rids": aborted})
+
+
+def _parent_rid(rid: str) -> str | None:
+    """The call a choice's rid belongs to (``<id>-<j>`` → ``<id>``), or None."""
+    parent, _, index = rid.rpartition("-")
+    return parent if parent and index.isdigit() else None
 
 
 def flush_cache(s: Scheduler, _req: Any = None) -> OpResult:

@@ -156,7 +156,11 @@ class Scheduler:
         there ("Cache flush failed after updating weights", sglang#12099)."""
         if not abort_all and not rid:
             return []
-        victims = [r for r in (*self._running, *self._waiting) if abort_all or r.rid.startswith(rid or "")]
+        return self.abort_where(lambda r: abort_all or r.startswith(rid or ""), message)
+
+    def abort_where(self, matches: Callable[[str], bool], message: str = "Aborted") -> list[str]:
+        """Abort the requests whose rid ``matches``; their rids."""
+        victims = [r for r in (*self._running, *self._waiting) if matches(r.rid)]
         # Counted first: a state snapshot taken from another thread never shows the requests gone but not counted.
         self.stats.aborted_requests += len(victims)
         for req in victims:

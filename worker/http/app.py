@@ -27,7 +27,15 @@ from worker.coordinator import Coordinator
 from worker.engine.daemon_thread import abandon_pending
 from worker.engine.model_worker import ModelWorker
 from worker.engine.scheduler import Scheduler
-from worker.http import admin_routes, generate_routes, health_routes, openai_routes, vllm_routes, weight_sync_routes
+from worker.http import (
+    admin_routes,
+    generate_routes,
+    health_routes,
+    openai_routes,
+    tokens_routes,
+    vllm_routes,
+    weight_sync_routes,
+)
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.stage import Stage
 from worker.tp.follower import RankSpec
@@ -48,6 +56,7 @@ def route_table() -> list[Route]:
         *health_routes.ROUTES,
         *generate_routes.ROUTES,
         *openai_routes.ROUTES,
+        *tokens_routes.ROUTES,
         *admin_routes.ROUTES,
         *weight_sync_routes.ROUTES,
         *vllm_routes.ROUTES,

@@ -1,8 +1,11 @@
 """The bodies of OpenAI-compatible answers: whole responses, streamed chunks, logprobs and usage.
 
-Built from a :class:`Call` (the prompts and choices of one ``/v1/completions`` or
-``/v1/chat/completions`` call, each choice one engine request) as its requests progress; the
-routes in :mod:`worker.http.openai_routes` submit the requests and send what is built here.
+Built from a :class:`Call` (the prompts and choices of one ``/v1/completions``,
+``/v1/chat/completions`` or vLLM ``/inference/v1/generate`` call, each choice one engine request)
+as its requests progress; the routes in :mod:`worker.http.openai_routes` and
+:mod:`worker.http.tokens_routes` submit the requests and send what is built here. A ``tokens``
+call answers vLLM's ``GenerateResponse`` (``request_id``, ``choices[].token_ids``, logprobs as
+``token_id:<id>`` entries) and streams its ``GenerateStreamResponse`` chunks.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from worker.engine.request import GenerationParams
 from worker.engine.sampling import trim_stop_string
 from worker.generation import GenerationHandle
 
-Kind = Literal["completion", "chat"]
+Kind = Literal["completion", "chat", "tokens"]
 
 
 @dataclass(eq=False)
@@ -48,6 +51,10 @@ class Call:
     return_token_ids: bool
     tokens_as_ids: bool
     include_usage: bool
+    continuous_usage: bool = False
+    """``tokens``: every streamed chunk carries its choice's usage so far (``continuous_usage_stats``)."""
+    prompt_ids_sent: bool = False
+    """``tokens`` with ``return_token_ids``: the first streamed chunk carried ``prompt_token_ids``."""
     _token_text: dict[int, str] = field(default_factory=dict)
 
     def token_text(self, worker: ModelWorker, token: int) -> str:
@@ -139,11 +146,32 @@ def _chat_logprobs(worker: ModelWorker, call: Call, choice: Choice, start: int, 
     return {"content": content, "refusal": None}
 
 
+def _tokens_logprobs(call: Call, choice: Choice, start: int, end: int) -> dict[str, Any]:
+    """vLLM's token-answer logprobs: each token as ``token_id:<id>``, and ``max(k, 1)`` top entries with
+    the sampled token first (vLLM's per-position dict holds the sampled token, then the top k)."""
+    h = choice.handle
+    assert h is not None
+    keep = max(call.logprobs or 0, 1)
+
+    def entry(token: int, value: float) -> dict[str, Any]:
+        return {"token": f"token_id:{token}", "logprob": _logprob(value), "bytes": None}
+
+    content = []
+    for i in range(start, min(end, len(h.logprobs))):
+        token, value = h.output_ids[i], h.logprobs[i]
+        rows = h.top_logprobs[i] if i < len(h.top_logprobs) else []
+        tops = [entry(token, value), *(entry(t, lp) for lp, t in rows if t != token)]
+        content.append({**entry(token, value), "top_logprobs": tops[:keep]})
+    return {"content": content}
+
+
 def _logprobs_of(worker: ModelWorker, call: Call, choice: Choice, start: int, end: int) -> dict[str, Any] | None:
     if call.logprobs is None:
         return None
     if call.kind == "completion":
         return _completion_logprobs(worker, call, choice, start, end)
+    if call.kind == "tokens":
+        return _tokens_logprobs(call, choice, start, end)
     return _chat_logprobs(worker, call, choice, start, end)
 
 
@@ -154,6 +182,12 @@ def usage(call: Call) -> dict[str, int]:
 
 
 def envelope(call: Call, worker: ModelWorker, chunk: bool) -> dict[str, Any]:
+    if call.kind == "tokens":
+        head: dict[str, Any] = {"request_id": call.id}
+        if not chunk:
+            head.update(model=call.model, created=call.created)
+        head["weight_version"] = worker.weight_version
+        return head
     objects = {
         "completion": ("text_completion", "text_completion"),
         "chat": ("chat.completion", "chat.completion.chunk"),
@@ -170,7 +204,41 @@ def envelope(call: Call, worker: ModelWorker, chunk: bool) -> dict[str, Any]:
     }
 
 
+def _tokens_body(call: Call, worker: ModelWorker) -> dict[str, Any]:
+    """vLLM's ``GenerateResponse`` (its ``model_dump``: absent parts as ``null``)."""
+    choices = []
+    for choice in call.choices:
+        h = choice.handle
+        assert h is not None
+        finish, _ = _finish(choice)
+        choices.append(
+            {
+                "index": choice.index,
+                "logprobs": _logprobs_of(worker, call, choice, 0, len(h.output_ids)),
+                "finish_reason": finish or "stop",
+                "token_ids": list(h.output_ids),
+                "routed_experts": None,
+                "sampling_mask": None,
+            }
+        )
+    out = envelope(call, worker, chunk=False)
+    out.update(
+        choices=choices,
+        usage={**usage(call), "prompt_tokens_details": None},
+        prompt_logprobs=None,
+        prompt_token_id_logprobs=None,
+        prompt_token_ids=call.prompts[0] if call.return_token_ids else None,
+        mm_placeholders=None,
+        metrics=None,
+        kv_transfer_params=None,
+        ec_transfer_params=None,
+    )
+    return out
+
+
 def response_body(call: Call, worker: ModelWorker) -> dict[str, Any]:
+    if call.kind == "tokens":
+        return _tokens_body(call, worker)
     choices = []
     for choice in call.choices:
         h = choice.handle
@@ -201,7 +269,17 @@ def response_body(call: Call, worker: ModelWorker) -> dict[str, Any]:
 def chunk(call: Call, worker: ModelWorker, choices: list[dict[str, Any]]) -> dict[str, Any]:
     out = envelope(call, worker, chunk=True)
     out["choices"] = choices
-    if call.include_usage:
+    if call.kind == "tokens":
+        # vLLM's GenerateStreamResponse: ``usage`` always (null unless continuous), the prompt's ids once.
+        out["usage"] = None
+        if call.continuous_usage and choices:
+            h = call.choices[choices[0]["index"]].handle
+            prompt, done = len(call.prompts[0]), len(h.output_ids) if h is not None else 0
+            out["usage"] = {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+        if call.return_token_ids and not call.prompt_ids_sent:
+            out["prompt_token_ids"] = call.prompts[0]
+            call.prompt_ids_sent = True
+    elif call.include_usage:
         out["usage"] = None
     return out
 
@@ -210,6 +288,8 @@ def delta(call: Call, worker: ModelWorker, choice: Choice) -> dict[str, Any] | N
     """The chunk entry for what ``choice`` produced since the last one, or None when nothing shows yet."""
     h = choice.handle
     assert h is not None
+    if call.kind == "tokens":
+        return _tokens_delta(call, worker, choice)
     text = _visible_text(worker, choice)
     delta = text[len(choice.sent_text) :] if len(text) > len(choice.sent_text) else ""
     start, end = choice.sent_tokens, len(h.output_ids)
@@ -232,6 +312,26 @@ def delta(call: Call, worker: ModelWorker, choice: Choice) -> dict[str, Any] | N
     if call.return_token_ids:
         item["token_ids"] = h.output_ids[start:end]
     return item
+
+
+def _tokens_delta(call: Call, worker: ModelWorker, choice: Choice) -> dict[str, Any] | None:
+    """A ``tokens`` chunk's choice: the new ``token_ids`` (and their logprobs), the finish on the last."""
+    h = choice.handle
+    assert h is not None
+    start, end = choice.sent_tokens, len(h.output_ids)
+    finish, _ = _finish(choice)
+    if end == start and finish is None:
+        return None
+    choice.sent_tokens = end
+    choice.closed = finish is not None
+    return {
+        "index": choice.index,
+        "logprobs": _logprobs_of(worker, call, choice, start, end),
+        "finish_reason": finish,
+        "token_ids": h.output_ids[start:end],
+        "routed_experts": None,
+        "sampling_mask": None,
+    }
 
 
 def opening(call: Call, choice: Choice) -> dict[str, Any] | None:

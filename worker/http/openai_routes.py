@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from typing import Protocol
 
 from aiohttp import web
 
@@ -58,6 +59,34 @@ def _choice_seed(seed: int | None, j: int) -> int | None:
     return (seed + j) % _SEED_SPAN
 
 
+class Sampling(Protocol):
+    """What a call's choices sample with: the OpenAI requests, and vLLM's ``SamplingParams``."""
+
+    @property
+    def max_new_tokens(self) -> int | None: ...
+    @property
+    def choices_per_prompt(self) -> int: ...
+    @property
+    def effective_temperature(self) -> float: ...
+    @property
+    def effective_top_p(self) -> float: ...
+    @property
+    def effective_top_k(self) -> int: ...
+    @property
+    def effective_min_p(self) -> float: ...
+    @property
+    def min_tokens(self) -> int: ...
+    @property
+    def stop_token_ids(self) -> list[int] | None: ...
+    @property
+    def ignore_eos(self) -> bool: ...
+    @property
+    def include_stop_str_in_output(self) -> bool: ...
+    @property
+    def seed(self) -> int | None: ...
+    def stop_strings(self) -> list[str]: ...
+
+
 def _plan(
     request: web.Request,
     body: OpenAIRequest,
@@ -67,52 +96,66 @@ def _plan(
     logprobs: int | None,
     echo_texts: list[str] | None,
 ) -> tuple[Coordinator, answers.Call]:
+    base = body.rid or uuid.uuid4().hex
+    prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    return plan_call(
+        request,
+        body,
+        answers.Call(
+            kind=kind,
+            id=f"{prefix}-{base}",
+            created=int(time.time()),
+            model=request.app[COORDINATOR].worker.served_model_name,
+            prompts=prompts,
+            choices=[],
+            echo_texts=echo_texts,
+            logprobs=logprobs,
+            return_token_ids=bool(body.return_token_ids),
+            tokens_as_ids=bool(body.return_tokens_as_token_ids),
+            include_usage=body.include_usage,
+        ),
+        rid=base,
+    )
+
+
+def plan_call(
+    request: web.Request, sampling: Sampling, call: answers.Call, *, rid: str
+) -> tuple[Coordinator, answers.Call]:
+    """Fill ``call`` with ``sampling.choices_per_prompt`` choices per prompt, each one engine request
+    (``rid``, or ``rid-<index>`` when the call has several), checked against the context and the
+    requests in flight."""
     coord = request.app[COORDINATOR]
     worker = coord.worker
-    n = body.choices_per_prompt
-    base = body.rid or uuid.uuid4().hex
-    total = len(prompts) * n
-    choices: list[answers.Choice] = []
-    for p, ids in enumerate(prompts):
-        wanted = body.max_new_tokens
+    n = sampling.choices_per_prompt
+    total = len(call.prompts) * n
+    for p, ids in enumerate(call.prompts):
+        wanted = sampling.max_new_tokens
         max_new = wanted if wanted is not None else max(worker.context_len - len(ids) - 1, 0)
         check_lengths(len(ids), max_new, worker.context_len)
         for j in range(n):
             index = p * n + j
-            rid = base if total == 1 else f"{base}-{index}"
-            if coord.rid_in_flight(rid):
-                raise ApiError(400, f"a request with rid {rid!r} is already in flight")
+            choice_rid = rid if total == 1 else f"{rid}-{index}"
+            if coord.rid_in_flight(choice_rid):
+                raise ApiError(400, f"a request with rid {choice_rid!r} is already in flight")
             params = GenerationParams(
                 max_new_tokens=max_new,
-                min_new_tokens=min(body.min_tokens, max_new),
-                temperature=body.effective_temperature,
-                top_p=body.effective_top_p,
-                top_k=body.effective_top_k,
-                min_p=body.effective_min_p,
-                stop_strings=tuple(body.stop_strings()),
-                stop_token_ids=frozenset(body.stop_token_ids or ()),
-                ignore_eos=body.ignore_eos,
-                no_stop_trim=body.include_stop_str_in_output,
-                seed=_choice_seed(body.seed, j),
-                return_logprob=logprobs is not None,
-                top_logprobs_num=logprobs or 0,
+                min_new_tokens=min(sampling.min_tokens, max_new),
+                temperature=sampling.effective_temperature,
+                top_p=sampling.effective_top_p,
+                top_k=sampling.effective_top_k,
+                min_p=sampling.effective_min_p,
+                stop_strings=tuple(sampling.stop_strings()),
+                stop_token_ids=frozenset(sampling.stop_token_ids or ()),
+                ignore_eos=sampling.ignore_eos,
+                no_stop_trim=sampling.include_stop_str_in_output,
+                seed=_choice_seed(sampling.seed, j),
+                return_logprob=call.logprobs is not None,
+                top_logprobs_num=call.logprobs or 0,
             )
-            offset = len(echo_texts[p]) if echo_texts is not None else 0
-            choices.append(answers.Choice(index=index, prompt_index=p, rid=rid, params=params, text_offset=offset))
-    prefix = "cmpl" if kind == "completion" else "chatcmpl"
-    call = answers.Call(
-        kind=kind,
-        id=f"{prefix}-{base}",
-        created=int(time.time()),
-        model=worker.served_model_name,
-        prompts=prompts,
-        choices=choices,
-        echo_texts=echo_texts,
-        logprobs=logprobs,
-        return_token_ids=bool(body.return_token_ids),
-        tokens_as_ids=bool(body.return_tokens_as_token_ids),
-        include_usage=body.include_usage,
-    )
+            offset = len(call.echo_texts[p]) if call.echo_texts is not None else 0
+            call.choices.append(
+                answers.Choice(index=index, prompt_index=p, rid=choice_rid, params=params, text_offset=offset)
+            )
     return coord, call
 
 
@@ -126,7 +169,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
     if body.echo:
         echo_texts = [p if isinstance(p, str) else worker.decode(list(p)) for p in raw]
     coord, call = _plan(request, body, "completion", prompts, logprobs=body.logprobs, echo_texts=echo_texts)
-    return await _run(request, coord, call, stream=bool(body.stream))
+    return await run_call(request, coord, call, stream=bool(body.stream))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -146,10 +189,10 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     check_prompts([prompt], worker.vocab_size, False)
     logprobs = body.top_logprobs_num if body.logprobs else None
     coord, call = _plan(request, body, "chat", [prompt], logprobs=logprobs, echo_texts=None)
-    return await _run(request, coord, call, stream=bool(body.stream))
+    return await run_call(request, coord, call, stream=bool(body.stream))
 
 
-async def _run(request: web.Request, coord: Coordinator, call: answers.Call, *, stream: bool) -> web.StreamResponse:
+async def run_call(request: web.Request, coord: Coordinator, call: answers.Call, *, stream: bool) -> web.StreamResponse:
     check_admission(coord)  # no await between this and the submits
     wakeup = asyncio.Event()
     submitted: list[GenerationHandle] = []

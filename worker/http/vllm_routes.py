@@ -1,10 +1,11 @@
-"""vLLM's RL routes: the weight-transfer engine (init, start, update, finish) and pause/resume.
+"""vLLM's RL routes: the weight-transfer engine (init, start, update, finish), pause/resume, and the
+dev routes ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/abort_requests``.
 
 Thin handlers over :class:`worker.transfer.vllm_engine.VllmWeightTransfer` and the
 coordinator's pause. Answers keep vLLM's fields (``message``, ``status``,
 ``is_paused``, ``world_size``) and add the project's ``success`` and ``weights``;
 a refusal is 400, a call out of order 409, both with ``error.message`` and nothing
-changed. ``/pause`` takes its arguments as query parameters, as vLLM's does.
+changed. ``/pause``, ``/sleep`` and ``/wake_up`` take their arguments as query parameters, as vLLM's do.
 """
 
 from __future__ import annotations
@@ -24,10 +25,11 @@ from router.contract.vllm import (
     PauseStatus,
     VllmResult,
 )
+from router.contract.vllm_dev import AbortRequestsRequest, SleepQuery, WakeUpQuery
 from router.contract.web.openapi import Route
-from router.contract.web.parsing import parse_body, parse_model, read_json
+from router.contract.web.parsing import parse_body, parse_model, parse_query_first, read_json
 from worker.engine import admin_ops
-from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
+from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes, stage_answer
 from worker.http.keys import CONFIG, COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
 from worker.transfer.vllm_engine import VllmWeightTransfer
 
@@ -61,8 +63,7 @@ def _transfer_handler(endpoint: ep.Endpoint[Any, Any], call: Call, required: str
 
 @admin_handler
 async def pause(request: web.Request) -> web.Response:
-    data = {**(await read_json(request, allow_empty=True)), **request.query}
-    req = parse_model(PauseQuery, data)
+    req = await parse_query_first(request, PauseQuery)
     mode = req.effective_mode
     coord = request.app[COORDINATOR]
     await coord.pause_in(SCHEDULER_PAUSE_MODE[mode], ep.PAUSE.worker_bound(req), action="pause")
@@ -86,6 +87,34 @@ async def is_paused(request: web.Request) -> web.Response:
 
 async def get_world_size(request: web.Request) -> web.Response:
     return answer(request, ep.GET_WORLD_SIZE, {"world_size": request.app[COORDINATOR].stage.tp_size})
+
+
+@admin_handler
+async def sleep(request: web.Request) -> web.Response:
+    """Pause, then release memory (level 1: the weights keep a host copy; level 2: they do not)."""
+    req = await parse_query_first(request, SleepQuery)
+    coord = request.app[COORDINATOR]
+    result = await coord.sleep(req, ep.SLEEP.worker_bound(req))
+    return stage_answer(request, ep.SLEEP, result, level=req.level, is_sleeping=coord.is_sleeping)
+
+
+@admin_handler
+async def wake_up(request: web.Request) -> web.Response:
+    req = await parse_query_first(request, WakeUpQuery)
+    coord = request.app[COORDINATOR]
+    result = await coord.wake_up(req, ep.WAKE_UP.worker_bound(req))
+    return stage_answer(request, ep.WAKE_UP, result, is_sleeping=coord.is_sleeping)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    return answer(request, ep.IS_SLEEPING, {"is_sleeping": request.app[COORDINATOR].is_sleeping})
+
+
+@admin_handler
+async def abort_requests(request: web.Request) -> web.Response:
+    req = await parse_body(request, AbortRequestsRequest)
+    result = await request.app[COORDINATOR].abort_requests(req, ep.ABORT_REQUESTS.worker_bound(req))
+    return stage_answer(request, ep.ABORT_REQUESTS, result)
 
 
 _RESUME = ContinueRequest(torch_empty_cache=False)
@@ -115,6 +144,10 @@ _TABLE: list[tuple[ep.Endpoint[Any, Any], Handler]] = [
     (ep.RESUME, resume),
     (ep.IS_PAUSED, is_paused),
     (ep.GET_WORLD_SIZE, get_world_size),
+    (ep.SLEEP, sleep),
+    (ep.WAKE_UP, wake_up),
+    (ep.IS_SLEEPING, is_sleeping),
+    (ep.ABORT_REQUESTS, abort_requests),
 ]
 
 ROUTES: list[Route] = [route for endpoint, handler in _TABLE for route in endpoint_routes(endpoint, handler)]

@@ -13,6 +13,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: list[int]) -> str: ...
 
+    def id_to_token(self, token: int) -> str: ...
+
 
 class ByteTokenizer:
     """Token ids 0..255 are raw UTF-8 bytes; ids above are specials that decode to nothing."""
@@ -22,6 +24,10 @@ class ByteTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if 0 <= i < 256).decode("utf-8", errors="replace")
+
+    def id_to_token(self, token: int) -> str:
+        """A byte's token as Latin-1 text (one character per byte); a special decodes to nothing."""
+        return bytes([token]).decode("latin-1") if 0 <= token < 256 else ""
 
 
 class HfTokenizer:
@@ -38,6 +44,10 @@ class HfTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+    def id_to_token(self, token: int) -> str:
+        """The token's string in the vocabulary (transformers' ``convert_ids_to_tokens``)."""
+        return self._tok.id_to_token(token) or ""
 
 
 def load_tokenizer(model_path: str | Path) -> Tokenizer:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, TypeVar
+import types
+from typing import Annotated, Any, TypeVar, Union, get_args, get_origin
 
 from aiohttp import web
 from pydantic import BaseModel, ValidationError
@@ -93,6 +94,35 @@ def parse_model(model: type[M], data: Any) -> M:
         raise ApiError(400, validation_message(exc)) from None
     except (ValueError, TypeError) as exc:
         raise ApiError(400, f"invalid request: {exc}") from None
+
+
+def _is_list(annotation: Any) -> bool:
+    origin = get_origin(annotation)
+    if origin is list:
+        return True
+    if origin is Annotated:
+        return _is_list(get_args(annotation)[0])
+    if origin in (Union, types.UnionType):
+        return any(_is_list(arg) for arg in get_args(annotation))
+    return False
+
+
+def query_fields(request: web.Request, model: type[BaseModel]) -> dict[str, Any]:
+    """The query parameters as ``model``'s input, as vLLM's dev routes read them: a field typed as a
+    list takes every value of its repeated name (``?tags=weights&tags=kv_cache``), others the last one."""
+    query = request.query
+    return {
+        key: query.getall(key)
+        if key in model.model_fields and _is_list(model.model_fields[key].annotation)
+        else query.getall(key)[-1]
+        for key in query
+    }
+
+
+async def parse_query_first(request: web.Request, model: type[M]) -> M:
+    """A body whose fields the query parameters override (:func:`query_fields`): vLLM's dev routes."""
+    data = await read_json(request, allow_empty=True)
+    return parse_model(model, {**data, **query_fields(request, model)})
 
 
 async def parse_body(request: web.Request, model: type[M], *, allow_empty: bool = True) -> M:

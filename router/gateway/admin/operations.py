@@ -22,10 +22,12 @@ from typing import Any
 from router.contract import endpoints as ep
 from router.contract.base import WireRequest
 from router.contract.fleet import (
+    AbortRequestsFleetAnswer,
     CompleteFleetAnswer,
     FleetAnswer,
     GroupInitFleetAnswer,
     IsPausedFleetAnswer,
+    IsSleepingFleetAnswer,
     PauseFleetAnswer,
     PrepareFleetAnswer,
     ResetPrefixCacheFleetAnswer,
@@ -82,6 +84,9 @@ OPERATIONS: dict[str, Operation] = {
         Operation(ep.UPDATE_WEIGHT_VERSION, fenced=True, changes_weights=True),
         Operation(ep.RELEASE_MEMORY_OCCUPATION, fenced=True),
         Operation(ep.RESUME_MEMORY_OCCUPATION, fenced=True, changes_weights=True),
+        # vLLM's sleep and wake: a pause and a memory release, a memory resume and a continue.
+        Operation(ep.SLEEP, fenced=True),
+        Operation(ep.WAKE_UP, fenced=True, changes_weights=True),
         # Serialized with updates (resuming mid-update would serve partial weights) but not fenced.
         Operation(ep.CONTINUE_GENERATION),
         # SGLang 0.5.23's update bracket (miles sends it): serialized with updates, changes nothing.
@@ -99,10 +104,12 @@ OPERATIONS: dict[str, Operation] = {
         Operation(ep.PAUSE, fenced=True, answer=PauseFleetAnswer),
         Operation(ep.RESUME, answer=PauseFleetAnswer),
         Operation(ep.IS_PAUSED, answer=IsPausedFleetAnswer),
+        Operation(ep.IS_SLEEPING, answer=IsSleepingFleetAnswer),
         # Plain broadcasts.
         Operation(ep.FLUSH_CACHE),
         Operation(ep.RESET_PREFIX_CACHE, answer=ResetPrefixCacheFleetAnswer),
         Operation(ep.ABORT_REQUEST),
+        Operation(ep.ABORT_REQUESTS, answer=AbortRequestsFleetAnswer),
         Operation(ep.GET_WEIGHT_VERSION),
         Operation(ep.SERVER_INFO, answer=ServerInfoFleetAnswer),
         Operation(ep.WEIGHTS_CHECKER, answer=WeightsCheckerFleetAnswer),

@@ -19,6 +19,7 @@ from router.contract import endpoints as ep
 from router.contract.admin import WeightsCheckerRequest
 from router.contract.base import WireRequest, WireResponse
 from router.contract.fleet import (
+    AbortRequestsFleetAnswer,
     FleetModelInfo,
     FleetWeightVersion,
     IsPausedFleetAnswer,
@@ -28,14 +29,14 @@ from router.contract.fleet import (
 from router.contract.vllm import (
     FinishWeightUpdateRequest,
     InitWeightTransferEngineRequest,
-    IsPausedResponse,
     PauseStatus,
     StartWeightUpdateRequest,
     UpdateWeightsRequest,
 )
+from router.contract.vllm_dev import AbortRequestsResult
 from router.contract.vllm_server import ServerInfoRequest
 from router.contract.web.openapi import Route
-from router.contract.web.parsing import parse_model, read_json
+from router.contract.web.parsing import parse_model, parse_query_first, read_json
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     CompleteWeightsUpdateRequest,
@@ -58,11 +59,12 @@ def _forward_headers(request: web.Request) -> dict[str, str]:
 
 
 async def _parse(request: web.Request, op: Operation) -> Any:
-    """The request model of ``op`` from the body, query parameters filling the gaps (vLLM's ``/pause``
-    takes its arguments in the query, and they win over the body's; the model coerces their text)."""
+    """The request model of ``op`` from the body, query parameters filling the gaps (vLLM's dev routes,
+    ``/pause``, ``/sleep``, ``/wake_up``, take their arguments in the query, and they win over the body's;
+    the model coerces their text)."""
+    if op.endpoint.query_params:
+        return await parse_query_first(request, op.endpoint.request)
     data = await read_json(request)
-    if op.endpoint is ep.PAUSE:
-        return parse_model(op.endpoint.request, {**data, **request.query})
     return parse_model(op.endpoint.request, {**request.query, **data})
 
 
@@ -191,16 +193,27 @@ async def pause_or_resume(request: web.Request) -> web.Response:
     return _json(outcome.status, answer)
 
 
-async def is_paused(request: web.Request) -> web.Response:
-    """``{"is_paused": true}`` only when every live worker says it is paused."""
-    op = OPERATIONS[ep.IS_PAUSED.path]
+async def is_paused_or_sleeping(request: web.Request) -> web.Response:
+    """``{"is_paused": true}`` (``{"is_sleeping": true}``) only when every live worker says so."""
+    op = OPERATIONS[request.path]
     req = await _parse(request, op)
     outcome = await broadcast(request.app[keys.ADMIN], op, _call(request, op, req))
     answer = outcome.answer
-    if isinstance(answer, IsPausedFleetAnswer):
-        answer.is_paused = outcome.ok and all(
-            isinstance(r.body, IsPausedResponse) and r.body.is_paused for r in answer.results
-        )
+    field = "is_paused" if isinstance(answer, IsPausedFleetAnswer) else "is_sleeping"
+    every = outcome.ok and all(getattr(r.body, field, False) is True for r in answer.results)
+    setattr(answer, field, every)
+    return _json(outcome.status, answer)
+
+
+async def abort_requests(request: web.Request) -> web.Response:
+    """vLLM's ``/abort_requests`` on every live worker: ``aborted`` is the sum of what each one ended."""
+    op = OPERATIONS[ep.ABORT_REQUESTS.path]
+    req = await _parse(request, op)
+    outcome = await broadcast(request.app[keys.ADMIN], op, _call(request, op, req))
+    answer = outcome.answer
+    if isinstance(answer, AbortRequestsFleetAnswer):
+        answer.aborted = sum(r.body.aborted for r in answer.results if isinstance(r.body, AbortRequestsResult))
+        answer.status = "aborted" if outcome.ok else "error"
     return _json(outcome.status, answer)
 
 
@@ -221,7 +234,9 @@ _SPECIAL: dict[str, Handler] = {
     ep.FINISH_WEIGHT_UPDATE.path: finish_weight_update,
     ep.PAUSE.path: pause_or_resume,
     ep.RESUME.path: pause_or_resume,
-    ep.IS_PAUSED.path: is_paused,
+    ep.IS_PAUSED.path: is_paused_or_sleeping,
+    ep.IS_SLEEPING.path: is_paused_or_sleeping,
+    ep.ABORT_REQUESTS.path: abort_requests,
 }
 
 #: The router's answer where it is not the workers' answers lifted to the fleet.

@@ -7,7 +7,9 @@
   exponential backoff and jitter. Once bytes have reached the caller nothing
   is retried.
 - If the caller goes away, the request is aborted on its worker
-  (``POST /abort_request {"rid"}``); a rid is assigned when the caller gave none.
+  (``POST /abort_request {"rid"}``); a rid is assigned when the caller gave none. vLLM's
+  ``/inference/v1/generate`` is aborted by its own id instead (``POST /abort_requests``), and
+  gets a ``request_id`` when it has none.
 - The worker's body (``meta_info.weight_version`` included) is passed through
   byte for byte.
 - Requests to ``http://`` workers go over the lean keep-alive client of
@@ -21,6 +23,8 @@ import itertools
 import json
 import logging
 import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
@@ -29,6 +33,7 @@ from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt,
 
 from router.contract.errors import ApiError, Unavailable
 from router.contract.generate import INSTANCE_HEADER
+from router.contract.vllm_tokens import REQUEST_ID_HEADER, REQUEST_ID_PREFIX
 from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
@@ -122,6 +127,65 @@ def prepare_payload(raw: bytes) -> tuple[bytes, Any, bool]:
     return json.dumps(payload).encode(), base, stream
 
 
+def prepare_tokens_payload(raw: bytes, header_id: str | None) -> tuple[bytes, str | None]:
+    """vLLM's ``/inference/v1/generate``: (body to send, the id its worker runs it as). The worker names
+    it ``generate-tokens-<X-Request-Id | request_id>``; a body with neither (or an empty one) gets a
+    ``request_id`` spliced in (re-encoded where that is not a plain byte splice), so the router can abort it."""
+    try:
+        payload = json.loads(raw) if raw else None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return raw, None  # the worker answers 400 with its own message
+    if not isinstance(payload, dict):
+        return raw, None
+    if header_id:
+        return raw, REQUEST_ID_PREFIX + header_id
+    given = payload.get("request_id")
+    if isinstance(given, str) and given:
+        return raw, REQUEST_ID_PREFIX + given
+    if given is not None and given != "":
+        return raw, None  # not an id: the worker refuses the body
+    base = _new_rid()
+    start = len(raw) - len(raw.lstrip())
+    if payload and "request_id" not in payload and raw[start : start + 1] == b"{":
+        return raw[: start + 1] + b'"request_id": ' + json.dumps(base).encode() + b", " + raw[start + 1 :], (
+            REQUEST_ID_PREFIX + base
+        )
+    payload["request_id"] = base
+    return json.dumps(payload).encode(), REQUEST_ID_PREFIX + base
+
+
+@dataclass(frozen=True, slots=True)
+class AbortCall:
+    """How to stop a request on its worker once its caller went away."""
+
+    path: str
+    body: dict[str, Any]
+    label: str
+
+
+#: How a route's body is made ready to forward: (body, how to abort it, or None when there is nothing to abort).
+Prepare = Callable[[bytes, web.Request], tuple[bytes, AbortCall | None]]
+
+
+def sglang_prepare(raw: bytes, _request: web.Request) -> tuple[bytes, AbortCall | None]:
+    """``/generate`` and the OpenAI routes: a ``rid`` (assigned when missing), aborted by prefix."""
+    body, rid, _ = prepare_payload(raw)
+    return body, None if rid is None else AbortCall("/abort_request", {"rid": rid}, f"rid {rid}")
+
+
+def tokens_prepare(raw: bytes, request: web.Request) -> tuple[bytes, AbortCall | None]:
+    """vLLM's ``/inference/v1/generate``: aborted by its id (``/abort_requests``: the call and its choices)."""
+    body, request_id = prepare_tokens_payload(raw, request.headers.get(REQUEST_ID_HEADER))
+    return body, None if request_id is None else AbortCall(
+        "/abort_requests", {"request_ids": [request_id]}, f"request {request_id}"
+    )
+
+
+def passthrough(raw: bytes, _request: web.Request) -> tuple[bytes, AbortCall | None]:
+    """A route whose answer needs no generation (``/tokenize``): forwarded as it came, nothing to abort."""
+    return raw, None
+
+
 class GenerateProxy:
     """Forward generation requests to routable workers."""
 
@@ -169,24 +233,35 @@ class GenerateProxy:
         accept = incoming.get("Accept")
         if accept is not None:
             headers["Accept"] = accept
+        request_id = incoming.get(REQUEST_ID_HEADER)
+        if request_id:
+            headers[REQUEST_ID_HEADER] = request_id
         if self._worker_auth is not None:
             headers["Authorization"] = self._worker_auth
         return headers
 
-    async def handle(self, request: web.Request, path: str = "/generate") -> web.StreamResponse:
+    async def handle(
+        self, request: web.Request, path: str = "/generate", prepare: Prepare = sglang_prepare
+    ) -> web.StreamResponse:
         raw = await request.read()
-        body, rid, _ = prepare_payload(raw)
+        body, abort = prepare(raw, request)
         headers = self._upstream_headers(request)
         # The first attempt runs bare (no retry machinery): that is nearly every request.
         worker = self.pick()
         try:
-            return await self._attempt(request, worker, path, body, headers, rid)
+            return await self._attempt(request, worker, path, body, headers, abort)
         except _Retryable as exc:
             first = exc
-        return await self._retry(request, path, body, headers, rid, first)
+        return await self._retry(request, path, body, headers, abort, first)
 
     async def _retry(
-        self, request: web.Request, path: str, body: bytes, headers: dict[str, str], rid: Any, first: _Retryable
+        self,
+        request: web.Request,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        abort: AbortCall | None,
+        first: _Retryable,
     ) -> web.StreamResponse:
         """The first attempt failed before any byte reached the caller: back off, then other workers."""
         tried = {first.worker.id}
@@ -204,7 +279,7 @@ class GenerateProxy:
                         break  # every routable worker was tried
                     tried.add(worker.id)
                     try:
-                        return await self._attempt(request, worker, path, body, headers, rid)
+                        return await self._attempt(request, worker, path, body, headers, abort)
                     except _Retryable as exc:
                         last = exc
                         raise
@@ -222,7 +297,13 @@ class GenerateProxy:
         raise ApiError(502, f"worker {last.worker.id} ({last.worker.url}) failed: {last.reason}")
 
     async def _attempt(
-        self, request: web.Request, worker: Worker, path: str, body: bytes, headers: dict[str, str], rid: Any
+        self,
+        request: web.Request,
+        worker: Worker,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        abort: AbortCall | None,
     ) -> web.StreamResponse:
         worker.inflight += 1
         upstream: UpstreamResponse | None = None
@@ -251,10 +332,10 @@ class GenerateProxy:
                 await self._read_before_relay(worker, upstream)
                 reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
                 raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())
-            return await self._relay(request, worker, upstream, rid)
+            return await self._relay(request, worker, upstream, abort)
         except asyncio.CancelledError:
             # The caller disconnected (handler cancelled): stop the work on the worker too.
-            self._abort_on_worker(worker, rid)
+            self._abort_on_worker(worker, abort)
             raise
         finally:
             worker.inflight -= 1
@@ -269,7 +350,7 @@ class GenerateProxy:
             raise _Retryable(worker, f"{type(exc).__name__}: {exc}", "reset") from None
 
     async def _relay(
-        self, request: web.Request, worker: Worker, upstream: UpstreamResponse, rid: Any
+        self, request: web.Request, worker: Worker, upstream: UpstreamResponse, abort: AbortCall | None
     ) -> web.StreamResponse:
         ctype = upstream.header("Content-Type") or "application/json"
         if not ctype.startswith("text/event-stream"):
@@ -286,7 +367,7 @@ class GenerateProxy:
             async for chunk in upstream.chunks():
                 await resp.write(chunk)
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the caller went away
-            self._abort_on_worker(worker, rid)
+            self._abort_on_worker(worker, abort)
             return resp
         except (TimeoutError, UpstreamError) as exc:
             # Bytes already went out: no retry; end the stream and say why.
@@ -300,18 +381,18 @@ class GenerateProxy:
             pass  # the caller hung up after the last event: the worker already finished, nothing to abort
         return resp
 
-    def _abort_on_worker(self, worker: Worker, rid: Any) -> None:
-        if rid is None:
+    def _abort_on_worker(self, worker: Worker, abort: AbortCall | None) -> None:
+        if abort is None:
             return
         self._metrics.client_aborts.inc()
-        self._tasks.spawn(self._send_abort(worker, rid), name=f"abort-{worker.id}")
+        self._tasks.spawn(self._send_abort(worker, abort), name=f"abort-{worker.id}")
 
-    async def _send_abort(self, worker: Worker, rid: Any) -> None:
+    async def _send_abort(self, worker: Worker, abort: AbortCall) -> None:
         try:
             async with self._session.post(
-                worker.url + "/abort_request", json={"rid": rid}, headers=self._service_headers, timeout=_ABORT_TIMEOUT
+                worker.url + abort.path, json=abort.body, headers=self._service_headers, timeout=_ABORT_TIMEOUT
             ) as resp:
                 await resp.read()
-                log.info("caller left; aborted rid %s on %s (%d)", rid, worker.id, resp.status)
+                log.info("caller left; aborted %s on %s (%d)", abort.label, worker.id, resp.status)
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            log.warning("could not abort rid %s on %s: %r", rid, worker.id, exc)
+            log.warning("could not abort %s on %s: %r", abort.label, worker.id, exc)

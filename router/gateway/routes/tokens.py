@@ -1,0 +1,73 @@
+"""vLLM's token routes through the router: ``/inference/v1/generate``, ``/tokenize``, ``/detokenize``.
+
+Each goes to one routable worker through the same :class:`~router.gateway.routing.proxy.GenerateProxy`
+as ``/generate``: the policy picks among workers that hold the fleet's weights, a failure before
+the first byte is retried on another worker, streams pass through, and bodies are the worker's
+(a caller's mistake is its 400). A token generation whose caller goes away is aborted on its
+worker by its id (``/abort_requests``); it gets a ``request_id`` when it has none, so its answer's
+``request_id`` names it there. (De)tokenizing needs no weights, but it is routed like generation:
+with no routable worker it is a 503.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from router.contract.vllm_tokens import (
+    DETOKENIZE_PATH,
+    GENERATE_PATH,
+    TOKENIZE_PATH,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    TokensGenerateRequest,
+    TokensGenerateResponse,
+)
+from router.contract.web.openapi import Route
+from router.gateway import keys
+from router.gateway.routing.proxy import passthrough, tokens_prepare
+
+
+async def generate_tokens(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.PROXY].handle(request, GENERATE_PATH, tokens_prepare)
+
+
+async def tokenize(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.PROXY].handle(request, TOKENIZE_PATH, passthrough)
+
+
+async def detokenize(request: web.Request) -> web.StreamResponse:
+    return await request.app[keys.PROXY].handle(request, DETOKENIZE_PATH, passthrough)
+
+
+def routes() -> list[Route]:
+    return [
+        Route(
+            "POST",
+            GENERATE_PATH,
+            generate_tokens,
+            "Generate from token ids on one routable worker (vLLM's token-in/token-out route; streams when asked)",
+            access="generation",
+            body=TokensGenerateRequest,
+            answer=TokensGenerateResponse,
+        ),
+        Route(
+            "POST",
+            TOKENIZE_PATH,
+            tokenize,
+            "Tokenize a prompt or chat messages on one routable worker (vLLM)",
+            access="generation",
+            body=TokenizeRequest,
+            answer=TokenizeResponse,
+        ),
+        Route(
+            "POST",
+            DETOKENIZE_PATH,
+            detokenize,
+            "The text of token ids, from one routable worker (vLLM)",
+            access="generation",
+            body=DetokenizeRequest,
+            answer=DetokenizeResponse,
+        ),
+    ]
