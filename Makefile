@@ -19,7 +19,7 @@ CPY            := $(CLIENTS_VENV)/bin/python
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[worker,test]"
+	$(PY) -m pip install -q -e ".[worker,k8s,test]"
 	touch $@
 
 install: $(VENV)/.installed

@@ -1,5 +1,8 @@
 """omni-worker: a model server with the SGLang-compatible RL admin surface.
 
-This package root stays free of torch imports so that tooling (and the router's
-shared protocol package) can import metadata without pulling torch in.
+From :mod:`router` the worker imports only the shared wire contract (:mod:`router.contract`),
+its torch half (:mod:`router.dataplane`) and ``router.__version__``; never the gateway or the
+trainer client, and nothing imports the worker. It needs the ``worker`` extra (torch,
+safetensors, tokenizers, jinja2); the ``omni-worker`` script (:mod:`worker.launcher`) says so
+and exits when it is missing. This package root and the launcher import no torch.
 """

@@ -1,9 +1,15 @@
 """``omni-worker``: serve a model, or write a tiny test checkpoint.
 
-    omni-worker --model-path DIR [--host H] [--port P] [--device cpu|cuda] [--dtype float32|bfloat16]
-                [--admin-api-key K] [--api-key K] [--max-running-requests N] [--num-threads N] [--log-level L]
-                [--shutdown-grace-s 30]
-    omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N]
+    omni-worker --model-path DIR [--host H] [--port P] [--device cpu|cuda|cuda:N] [--dtype float32|bfloat16]
+                [--admin-api-key K] [--api-key K] [--max-running-requests N] [--num-threads N]
+                [--served-model-name NAME] [--log-level debug|info|warning|error] [--step-delay-ms MS]
+                [--tp-size N] [--shutdown-grace-s 30] [--allow-pickled-tensors]
+                [--weight-transfer-config '{"backend": "torch"|"nccl"}']
+    omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N] [--chat-template]
+    omni-worker --version
+
+The ``omni-worker`` script enters through :mod:`worker.launcher`, which first checks that the
+``worker`` extra (torch, safetensors, tokenizers, jinja2) imports.
 
 The admin key falls back to ``SGLANG_OMNI_ADMIN_KEY`` here, when the flags are
 read, exactly as in ``omni-router``: a :class:`WorkerConfig` built in code holds
@@ -38,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="omni-worker",
         description="Serve a Llama/Qwen2 model with the SGLang-compatible RL admin API.",
-        epilog="omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N] writes a tiny random checkpoint.",
+        epilog="omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N] [--chat-template] writes a tiny random checkpoint.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")

@@ -25,9 +25,9 @@ class WorkerConfig:
     served_model_name: str | None = None
     health_check_timeout_s: float = 20.0
     num_threads: int | None = None
+    """torch intra-op threads (``torch.set_num_threads``); ``None`` keeps torch's default."""
     tp_size: int = 1
     """Tensor-parallel ranks: this process is rank 0 and starts ``tp_size - 1`` followers (one GPU each on CUDA)."""
-    """torch intra-op threads (``torch.set_num_threads``); ``None`` keeps torch's default."""
     step_delay_s: float = 0.0
     """Testing aid: sleep this long after each forward step, to make a tiny
     model behave like a slow one (requests stay in flight long enough to be

@@ -10,5 +10,9 @@ Layers, each importing only the ones below it:
 - :mod:`router.gateway.fleet`: the worker registry and health checking.
 
 :mod:`~router.gateway.config`, :mod:`~router.gateway.metrics` and
-:mod:`~router.gateway.tasks` are leaves every layer may use. Nothing here imports torch.
+:mod:`~router.gateway.tasks` are leaves every layer may use.
+
+From outside, the gateway imports only :mod:`router.contract` (and ``router.__version__``): never :mod:`router.dataplane`,
+:mod:`router.trainer`, :mod:`worker` or torch, so a bare ``pip install omni-router`` runs it
+(Kubernetes discovery needs the ``k8s`` extra). Nothing outside imports the gateway.
 """

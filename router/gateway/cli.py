@@ -20,6 +20,7 @@ from router.contract.errors import ApiError
 from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
 from router.gateway.app import create_app
 from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, RouterConfig
+from router.gateway.discovery.k8s import require_client
 from router.gateway.shutdown import RequestDrain
 
 log = logging.getLogger("router")
@@ -310,6 +311,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, ApiError) as exc:  # bad flags or worker URLs: say which, exit non-zero
         log.error("cannot start: %s", getattr(exc, "message", exc))
         return 2
+    if config.service_discovery == "k8s":
+        try:  # without the Kubernetes client the router would serve with no discovered workers: refuse
+            require_client()
+        except RuntimeError as exc:
+            log.error("cannot start: %s", exc)
+            return 2
     if config.state_dir is None:
         log.warning("no --state-dir: a router crash mid-update cannot keep its targets disabled across restarts")
     try:

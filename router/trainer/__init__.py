@@ -1,9 +1,11 @@
 """What a trainer imports: the router client, the sync driver and the torch sender.
 
 The HTTP client (:class:`RouterClient`, :class:`AsyncRouterClient`) and the sync
-driver (``sync_weights``) are torch-free. The sender (:class:`TrainerWeightSender`,
-:class:`BucketPlan`, :func:`sent_checksum`) needs torch and is imported on first
-use, so importing this package never pulls torch in::
+driver (:class:`WeightSync`, behind ``RouterClient.sync_weights``) are torch-free. The sender (:class:`TrainerWeightSender`,
+:class:`BucketPlan`, :func:`sent_checksum`) needs torch (``pip install
+'omni-router[trainer]'``) and is imported on first use, so importing this package
+never pulls torch in. It builds on :mod:`router.contract` and :mod:`router.dataplane`
+only; the servers (:mod:`router.gateway`, :mod:`worker`) never import it::
 
     from router.trainer import BucketPlan, GroupSpec, RouterClient, TrainerWeightSender
 """

@@ -29,6 +29,7 @@ pod's service account inside a cluster, else ``KUBECONFIG``, else
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -80,6 +81,26 @@ class DiscoveryStatus:
             "pods_seen": self.pods_seen,
             "candidates": self.candidates,
         }
+
+
+#: The modules of the ``k8s`` extra (lightkube and the HTTP client it is built on).
+K8S_EXTRA_MODULES = ("lightkube", "httpx2")
+EXTRA_MISSING = "--service-discovery k8s needs the k8s extra: pip install 'omni-router[k8s]'"
+
+
+def require_client() -> None:
+    """Raise :class:`RuntimeError` (one line naming the extra) unless the Kubernetes client imports.
+
+    ``omni-router`` calls it at start-up, so a router without the extra refuses to start rather
+    than serving with discovery dead; the plain router never imports lightkube."""
+    missing = []
+    for name in K8S_EXTRA_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise RuntimeError(f"{EXTRA_MISSING} (cannot import {', '.join(missing)})")
 
 
 class ListFailed(Exception):
@@ -147,11 +168,10 @@ class KubernetesPods:
     def _client(self) -> AsyncClient:
         if self.client_factory is not None:
             return self.client_factory()
-        try:
-            import httpx2
-            from lightkube import AsyncClient
-        except ImportError as exc:  # the plain router does not need the Kubernetes client
-            raise RuntimeError("--service-discovery k8s needs the k8s extra: pip install 'omni-router[k8s]'") from exc
+        require_client()
+        import httpx2
+        from lightkube import AsyncClient
+
         return AsyncClient(timeout=httpx2.Timeout(API_TIMEOUT_S), field_manager="omni-router")
 
     async def _list_with_backoff(self, client: AsyncClient, namespace: str) -> str:
