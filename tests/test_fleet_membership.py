@@ -13,7 +13,6 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-import aiohttp
 import pytest
 
 from router.contract.admin import UpdateWeightVersionResult
@@ -22,7 +21,7 @@ from router.contract.fleet import RankAssignment, WorkerResult
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.groups import WeightGroups, membership_changes
 from router.gateway.admin.journal import UpdateJournal
-from router.gateway.admin.locked import AdminContext, AdminRun
+from router.gateway.admin.locked import AdminContext, AdminRun, LockHold
 from router.gateway.admin.operations import OPERATIONS
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.discovery.k8s import PodWorker
@@ -31,6 +30,7 @@ from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import FleetWeights
 from router.gateway.metrics import RouterMetrics
+from router.gateway.upstream import WorkerClient
 
 URLS = [f"http://127.0.0.{i}:9" for i in (2, 3, 4)]
 
@@ -97,17 +97,17 @@ class TestGroupMembership:
 @pytest.fixture
 async def ctx() -> Any:
     registry = fleet_of(2)
-    async with aiohttp.ClientSession() as session:
-        prober = WorkerProber(session, timeout_s=1.0)
-        yield AdminContext(
-            registry=registry,
-            gate=UpdateGate(0.2),
-            journal=UpdateJournal(None),
-            metrics=RouterMetrics(registry),
-            fanout=FanOut(session, connect_timeout_s=1.0),
-            prober=prober,
-            groups=WeightGroups(None),
-        )
+    workers = WorkerClient(stream_limit=8, connect_timeout_s=1.0)
+    yield AdminContext(
+        registry=registry,
+        gate=UpdateGate(0.2),
+        journal=UpdateJournal(None),
+        metrics=RouterMetrics(registry),
+        fanout=FanOut(workers),
+        prober=WorkerProber(workers, timeout_s=1.0),
+        groups=WeightGroups(None),
+    )
+    await workers.close()
 
 
 def ok(worker: Worker) -> WorkerResult[Any]:
@@ -140,14 +140,14 @@ async def test_discovery_changes_wait_for_the_update_lock(ctx: AdminContext) -> 
         added = registry.find(pod_a.url)
         assert added is not None and added.source == "discovery" and added.pod == "ns/a"
 
-        await gate.acquire("prepare_weights_update")  # an update holds the lock
+        hold = await LockHold.take(gate, "prepare_weights_update")  # an update holds the lock
         discovered.offer({pod_b.url: pod_b})
         # Departure is immediate (no traffic, the update fails it) but the registry waits.
         assert added.departed is not None and not registry.is_routable(added)
         await asyncio.sleep(0.5)
         assert registry.find(pod_a.url) is added and registry.find(pod_b.url) is None
         assert not discovered.applied.is_set()
-        gate.release()
+        hold.release()
         await asyncio.wait_for(discovered.applied.wait(), 5)
         assert registry.find(pod_a.url) is None and added.removed
         assert registry.find(pod_b.url) is not None
@@ -166,13 +166,13 @@ async def test_a_pod_that_returns_before_removal_is_no_longer_departed(ctx: Admi
         pod = PodWorker(URLS[2], "ns/a")
         discovered.offer({pod.url: pod})
         await asyncio.wait_for(discovered.applied.wait(), 5)
-        await ctx.gate.acquire("prepare_weights_update")
+        hold = await LockHold.take(ctx.gate, "prepare_weights_update")
         discovered.offer({})
         worker = ctx.registry.find(pod.url)
         assert worker is not None and worker.departed is not None
         discovered.offer({pod.url: pod})  # Ready again (a readiness flap) while the update runs
         assert worker.departed is None
-        ctx.gate.release()
+        hold.release()
         await asyncio.wait_for(discovered.applied.wait(), 5)
         assert ctx.registry.find(pod.url) is worker
     finally:

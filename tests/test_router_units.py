@@ -30,7 +30,6 @@ from router.contract.weight_sync import (
     WeightSyncResponse,
 )
 from router.gateway.admin.answers import fleet_answer
-from router.gateway.admin.fanout import decode_answer
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import OPERATIONS
 from router.gateway.admin.ranks import plan_ranks
@@ -39,6 +38,7 @@ from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
 from router.gateway.routing.proxy import prepare_payload, prepare_tokens_payload
+from router.gateway.upstream import decode_answer
 
 
 def test_router_import_leaves_torch_out():
@@ -373,21 +373,25 @@ class TestWire:
         assert judge(init, [before_join, failed_join]).kept == ("g",)
 
     def test_worker_answers_decode_into_their_models_or_a_clear_failure(self):
-        ok, error = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": 2}')
-        assert error is None and isinstance(ok, CompleteWeightsUpdateResponse) and ok.num_buckets_received == 2
-        body, error = decode_answer(
-            CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": {"a": 1}}'
-        )
-        assert body is None and "not a valid CompleteWeightsUpdateResponse" in error and "num_buckets_received" in error
-        body, error = decode_answer(CompleteWeightsUpdateResponse, 200, b"")
-        assert body is None and "empty body" in error
+        ok = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": 2}')
+        assert ok.error is None and isinstance(ok.value, CompleteWeightsUpdateResponse)
+        assert ok.value.num_buckets_received == 2
+        bad = decode_answer(CompleteWeightsUpdateResponse, 200, b'{"success": true, "num_buckets_received": {"a": 1}}')
+        assert bad.body is None and bad.value is None and bad.error is not None
+        assert "not a valid CompleteWeightsUpdateResponse" in bad.error and "num_buckets_received" in bad.error
+        empty = decode_answer(CompleteWeightsUpdateResponse, 200, b"")
+        assert empty.body is None and empty.error is not None and "empty body" in empty.error
         refused = b'{"success": false, "message": "group missing", "error": {"message": "group missing"}}'
-        body, error = decode_answer(WeightSyncResponse, 400, refused)
-        assert body is not None and not body.ok and error == "group missing"
-        body, error = decode_answer(ModelInfo, 401, b'{"error": {"message": "needs a key"}}')
-        assert body is None and error == "needs a key"
-        assert decode_answer(ModelInfo, 502, b"<html>bad gateway</html>")[1] == "answered 502: <html>bad gateway</html>"
-        assert decode_answer(PrepareWeightsUpdateResponse, 200, b'{"status": "error"}')[0].ok is False
+        answer = decode_answer(WeightSyncResponse, 400, refused)
+        assert answer.body is not None and not answer.body.ok and answer.error == "group missing"
+        assert answer.value is None  # a refusal is never a usable answer
+        answer = decode_answer(ModelInfo, 401, b'{"error": {"message": "needs a key"}}')
+        assert answer.body is None and answer.error == "needs a key"
+        assert (
+            decode_answer(ModelInfo, 502, b"<html>bad gateway</html>").error == "answered 502: <html>bad gateway</html>"
+        )
+        prepared = decode_answer(PrepareWeightsUpdateResponse, 200, b'{"status": "error"}').value
+        assert prepared is not None and prepared.ok is False
 
     def test_rid_injection(self):
         body, rid, stream = prepare_payload(b'{"text": "hi", "stream": true}')

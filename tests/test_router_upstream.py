@@ -1,18 +1,25 @@
-"""The router's lean HTTP/1.1 client (the proxy's and the admin fan-out's) against scripted loopback
-servers: every framing, keep-alive reuse and when a connection must not be reused, errors, the
-deadline, cancellation, the in-flight limit, flow control, and the fan-out's whole exchanges (any
-method, no body, the size cap, the idle bound per worker)."""
+"""The gateway's worker client against scripted loopback servers.
+
+The lean HTTP/1.1 transport: every framing, keep-alive reuse and when a connection must not be
+reused, errors, the deadline, cancellation, the in-flight limit, flow control, and whole exchanges
+(any method, no body, the size cap, the idle bound per worker). Then :class:`WorkerClient`: one
+typed decode and one failure classification for whole answers, contract endpoint calls, and the
+transport chosen by scheme."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from router.gateway import upstream_http as upstream
-from router.gateway.upstream_http import HttpUpstream, UpstreamError
+from router.contract import endpoints as ep
+from router.contract.admin import AbortRequest, HealthStatus, ModelInfo
+from router.gateway.upstream import UpstreamError, WorkerClient, lean_conn, lean_http
+from router.gateway.upstream.lean_http import HttpUpstream
+from router.gateway.upstream.transport import MAX_BODY_BYTES
 
 Reply = Callable[[asyncio.StreamWriter, bytes], Awaitable[None]]
 
@@ -26,7 +33,7 @@ class Server:
         self.requests: list[bytes] = []
         self.url = ""
 
-    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
             while True:
@@ -50,7 +57,7 @@ class Server:
 @contextlib.asynccontextmanager
 async def serving(reply: Reply) -> AsyncIterator[Server]:
     server = Server(reply)
-    srv = await asyncio.start_server(server._serve, "127.0.0.1", 0)
+    srv = await asyncio.start_server(server.serve, "127.0.0.1", 0)
     port = srv.sockets[0].getsockname()[1]
     server.url = f"http://127.0.0.1:{port}"
     try:
@@ -73,7 +80,9 @@ OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r
 
 
 async def post(client: HttpUpstream, url: str, body: bytes = b'{"text": "hi"}', timeout_s: float = 10.0) -> bytes:
-    resp = await client.post(url, "/generate", body, {"Content-Type": "application/json"}, timeout_s=timeout_s)
+    resp = await client.request(
+        "POST", url, "/generate", body, {"Content-Type": "application/json"}, timeout_s=timeout_s
+    )
     try:
         assert resp.status == 200
         return await resp.read()
@@ -105,7 +114,7 @@ async def test_chunked_answer_in_small_pieces_and_its_chunks():
 
     async with serving(reply) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
         assert resp.header("content-type") == "text/event-stream"
         got = b"".join([chunk async for chunk in resp.chunks()])
         resp.release()
@@ -165,12 +174,8 @@ async def test_bytes_that_arrive_while_a_connection_is_pooled_close_it():
     async with serving(reply) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         await post(client, server.url)
-        idle = client._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]
-        for _ in range(100):
-            if not idle[0].reusable:
-                break
-            await asyncio.sleep(0.02)
-        assert not idle[0].reusable
+        (pooled,) = client.idle_connections(server.url)
+        await until(lambda: not pooled.reusable, "the unasked-for answer closed the pooled connection")
         assert await post(client, server.url) == b'{"ok":true}'
         assert server.connections == 2
         client.close()
@@ -180,18 +185,18 @@ async def test_an_answer_without_a_body_and_trailers_and_header_whitespace():
     no_content = b"HTTP/1.1 204 No Content\r\nX-Omni-Instance:  w-1 \r\n\r\n"
     async with serving(fixed(no_content)) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
         assert resp.status == 204 and resp.header("X-Omni-Instance") == "w-1"
         assert await resp.read() == b""
         resp.release()
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)  # reused
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)  # reused
         resp.release()
         assert server.connections == 1
         client.close()
     trailers = b"HTTP/1.1 200 OK\r\nContent-Type: a/b\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\nContent-Type: c/d\r\n\r\n"
     async with serving(fixed(trailers)) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
         assert await resp.read() == b"{}"
         assert resp.header("content-type") == "a/b"  # trailers do not rewrite the head
         resp.release()
@@ -214,11 +219,8 @@ async def test_a_pooled_connection_the_worker_closed_is_not_reused():
     async with serving(fixed(OK, close=True)) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         await post(client, server.url)
-        idle = client._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]
-        for _ in range(100):  # until the worker's close reached the client
-            if not idle or not idle[0].reusable:
-                break
-            await asyncio.sleep(0.02)
+        (pooled,) = client.idle_connections(server.url)
+        await until(lambda: not pooled.reusable, "the worker's close reached the client")
         assert await post(client, server.url) == b'{"ok":true}'
         assert server.connections == 2
         client.close()
@@ -241,27 +243,27 @@ async def test_errors_before_and_after_the_answer_began():
             await post(client, server.url)
     # The answer began, then the connection closed before its Content-Length was complete.
     async with serving(fixed(OK[:-4], close=True)) as server:
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
         with pytest.raises(UpstreamError, match="mid-answer"):
             await resp.read()
         resp.release()
     # A broken chunk.
     chunked = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"
     async with serving(fixed(chunked)) as server:
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
         with pytest.raises(UpstreamError, match="not valid HTTP"):
             await resp.read()
         resp.release()
     # A chunked answer whose connection closed between chunks.
     async with serving(fixed(chunked.replace(b"zz\r\n", b"2\r\n{}\r\n"), close=True)) as server:
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
         with pytest.raises(UpstreamError, match="mid-answer"):
             await resp.read()
         resp.release()
     # A header value that would split the request.
     async with serving(fixed(OK)) as server:
         with pytest.raises(UpstreamError, match="line break"):
-            await client.post(server.url, "/generate", b"{}", {"Accept": "a\r\nX-Evil: 1"}, timeout_s=10)
+            await client.request("POST", server.url, "/generate", b"{}", {"Accept": "a\r\nX-Evil: 1"}, timeout_s=10)
     client.close()
 
 
@@ -282,7 +284,7 @@ async def test_malformed_heads_and_upgrades_fail_before_the_answer():
     async with serving(fixed(switch)) as server:
         with pytest.raises(UpstreamError, match="switched protocols"):
             await post(client, server.url)
-    endless = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (upstream.MAX_HEAD_BYTES + 1)
+    endless = b"HTTP/1.1 200 OK\r\nX-Big: " + b"a" * (lean_conn.MAX_HEAD_BYTES + 1)
     async with serving(fixed(endless)) as server:
         with pytest.raises(UpstreamError, match="too large"):
             await post(client, server.url)
@@ -303,34 +305,51 @@ async def test_the_deadline_covers_the_head_and_the_body():
         with pytest.raises(TimeoutError):
             await post(client, server.url, timeout_s=0.2)
     async with serving(half) as server:
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=0.2)
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=0.2)
         with pytest.raises(TimeoutError):
             await resp.read()
         resp.release()
     client.close()
 
 
-async def test_the_limit_queues_requests_and_cancellation_frees_the_slot():
-    gate = asyncio.Event()
+def holding() -> tuple[Reply, asyncio.Event, asyncio.Event]:
+    """A reply that holds a request whose body is ``hold`` until released; ``arrived`` once it came."""
+    arrived, release = asyncio.Event(), asyncio.Event()
 
-    async def held(writer: asyncio.StreamWriter, body: bytes) -> None:
+    async def reply(writer: asyncio.StreamWriter, body: bytes) -> None:
         if body == b"hold":
-            await gate.wait()
+            arrived.set()
+            await release.wait()
         writer.write(OK)
         await writer.drain()
 
-    async with serving(held) as server:
+    return reply, arrived, release
+
+
+async def until(condition: Callable[[], bool], what: str) -> None:
+    """Poll ``condition`` on the event loop for at most 5 s."""
+    for _ in range(500):
+        if condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"not within 5s: {what}")
+
+
+async def test_the_limit_queues_requests_and_cancellation_frees_the_slot():
+    reply, arrived, release = holding()
+    async with serving(reply) as server:
         client = HttpUpstream(limit=1, connect_timeout_s=5)
         first = asyncio.ensure_future(post(client, server.url, b"hold"))
-        await asyncio.sleep(0.05)
+        await arrived.wait()  # the first request holds the only slot
         second = asyncio.ensure_future(post(client, server.url))
-        await asyncio.sleep(0.05)
-        assert not second.done()  # waits for the only slot
+        await until(lambda: client.waiting == 1, "the second request waits for a slot")
+        assert not second.done() and len(server.requests) == 1
         first.cancel()  # the caller went away: its connection is closed and its slot freed
         with pytest.raises(asyncio.CancelledError):
             await first
         assert await second == b'{"ok":true}'
-        gate.set()
+        assert client.waiting == 0
+        release.set()
         client.close()
 
 
@@ -348,13 +367,10 @@ async def test_a_slow_caller_pauses_reading_and_a_large_body_read_whole_is_not_s
     async with serving(fixed(answer, close=framing == "until-close")) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         assert await post(client, server.url) == big
-        resp = await client.post(server.url, "/generate", b"{}", {}, timeout_s=10)
-        conn = resp._conn  # type: ignore[attr-defined]
-        for _ in range(100):  # a caller that reads nothing yet: the client stops reading at the high water
-            if conn._paused:
-                break
-            await asyncio.sleep(0.02)
-        assert conn._paused and not conn.complete
+        resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
+        # A caller that reads nothing yet: the client stops reading at the high water.
+        await until(lambda: resp.reading_paused, "reading paused")
+        assert not resp.complete
         got = bytearray()
         async for chunk in resp.chunks():  # reading resumes as the caller takes
             got += chunk
@@ -365,36 +381,30 @@ async def test_a_slow_caller_pauses_reading_and_a_large_body_read_whole_is_not_s
 
 
 async def test_waiting_for_a_slot_counts_against_the_deadline():
-    gate = asyncio.Event()
-
-    async def held(writer: asyncio.StreamWriter, body: bytes) -> None:
-        if body == b"hold":
-            await gate.wait()
-        writer.write(OK)
-        await writer.drain()
-
-    async with serving(held) as server:
+    reply, arrived, release = holding()
+    async with serving(reply) as server:
         client = HttpUpstream(limit=1, connect_timeout_s=5)
         first = asyncio.ensure_future(post(client, server.url, b"hold"))
-        await asyncio.sleep(0.05)
+        await arrived.wait()  # the first request holds the only slot
         with pytest.raises(TimeoutError):
             await post(client, server.url, timeout_s=0.2)
-        gate.set()
+        assert client.waiting == 0 and len(server.requests) == 1  # it never reached the worker
+        release.set()
         assert await first == b'{"ok":true}'
         assert await post(client, server.url) == b'{"ok":true}'  # the timed-out wait took no slot
         client.close()
 
 
 async def test_idle_connections_of_workers_that_get_no_more_requests_are_closed(monkeypatch):
-    monkeypatch.setattr(upstream, "KEEPALIVE_S", 0.05)
+    monkeypatch.setattr(lean_http, "KEEPALIVE_S", 0.05)
     async with serving(fixed(OK)) as gone, serving(fixed(OK)) as stays:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         await post(client, gone.url)
-        gone_key = ("127.0.0.1", int(gone.url.rsplit(":", 1)[1]))
-        assert len(client._idle[gone_key]) == 1
-        await asyncio.sleep(0.1)
+        assert len(client.idle_connections(gone.url)) == 1
+        await asyncio.sleep(0.1)  # past the (shortened) keep-alive
+        assert len(client.idle_connections(gone.url)) == 1  # still pooled until a sweep
         await post(client, stays.url)  # a later request sweeps the pool
-        assert gone_key not in client._idle
+        assert client.idle_connections(gone.url) == []
         client.close()
 
 
@@ -437,7 +447,7 @@ async def test_fetch_any_method_with_or_without_a_body_and_every_framing():
     async with serving(fixed(b"HTTP/1.1 200 OK\r\n\r\nbye", close=True)) as server:
         client = HttpUpstream(limit=0, connect_timeout_s=5)
         assert await client.fetch("GET", server.url, "/x", None, {}, timeout_s=5) == (200, b"bye")
-        assert not client._idle.get(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+        assert client.idle_connections(server.url) == []
         client.close()
 
 
@@ -449,9 +459,9 @@ async def test_fetch_caps_the_body_and_closes_that_connection():
             client = HttpUpstream(limit=0, connect_timeout_s=5)
             with pytest.raises(UpstreamError, match="larger than 40 bytes"):
                 await client.fetch("GET", server.url, "/x", None, {}, timeout_s=5, max_bytes=40)
-            assert not client._idle.get(("127.0.0.1", int(server.url.rsplit(":", 1)[1])))
+            assert client.idle_connections(server.url) == []
             client.close()
-    assert upstream.MAX_BODY_BYTES == 64 * 1024 * 1024
+    assert MAX_BODY_BYTES == 64 * 1024 * 1024
 
 
 async def test_fetch_timeout_refusals_and_the_idle_bound_per_worker():
@@ -470,18 +480,100 @@ async def test_fetch_timeout_refusals_and_the_idle_bound_per_worker():
         # Three at once (no bound in flight), two kept idle afterwards.
         answers = await asyncio.gather(*(client.fetch("GET", server.url, "/", None, {}, timeout_s=5) for _ in range(3)))
         assert answers == [(200, b'{"ok":true}')] * 3
-        assert len(client._idle[("127.0.0.1", int(server.url.rsplit(":", 1)[1]))]) == 2
+        assert len(client.idle_connections(server.url)) == 2
         with pytest.raises(UpstreamError, match="line break"):
             await client.fetch("GET", server.url, "/", None, {"X": "a\r\nb"}, timeout_s=5)
         with pytest.raises(UpstreamError, match="HEAD"):
             await client.fetch("HEAD", server.url, "/", None, {}, timeout_s=5)
         client.close()
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with pytest.raises(OSError):
         await HttpUpstream(limit=0, connect_timeout_s=5).fetch(
-            "GET", f"http://127.0.0.1:{port}", "/", None, {}, timeout_s=5
+            "GET", f"http://127.0.0.1:{closed_port()}", "/", None, {}, timeout_s=5
         )
+
+
+# ----------------------------------------------------------------------------- the worker client
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+HEALTHY = b'{"status": "ok", "weight_version": "v1", "weight_state": "serving"}'
+
+
+async def test_fetch_decodes_into_the_model_and_classifies_every_failure():
+    workers = WorkerClient(stream_limit=8, connect_timeout_s=5)
+    answer = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(HEALTHY), HEALTHY)
+    async with serving(fixed(answer)) as server:
+        got = await workers.fetch(server.url, "/health", HealthStatus, headers={}, timeout_s=5)
+        assert got.status == 200 and got.error is None
+        assert isinstance(got.value, HealthStatus) and got.value.weight_version == "v1"
+    async with serving(fixed(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n[]")) as server:
+        got = await workers.fetch(server.url, "/health", HealthStatus, headers={}, timeout_s=5)
+        assert got.status == 200 and got.value is None and got.error is not None
+        assert "not a valid HealthStatus" in got.error
+    refused = b'{"error": {"message": "needs key"}}'
+    refusal = b"HTTP/1.1 401 Unauthorized\r\nContent-Length: %d\r\n\r\n%s" % (len(refused), refused)
+    async with serving(fixed(refusal)) as server:
+        got = await workers.fetch(server.url, "/model_info", ModelInfo, headers={}, timeout_s=5)
+        assert (got.status, got.body, got.error) == (401, None, "needs key")
+
+    async def silent(writer: asyncio.StreamWriter, _: bytes) -> None:
+        await asyncio.sleep(30)
+
+    async with serving(silent) as server:
+        got = await workers.fetch(server.url, "/health", HealthStatus, headers={}, timeout_s=0.2)
+        assert (got.status, got.value, got.error) == (None, None, "no answer within 0.2s")
+    url = f"http://127.0.0.1:{closed_port()}"
+    got = await workers.fetch(url, "/health", HealthStatus, headers={}, timeout_s=5)
+    assert got.status is None and got.error is not None and "ConnectionRefusedError" in got.error
+    async with serving(fixed(OK)) as server:
+        got = await workers.fetch(server.url, "/health", HealthStatus, headers={"X": "a\r\nb"}, timeout_s=5)
+        assert got.status is None and got.error is not None and got.error.startswith("UpstreamError: ")
+    # Not http://: aiohttp carries it, and its errors are classified the same way.
+    got = await workers.fetch(f"https://127.0.0.1:{closed_port()}", "/health", HealthStatus, headers={}, timeout_s=5)
+    assert got.status is None and got.error is not None and "ClientConnectorError" in got.error
+    await workers.close()
+
+
+async def test_call_takes_its_method_body_and_deadline_from_the_endpoint(monkeypatch):
+    workers = WorkerClient(stream_limit=8, connect_timeout_s=5)
+    waits: list[float] = []
+    fetch = workers.fetch
+
+    async def recording(*args, **kwargs):
+        waits.append(kwargs["timeout_s"])
+        return await fetch(*args, **kwargs)
+
+    monkeypatch.setattr(workers, "fetch", recording)
+    async with serving(echo_request()) as server:
+        info = await workers.call(server.url, ep.MODEL_INFO, headers={"Authorization": "Bearer k"})
+        assert server.requests[-1].startswith(b"GET /model_info HTTP/1.1\r\n")
+        assert b"content-length" not in server.requests[-1].lower()
+        assert info.status == 200 and info.error is not None  # an empty body is no ModelInfo
+        aborted = await workers.call(server.url, ep.ABORT_REQUEST, AbortRequest(rid="r-1"), headers={})
+        assert server.requests[-1].startswith(b"POST /abort_request HTTP/1.1\r\n")
+        assert server.requests[-1].endswith(b'\r\n\r\n{"rid":"r-1"}')
+        # Decoded as the endpoint's response model (the echoed request is not one).
+        assert aborted.status == 200 and aborted.error is not None and "AbortRequestResult" in aborted.error
+    assert waits == [ep.MODEL_INFO.budget.router_wait(), ep.ABORT_REQUEST.budget.router_wait()]
+    await workers.close()
+
+
+async def test_the_aiohttp_transport_reads_whole_answers_within_the_cap():
+    from router.gateway.upstream.via_aiohttp import AiohttpUpstream
+
+    tls = AiohttpUpstream(limit=8, connect_timeout_s=5)
+    async with serving(echo_request()) as server:
+        assert await tls.fetch("POST", server.url, "/x", b'{"a": 1}', {}, timeout_s=5) == (200, b'{"a": 1}')
+        with pytest.raises(UpstreamError, match="larger than 4 bytes"):
+            await tls.fetch("POST", server.url, "/x", b'{"a": 1}', {}, timeout_s=5, max_bytes=4)
+        resp = await tls.request("POST", server.url, "/x", b"streamed", {}, timeout_s=5)
+        assert resp.status == 200 and b"".join([c async for c in resp.chunks()]) == b"streamed"
+        resp.release()
+    with pytest.raises(ConnectionError):
+        await tls.request("GET", f"http://127.0.0.1:{closed_port()}", "/", None, {}, timeout_s=5)
+    await tls.close()

@@ -7,7 +7,10 @@ Layers, each importing only the ones below it:
 - :mod:`router.gateway.admin`: admin operations broadcast to the fleet under the
   update lock (fencing, the journal, rank planning, the two-phase barrier);
 - :mod:`router.gateway.routing`: generation traffic (pick a worker, proxy, retry);
-- :mod:`router.gateway.fleet`: the worker registry and health checking.
+- :mod:`router.gateway.fleet`: the worker registry and health checking;
+- :mod:`router.gateway.upstream`: the one client every layer above reaches workers with
+  (``fetch`` for a whole typed answer, ``stream`` for the proxy; the transport chosen by
+  URL scheme in one place, every wait from the endpoint budget table).
 
 :mod:`~router.gateway.config`, :mod:`~router.gateway.metrics` and
 :mod:`~router.gateway.tasks` are leaves every layer may use.

@@ -1,9 +1,9 @@
 """The router application: ``create_app(config)`` with one route table.
 
-Shared state lives under the typed keys in :mod:`router.gateway.keys`. The upstream
-``ClientSession``, the objects that use it and the health-check task are
-created in a cleanup context, so they exist only while the app runs and are
-closed in reverse order.
+Shared state lives under the typed keys in :mod:`router.gateway.keys`. The worker
+client (:class:`~router.gateway.upstream.WorkerClient`), the objects that use it and the
+health-check task are created in a cleanup context, so they exist only while the app runs
+and are closed in reverse order.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import logging
 import time
 from collections.abc import AsyncIterator
 
-import aiohttp
 from aiohttp import web
 
 from router import __version__
@@ -55,6 +54,7 @@ from router.gateway.routes import admin, fleet, openai, tokens
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.tasks import TaskSet
+from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -164,19 +164,17 @@ def _service_headers(config: RouterConfig) -> dict[str, str]:
 
 
 async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
-    """The shared ClientSession, everything that uses it, and the health loop."""
+    """The worker client, everything that uses it, and the health loop."""
     cfg = app[keys.CONFIG]
-    connector = aiohttp.TCPConnector(limit=cfg.max_connections, limit_per_host=0, ttl_dns_cache=300)
-    session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-    app[keys.SESSION] = session
-    prober = WorkerProber(session, timeout_s=cfg.health_check_timeout_s, headers=app[keys.SERVICE_HEADERS])
-    fanout = FanOut(session, connect_timeout_s=cfg.connect_timeout_s)
+    workers = WorkerClient(stream_limit=cfg.max_connections, connect_timeout_s=cfg.connect_timeout_s)
+    app[keys.WORKERS] = workers
+    prober = WorkerProber(workers, timeout_s=cfg.health_check_timeout_s, headers=app[keys.SERVICE_HEADERS])
     ctx = AdminContext(
         registry=app[keys.REGISTRY],
         gate=app[keys.GATE],
         journal=app[keys.JOURNAL],
         metrics=app[keys.METRICS],
-        fanout=fanout,
+        fanout=FanOut(workers),
         prober=prober,
         groups=WeightGroups(cfg.state_dir),
     )
@@ -185,7 +183,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         config=cfg,
         registry=app[keys.REGISTRY],
         policy=make_policy(cfg.policy),
-        session=session,
+        workers=workers,
         metrics=app[keys.METRICS],
         tasks=app[keys.TASKS],
         service_headers=app[keys.SERVICE_HEADERS],
@@ -208,9 +206,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         with contextlib.suppress(asyncio.CancelledError):
             await app[keys.HEALTH_TASK]
         await app[keys.TASKS].close()
-        fanout.close()
-        app[keys.PROXY].close()
-        await session.close()
+        await workers.close()
 
 
 async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 
-import aiohttp
 from aiohttp import web
 
 from router.gateway.admin.fleet_views import FleetViews
@@ -22,6 +21,7 @@ from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.tasks import TaskSet
+from router.gateway.upstream import WorkerClient
 
 CONFIG = web.AppKey("config", RouterConfig)
 REGISTRY = web.AppKey("registry", WorkerRegistry)
@@ -33,7 +33,8 @@ SERVICE_HEADERS = web.AppKey("service_headers", dict[str, str])
 """Headers of every call the router makes to workers: JSON, and its worker key (never a caller's)."""
 
 # Created in the cleanup context, once the event loop runs.
-SESSION = web.AppKey("client_session", aiohttp.ClientSession)
+WORKERS = web.AppKey("worker_client", WorkerClient)
+"""Every HTTP call to a worker (proxy, admin fan-out, probes, metadata, aborts, ``/v1/models``)."""
 ADMIN = web.AppKey("admin", AdminContext)
 PROXY = web.AppKey("proxy", GenerateProxy)
 GROUP_INIT = web.AppKey("group_init", GroupInitializer)

@@ -7,12 +7,10 @@ failure with a message saying what was wrong, not something to probe with
 ``dict.get``. Admin POSTs are never retried: a second ``update_weights_*`` could
 apply twice.
 
-``http`` workers are reached over the router's lean HTTP/1.1 client
-(:mod:`router.gateway.upstream_http`, the same one the proxy uses) with a pool of its own: no
-bound on requests in flight (a broadcast is one request per worker, all at once), at most
-:data:`MAX_IDLE_PER_WORKER` idle connections kept per worker, a whole answer read at most
-``MAX_BODY_BYTES`` (64 MiB), and each call's own timeout covering connect, send and the whole
-answer. ``https`` workers go through the shared aiohttp session.
+Each call is one whole answer through the gateway's worker client
+(:meth:`router.gateway.upstream.WorkerClient.fetch`: no bound on requests in flight, since a
+broadcast is one request per worker, all at once; the answer decoded once), waiting as long as the
+operation's budget gives the router (:attr:`AdminCall.timeout_s`).
 """
 
 from __future__ import annotations
@@ -23,15 +21,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
-from pydantic import ValidationError
-
-from router.contract.base import WireRequest, WireResponse
-from router.contract.errors import ErrorBody
+from router.contract.base import WireRequest
 from router.contract.fleet import WorkerResult
 from router.gateway.admin.operations import Operation
 from router.gateway.fleet.registry import Worker
-from router.gateway.upstream_http import HttpUpstream, UpstreamError
+from router.gateway.upstream import WorkerClient
 
 
 @dataclass(slots=True)
@@ -57,84 +51,35 @@ class AdminCall:
         return self.request_for(worker).to_json() if self.request_for is not None else self._body
 
 
-def decode_answer(model: type[WireResponse], status: int, raw: bytes) -> tuple[WireResponse | None, str | None]:
-    """A worker's answer as ``(body, error)``: the parsed response model, and why it is unusable if it is."""
-    body: WireResponse | None = None
-    problem: str | None = None
-    try:
-        body = model.model_validate_json(raw) if raw else None
-    except ValidationError as exc:
-        problem = f"{exc.error_count()} problem(s), first: {_first_problem(exc)}"
-    if 200 <= status < 300:
-        if body is None:
-            what = "an empty body" if not raw else f"a body that is not a valid {model.__name__} ({problem})"
-            return None, f"answered {status} with {what}"
-        return body, None
-    # A refusal: SGLang's admin failures parse as the response model (success false); errors carry error.message.
-    try:
-        return body, ErrorBody.model_validate_json(raw).error.message
-    except ValidationError:
-        pass
-    if body is not None:
-        return body, None
-    text = raw.decode("utf-8", errors="replace").strip()
-    return None, f"answered {status}" + (f": {text[:300]}" if text else "")
-
-
-def _first_problem(exc: ValidationError) -> str:
-    err = exc.errors()[0]
-    where = ".".join(str(p) for p in err.get("loc", ())) or "body"
-    return f"{where}: {err.get('msg')}"
-
-
-MAX_IDLE_PER_WORKER = 8
-
-
 class FanOut:
-    """Pooled connections to every worker; one typed :class:`WorkerResult` per call."""
+    """One typed :class:`WorkerResult` per worker and call."""
 
-    def __init__(self, session: aiohttp.ClientSession, *, connect_timeout_s: float):
-        self._session = session
-        self._connect_timeout_s = connect_timeout_s
-        self._lean = HttpUpstream(limit=0, connect_timeout_s=connect_timeout_s, max_idle_per_host=MAX_IDLE_PER_WORKER)
-
-    def close(self) -> None:
-        self._lean.close()
+    def __init__(self, workers: WorkerClient):
+        self._workers = workers
 
     async def call(self, worker: Worker, call: AdminCall) -> WorkerResult[Any]:
         start = time.perf_counter()
-        body: WireResponse | None = None
-        status: int | None = None
-        try:
-            status, raw = await self._send(worker, call)
-            body, error = decode_answer(call.op.endpoint.response, status, raw)
-        except TimeoutError:
-            error = f"no answer within {call.timeout_s:g}s"
-        except (aiohttp.ClientError, OSError, UpstreamError, ValueError) as exc:
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        success = error is None and status is not None and 200 <= status < 300 and body is not None and body.ok
+        answer = await self._workers.fetch(
+            worker.url,
+            call.op.path + (f"?{call.query}" if call.query else ""),
+            call.op.endpoint.response,
+            method=call.method,
+            body=call.body_for(worker),
+            headers=call.headers,
+            timeout_s=call.timeout_s,
+        )
+        body = answer.body
+        success = answer.value is not None and answer.value.ok
         return WorkerResult[call.op.endpoint.response](  # type: ignore[name-defined]
             worker=worker.id,
             url=worker.url,
             success=success,
-            status_code=status,
+            status_code=answer.status,
             body=body,
-            error=error,
+            error=answer.error,
             elapsed_ms=round((time.perf_counter() - start) * 1000.0, 3),
         )
 
     async def to_all(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
         """Send ``call`` to every target at once; one result per target, in target order."""
         return list(await asyncio.gather(*(self.call(w, call) for w in targets)))
-
-    async def _send(self, worker: Worker, call: AdminCall) -> tuple[int, bytes]:
-        path = call.op.path + (f"?{call.query}" if call.query else "")
-        data = call.body_for(worker)
-        if worker.url.startswith("http://"):
-            return await self._lean.fetch(call.method, worker.url, path, data, call.headers, timeout_s=call.timeout_s)
-        connect = min(self._connect_timeout_s, call.timeout_s)
-        timeout = aiohttp.ClientTimeout(total=call.timeout_s, sock_connect=connect)
-        async with self._session.request(
-            call.method, worker.url + path, data=data, headers=call.headers, timeout=timeout
-        ) as resp:
-            return resp.status, await resp.read()

@@ -10,10 +10,15 @@
       → end: release the lock, record the metrics
 
 :class:`AdminRun` is that shape; :meth:`AdminRun.open` runs it as a context, and
-:meth:`AdminRun.end` is the only place the update lock is released. A ready
+:meth:`AdminRun.end` is the only place an operation releases the update lock. A ready
 prepare (and vLLM's ``/start_weight_update``) keeps the lock past its own HTTP call
 (:meth:`AdminRun.keep_lock`): the held update owns it then, and the run that ends
 that update (complete, abort, finish or expiry) adopts it and releases it in its own ``end``.
+
+Whoever holds the lock holds a :class:`LockHold`: :meth:`LockHold.take` and
+:meth:`LockHold.release` are the only places the update gate is acquired and released, by an
+:class:`AdminRun` and by discovery's registry changes (:mod:`router.gateway.discovery.reconcile`,
+which apply between updates).
 """
 
 from __future__ import annotations
@@ -73,11 +78,17 @@ class AdminContext:
 
 
 class LockHold:
-    """The admin update lock, held by one operation or one held update; released once."""
+    """The admin update lock, held by one operation, one held update or one registry change; released once."""
 
     def __init__(self, gate: UpdateGate):
         self._gate = gate
         self._held = True
+
+    @classmethod
+    async def take(cls, gate: UpdateGate, holder: str) -> LockHold:
+        """Wait for the lock as ``holder``: 503 (:class:`Unavailable`) past the gate's timeout."""
+        await gate.acquire(holder)
+        return cls(gate)
 
     def release(self) -> None:
         if self._held:
@@ -113,8 +124,7 @@ class AdminRun:
         """
         lock = adopt
         if lock is None and op.locked:
-            await ctx.gate.acquire(name or op.name)
-            lock = LockHold(ctx.gate)
+            lock = await LockHold.take(ctx.gate, name or op.name)
         run = cls(op, ctx, name=name, lock=lock)
         try:
             yield run
@@ -192,7 +202,7 @@ class AdminRun:
         return self._lock
 
     def end(self) -> None:
-        """Release the lock (unless kept) and record the metrics; the only place either happens."""
+        """Release the lock (unless kept) and record the metrics; the only place an operation does either."""
         if self._ended:
             return
         self._ended = True

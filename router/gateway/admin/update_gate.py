@@ -6,9 +6,10 @@ queueing forever. ``is_busy`` (held, or someone waiting) is what registry
 changes consult to answer 409, so the target set of an update cannot shift
 under it.
 
-Operations take and give back the gate only through
+The gate is taken and given back only through a
+:class:`~router.gateway.admin.locked.LockHold`: by an
 :class:`~router.gateway.admin.locked.AdminRun` (a two-phase update keeps it from its
-prepare to its complete); ``holder`` names who holds it.
+prepare to its complete) and by discovery's registry changes; ``holder`` names who holds it.
 """
 
 from __future__ import annotations

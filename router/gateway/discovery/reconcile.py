@@ -10,7 +10,8 @@ publishes the whole set on every change). Two things follow from a new set:
 - the registry itself (workers added and removed, hence the rank plan and the
   world size) changes only under the admin update lock, like ``POST /workers``:
   a change that arrives while an update holds the lock is applied when that
-  update ends, so an update's targets never shift under it.
+  update ends, so an update's targets never shift under it. The lock is held as a
+  :class:`~router.gateway.admin.locked.LockHold`, as every admin operation holds it.
 
 Added workers start unhealthy and are probed at once, outside the lock; after
 the fleet's first weight update they are *pending* until an update brings them
@@ -26,6 +27,7 @@ import logging
 
 from router.contract.errors import ApiError, Unavailable
 from router.gateway.admin.journal import UpdateJournal
+from router.gateway.admin.locked import LockHold
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.discovery.k8s import PodWorker
 from router.gateway.fleet.health import HealthChecker
@@ -77,23 +79,22 @@ class DiscoveredFleet:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            await self._take_lock()
+            hold = await self._take_lock()
             try:
                 added = await self._apply()
             finally:
-                self._gate.release()
+                hold.release()
             if not self._wake.is_set():
                 self.applied.set()
             # First probes outside the lock: a worker that does not answer must not stall updates.
             if added:
                 await asyncio.gather(*(self._health.check(w) for w in added))
 
-    async def _take_lock(self) -> None:
+    async def _take_lock(self) -> LockHold:
         """Wait for the admin update lock as long as updates hold it (each of them is bounded)."""
         while True:
             try:
-                await self._gate.acquire("service_discovery")
-                return
+                return await LockHold.take(self._gate, "service_discovery")
             except Unavailable:
                 log.info("worker pod changes wait for the update in progress to end")
 

@@ -1,10 +1,14 @@
 """Health probes and worker metadata (``weight_version``, ``tp_size``).
 
-A probe is ``GET /health``; after a good probe the checker also reads
-``/model_info`` (falling back to ``/server_info`` for ``tp_size`` on SGLang
-servers whose ``/model_info`` lacks it). Workers that an update is targeting
+A probe is ``GET /health``, bounded by ``--health-check-timeout-s``; after a good
+probe the checker also reads ``/model_info`` (falling back to ``/server_info`` for
+``tp_size`` on SGLang servers whose ``/model_info`` lacks it). Those reads are part of
+the probe and are bounded by the same timeout: all workers are probed in one round, and
+a worker slow to describe itself must not hold the round (and so delay noticing that
+another worker died) for its endpoints' longer budgets. Workers that an update is targeting
 are probed but their failures are not counted (see ``Worker.update_holds``),
-and their metadata is left alone until the update settles.
+and their metadata is left alone until the update settles. Every call goes
+through the gateway's worker client (:class:`~router.gateway.upstream.WorkerClient`).
 """
 
 from __future__ import annotations
@@ -12,22 +16,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from typing import TypeVar
 
-import aiohttp
-from pydantic import ValidationError
-
-from router.contract.admin import HealthStatus, ModelInfo, ServerInfo
-from router.contract.base import WireResponse
+from router.contract import endpoints as ep
+from router.contract.admin import HealthStatus
 from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
 
-M = TypeVar("M", bound=WireResponse)
-
-
-#: Errors that mean "no usable answer" from a worker (``ValueError``: a URL that cannot be encoded).
-_UNREACHABLE = (TimeoutError, aiohttp.ClientError, OSError, ValueError)
+HEALTH_PATH = "/health"
 
 
 class WorkerProber:
@@ -37,20 +34,10 @@ class WorkerProber:
     metadata routes get ``headers`` (the router's own worker key), never a caller's key.
     """
 
-    def __init__(self, session: aiohttp.ClientSession, *, timeout_s: float, headers: dict[str, str] | None = None):
-        self._session = session
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+    def __init__(self, workers: WorkerClient, *, timeout_s: float, headers: dict[str, str] | None = None):
+        self._workers = workers
+        self._timeout_s = timeout_s
         self._headers = headers or {}
-
-    async def _get(self, worker: Worker, path: str, model: type[M], headers: dict[str, str]) -> M | None:
-        """The worker's answer parsed as ``model``; ``None`` unless it answered 200 with one."""
-        async with self._session.get(worker.url + path, timeout=self._timeout, headers=headers) as resp:
-            if resp.status != 200:
-                return None
-            try:
-                return model.model_validate_json(await resp.read())
-            except ValidationError:
-                return None
 
     async def probe(self, worker: Worker) -> bool:
         """One health probe; what the worker says of its weights is recorded on the way."""
@@ -64,29 +51,29 @@ class WorkerProber:
 
     async def health(self, worker: Worker) -> HealthStatus | None:
         """The worker's ``/health`` answer (nothing recorded), or ``None`` when it gave no usable one."""
-        try:
-            return await self._get(worker, "/health", HealthStatus, {})
-        except _UNREACHABLE:
-            return None
+        answer = await self._workers.fetch(worker.url, HEALTH_PATH, HealthStatus, headers={}, timeout_s=self._timeout_s)
+        return answer.value
 
     async def refresh_metadata(self, worker: Worker) -> bool:
         """Update the worker's version, weight state, instance and ``tp_size``; False if it did not answer."""
-        try:
-            info = await self._get(worker, "/model_info", ModelInfo, self._headers)
-            if info is not None:
-                worker.weight_version = info.weight_version
-                worker.weight_state = info.weight_state
-                worker.instance_id = info.instance_id
-                if "tp_size" in info.model_fields_set and info.tp_size >= 1:
-                    worker.tp_size = info.tp_size
-                    return True
-            server = await self._get(worker, "/server_info", ServerInfo, self._headers)
-            if server is not None:
-                if "tp_size" in server.model_fields_set and server.tp_size >= 1:
-                    worker.tp_size = server.tp_size
+        answer = await self._workers.call(worker.url, ep.MODEL_INFO, headers=self._headers, cap_s=self._timeout_s)
+        info = answer.value
+        if info is not None:
+            worker.weight_version = info.weight_version
+            worker.weight_state = info.weight_state
+            worker.instance_id = info.instance_id
+            if "tp_size" in info.model_fields_set and info.tp_size >= 1:
+                worker.tp_size = info.tp_size
                 return True
-        except _UNREACHABLE:
-            return False
+        elif answer.status is None:
+            return False  # unreachable: /server_info is not tried either
+        server = (
+            await self._workers.call(worker.url, ep.SERVER_INFO, headers=self._headers, cap_s=self._timeout_s)
+        ).value
+        if server is not None:
+            if "tp_size" in server.model_fields_set and server.tp_size >= 1:
+                worker.tp_size = server.tp_size
+            return True
         return False
 
 

@@ -9,7 +9,8 @@ names a call's choices ``rid-0``, ``rid-1``, ... and aborts by that prefix). Bod
 untouched, so a caller's mistake is the worker's 400.
 
 ``GET /v1/models`` asks every routable worker for its models and answers their union (by id),
-503 with the reason when none is routable or none answered.
+503 with the reason when none is routable or none answered. A model listing is a model-metadata
+read: each worker gets as long as ``/model_info``'s budget gives the router.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import asyncio
 import logging
 from typing import Any
 
-import aiohttp
 from aiohttp import web
 
+from router.contract import endpoints as ep
 from router.contract.errors import Unavailable
 from router.contract.openai import (
     ChatCompletionRequest,
@@ -33,6 +34,7 @@ from router.contract.web.openapi import Route
 from router.gateway import keys
 from router.gateway.fleet.registry import Worker
 from router.gateway.routing.proxy import describe_fleet
+from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -49,18 +51,13 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await request.app[keys.PROXY].handle(request, CHAT_COMPLETIONS_PATH)
 
 
-async def _models_of(session: aiohttp.ClientSession, worker: Worker, headers: dict[str, str], timeout_s: float) -> Any:
-    try:
-        async with session.get(
-            worker.url + MODELS_PATH, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
-        ) as resp:
-            if resp.status != 200:
-                log.info("%s%s answered %d", worker.id, MODELS_PATH, resp.status)
-                return None
-            return ModelList.model_validate(await resp.json(content_type=None))
-    except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
-        log.info("%s%s failed: %r", worker.id, MODELS_PATH, exc)
-        return None
+async def _models_of(workers: WorkerClient, worker: Worker, headers: dict[str, str]) -> ModelList | None:
+    answer = await workers.fetch(
+        worker.url, MODELS_PATH, ModelList, headers=headers, timeout_s=ep.MODEL_INFO.budget.router_wait()
+    )
+    if answer.value is None:
+        log.info("%s%s: %s", worker.id, MODELS_PATH, answer.error or f"answered {answer.status}")
+    return answer.value
 
 
 async def models(request: web.Request) -> web.Response:
@@ -70,8 +67,7 @@ async def models(request: web.Request) -> web.Response:
     if not routable:
         raise Unavailable(describe_fleet(registry))
     headers = {k: v for k, v in app[keys.SERVICE_HEADERS].items() if k != "Content-Type"}
-    timeout_s = app[keys.CONFIG].health_check_timeout_s
-    answers = await asyncio.gather(*(_models_of(app[keys.SESSION], w, headers, timeout_s) for w in routable))
+    answers = await asyncio.gather(*(_models_of(app[keys.WORKERS], w, headers) for w in routable))
     cards: dict[str, dict[str, Any]] = {}
     for answer in answers:
         if answer is None:

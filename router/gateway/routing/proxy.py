@@ -7,13 +7,15 @@
   exponential backoff and jitter. Once bytes have reached the caller nothing
   is retried.
 - If the caller goes away, the request is aborted on its worker
-  (``POST /abort_request {"rid"}``); a rid is assigned when the caller gave none. vLLM's
+  (``POST /abort_request`` with the contract's ``AbortRequest``, waiting as long as that route's
+  budget gives the router); a rid is assigned when the caller gave none. vLLM's
   ``/inference/v1/generate`` is aborted by its own id instead (``POST /abort_requests``), and
   gets a ``request_id`` when it has none.
 - The worker's body (``meta_info.weight_version`` included) is passed through
   byte for byte.
-- Requests to ``http://`` workers go over the lean keep-alive client of
-  :mod:`router.gateway.routing.upstream`; ``https://`` workers over aiohttp.
+- Every call to a worker goes through the gateway's one worker client
+  (:class:`~router.gateway.upstream.WorkerClient`): streamed answers from its pool bounded by
+  ``--max-connections``, aborts as whole answers.
 """
 
 from __future__ import annotations
@@ -27,10 +29,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 from aiohttp import web
+from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from router.contract import endpoints as ep
+from router.contract.endpoints import Endpoint
 from router.contract.errors import ApiError, Unavailable
 from router.contract.generate import INSTANCE_HEADER
 from router.contract.vllm_tokens import REQUEST_ID_HEADER, REQUEST_ID_PREFIX
@@ -38,14 +42,13 @@ from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.policy import Policy
-from router.gateway.routing.upstream import UpstreamError, UpstreamResponse, Upstreams, mime_type
 from router.gateway.tasks import TaskSet
+from router.gateway.upstream import UpstreamError, UpstreamResponse, WorkerClient, mime_type
 
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({502, 503, 504})
 WORKER_HEADER = "X-Omni-Worker"
-_ABORT_TIMEOUT = aiohttp.ClientTimeout(total=5.0)
 
 
 class _Retryable(Exception):
@@ -156,10 +159,12 @@ def prepare_tokens_payload(raw: bytes, header_id: str | None) -> tuple[bytes, st
 
 @dataclass(frozen=True, slots=True)
 class AbortCall:
-    """How to stop a request on its worker once its caller went away."""
+    """How to stop a request on its worker once its caller went away: one call of a contract abort route."""
 
-    path: str
-    body: dict[str, Any]
+    endpoint: Endpoint[Any, Any]
+    fields: dict[str, Any]
+    """The abort request's fields: validated as ``endpoint.request`` only when an abort is sent, never
+    for the requests that finish (nearly all of them)."""
     label: str
 
 
@@ -170,14 +175,14 @@ Prepare = Callable[[bytes, web.Request], tuple[bytes, AbortCall | None]]
 def sglang_prepare(raw: bytes, _request: web.Request) -> tuple[bytes, AbortCall | None]:
     """``/generate`` and the OpenAI routes: a ``rid`` (assigned when missing), aborted by prefix."""
     body, rid, _ = prepare_payload(raw)
-    return body, None if rid is None else AbortCall("/abort_request", {"rid": rid}, f"rid {rid}")
+    return body, None if rid is None else AbortCall(ep.ABORT_REQUEST, {"rid": rid}, f"rid {rid}")
 
 
 def tokens_prepare(raw: bytes, request: web.Request) -> tuple[bytes, AbortCall | None]:
     """vLLM's ``/inference/v1/generate``: aborted by its id (``/abort_requests``: the call and its choices)."""
     body, request_id = prepare_tokens_payload(raw, request.headers.get(REQUEST_ID_HEADER))
     return body, None if request_id is None else AbortCall(
-        "/abort_requests", {"request_ids": [request_id]}, f"request {request_id}"
+        ep.ABORT_REQUESTS, {"request_ids": [request_id]}, f"request {request_id}"
     )
 
 
@@ -195,7 +200,7 @@ class GenerateProxy:
         config: RouterConfig,
         registry: WorkerRegistry,
         policy: Policy,
-        session: aiohttp.ClientSession,
+        workers: WorkerClient,
         metrics: RouterMetrics,
         tasks: TaskSet,
         service_headers: dict[str, str],
@@ -203,8 +208,7 @@ class GenerateProxy:
         self._cfg = config
         self._registry = registry
         self._policy = policy
-        self._session = session
-        self._upstreams = Upstreams(session, limit=config.max_connections, connect_timeout_s=config.connect_timeout_s)
+        self._workers = workers
         self._metrics = metrics
         self._tasks = tasks
         self._service_headers = service_headers
@@ -213,10 +217,6 @@ class GenerateProxy:
         self._stop = stop_after_attempt(1 + config.max_retries)
         self._wait = wait_exponential_jitter(initial=config.retry_initial_backoff_s, max=config.retry_max_backoff_s)
         self._retry_on = retry_if_exception_type(_Retryable)
-
-    def close(self) -> None:
-        """Close the pooled worker connections (at shutdown, after the requests in flight)."""
-        self._upstreams.close()
 
     def pick(self, tried: set[str] | frozenset[str] = frozenset()) -> Worker:
         candidates = self._registry.routable()
@@ -309,8 +309,8 @@ class GenerateProxy:
         upstream: UpstreamResponse | None = None
         try:
             try:
-                upstream = await self._upstreams.post(
-                    worker.url, path, body, headers, timeout_s=self._cfg.request_timeout_s
+                upstream = await self._workers.stream(
+                    "POST", worker.url, path, body, headers, timeout_s=self._cfg.request_timeout_s
                 )
             except (OSError, UpstreamError) as exc:  # TimeoutError and ConnectionError are OSErrors
                 self._metrics.upstream_errors.labels(worker.id).inc()
@@ -389,10 +389,12 @@ class GenerateProxy:
 
     async def _send_abort(self, worker: Worker, abort: AbortCall) -> None:
         try:
-            async with self._session.post(
-                worker.url + abort.path, json=abort.body, headers=self._service_headers, timeout=_ABORT_TIMEOUT
-            ) as resp:
-                await resp.read()
-                log.info("caller left; aborted %s on %s (%d)", abort.label, worker.id, resp.status)
-        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
-            log.warning("could not abort %s on %s: %r", abort.label, worker.id, exc)
+            request = abort.endpoint.request.model_validate(abort.fields)
+        except ValidationError as exc:  # the worker refused such an id with the request itself
+            log.warning("could not abort %s on %s: %d problem(s) in its id", abort.label, worker.id, exc.error_count())
+            return
+        answer = await self._workers.call(worker.url, abort.endpoint, request, headers=self._service_headers)
+        if answer.status is None:
+            log.warning("could not abort %s on %s: %s", abort.label, worker.id, answer.error)
+        else:
+            log.info("caller left; aborted %s on %s (%d)", abort.label, worker.id, answer.status)

@@ -1,9 +1,10 @@
-"""The router's one HTTP/1.1 client for plain-http workers: pooled keep-alive connections.
+"""The router's own HTTP/1.1 client for plain-http workers: pooled keep-alive connections.
 
-Both layers that talk to workers use it, each with its own pool and limits: the proxy
-(``routing/upstream.py``: ``/generate`` and the OpenAI routes, bodies streamed as they arrive) and
-the admin fan-out (``admin/fanout.py``: one small request and whole answer per worker, to up to
-hundreds of workers at once).
+:class:`~router.gateway.upstream.client.WorkerClient` keeps two of these pools, each with its own
+limits: one for proxied generation (``/generate``, the OpenAI routes: bodies streamed as they
+arrive; at most ``--max-connections`` in flight) and one for whole answers (the admin fan-out,
+health probes, metadata reads, aborts, ``/v1/models``: no bound in flight, since a broadcast is
+one request per worker to up to hundreds of workers at once).
 
 Why not the shared aiohttp ``ClientSession``: every request pays its client-side cost on the event
 loop (request and response objects, the connector's bookkeeping, a timeout handle, a payload writer
@@ -12,200 +13,41 @@ spends per proxied request; an admin broadcast to 256 workers is 256 such reques
 which at aiohttp's ~150-200 us of CPU each alone blows a 50 ms budget. Neither path needs its
 features (cookies, redirects, proxies, compression): one request written in one piece on a pooled
 connection, a response head, and the body as it arrives, framed by ``Content-Length``, chunked
-transfer coding or the end of the connection. Responses are parsed by llhttp, through ``httptools``
-(the parser under uvicorn): its callbacks fill the head and hand over the body; what it does not do
-is bound the head's size (``MAX_HEAD_BYTES`` here) and end a body framed by the connection's end
-(llhttp's EOF call is not exposed: ``connection_lost`` completes it).
+transfer coding or the end of the connection (parsed by llhttp:
+:mod:`router.gateway.upstream.lean_conn`).
 
 Rules that keep it safe:
 
 - a connection carries one request at a time and returns to the pool only after a complete
-  response that did not ask to close (llhttp's ``should_keep_alive``), with no byte left over:
-  any byte after a complete response, then or while pooled, is a second message llhttp begins or
-  refuses, and closes the connection (empty lines aside, which HTTP/1.1 lets a parser skip between
-  messages);
+  response that did not ask to close, with no byte left over (:mod:`~router.gateway.upstream.lean_conn`);
 - a pooled connection idle for ``KEEPALIVE_S`` is closed, never reused: it stays below the
   keep-alive timeout of the servers behind workers (uvicorn, under SGLang and vLLM, closes after
   5 s), so a reused connection is not one the worker is closing at that moment;
-- nothing is retried here: the proxy's policy decides (another worker, before any byte reached
-  the caller), and admin calls are never retried at all (a second ``update_weights_*`` could apply
-  twice);
+- nothing is retried here (:mod:`~router.gateway.upstream.transport`);
 - the request's deadline covers the whole exchange, connecting and the body included; when it
   passes, or on any error, or when the caller's handler is cancelled, that connection is closed;
-- at most ``limit`` requests are in flight at once per client (``--max-connections`` for the
-  proxy; unbounded for the fan-out, whose broadcast is one request per worker); more wait their turn;
-  at most ``max_idle_per_host`` idle connections are kept per worker;
+- at most ``limit`` requests are in flight at once per pool (0: no bound); more wait their turn,
+  within their own deadline; at most ``max_idle_per_host`` idle connections are kept per worker;
 - a whole-body read can be capped (:meth:`HttpUpstream.fetch`: ``MAX_BODY_BYTES`` by default): a
   larger answer fails and closes its connection.
 
 ``HEAD`` is not sent (llhttp, through ``httptools``, cannot be told that its answer has no body).
-``https`` workers go through aiohttp instead (``routing/upstream.py``'s ``AiohttpUpstream``; the
-fan-out's own aiohttp call).
+``https`` workers go through aiohttp instead (:mod:`router.gateway.upstream.via_aiohttp`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from urllib.parse import urlsplit
 
-import httptools
+from router.gateway.upstream.lean_conn import LeanConnection
+from router.gateway.upstream.transport import MAX_BODY_BYTES, UpstreamError
 
-MAX_HEAD_BYTES = 64 * 1024
-#: The default cap of a whole-body read (:meth:`HttpUpstream.fetch`).
-MAX_BODY_BYTES = 64 * 1024 * 1024
-#: Body bytes buffered ahead of a slow caller before the router stops reading from the worker.
-HIGH_WATER = 1024 * 1024
+__all__ = ["KEEPALIVE_S", "HttpUpstream", "LeanResponse"]
+
 KEEPALIVE_S = 4.0
-
-
-class UpstreamError(Exception):
-    """The worker's connection failed after its answer began, or it did not speak HTTP/1.1."""
-
-
-class _Connection(asyncio.Protocol):
-    """One TCP connection to a worker; llhttp (``httptools``) parses one response per request."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.closed = False
-        self.idle_since = 0.0
-        self._parser = httptools.HttpResponseParser(self)
-        self._head_waiter: asyncio.Future[None] | None = None
-        self._body_waiter: asyncio.Future[None] | None = None
-        self._reset()
-
-    def _reset(self) -> None:
-        self.status = 0
-        self.headers: dict[str, str] = {}
-        self.keep_alive = False
-        self.complete = False
-        self.error: BaseException | None = None
-        self._head_bytes = 0
-        self._chunks: list[bytes] = []
-        self._buffered = 0
-        self._paused = False
-
-    # -- asyncio.Protocol
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]  # uvloop's transports do not subclass asyncio's
-
-    def data_received(self, data: bytes) -> None:
-        try:
-            self._parser.feed_data(data)
-        except httptools.HttpParserUpgrade:
-            self._broken(UpstreamError("the worker switched protocols"))
-        except httptools.HttpParserError as exc:
-            # Before the answer is complete it is malformed; after it, these are bytes left over
-            # (on_message_begin refused a second answer): either way the connection is done.
-            self._broken(UpstreamError(f"the worker's answer is not valid HTTP/1.1: {exc}"))
-        else:
-            if not self.status:  # still in the head: llhttp sets no bound on its size
-                self._head_bytes += len(data)
-                if self._head_bytes > MAX_HEAD_BYTES:
-                    self._broken(UpstreamError("the worker's response head is too large"))
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.closed = True
-        if self.complete or self.error is not None:
-            return
-        if not self.status:
-            if self._head_waiter is not None:
-                self._fail(exc or ConnectionResetError("the worker closed the connection before answering"))
-        elif exc is None and "content-length" not in self.headers and "transfer-encoding" not in self.headers:
-            self.on_message_complete()  # a body framed by the end of the connection ends here (llhttp has no EOF call)
-        else:
-            self._fail(UpstreamError(f"the worker's connection closed mid-answer: {exc or 'end of stream'}"))
-
-    # -- llhttp's callbacks
-    def on_message_begin(self) -> None:
-        if self.complete:
-            raise UpstreamError("bytes after a complete answer")
-
-    def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.status:  # not trailers
-            self.headers[name.decode("latin-1").lower()] = value.decode(
-                "latin-1"
-            ).rstrip()  # llhttp keeps trailing blanks
-
-    def on_headers_complete(self) -> None:
-        status = self._parser.get_status_code()
-        if status < 200:  # an interim answer (100 Continue): the real one follows
-            self.headers = {}
-            return
-        self.status = status
-        self.keep_alive = self._parser.should_keep_alive()
-        waiter = self._head_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def on_body(self, data: bytes) -> None:
-        self._chunks.append(data)
-        self._buffered += len(data)
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
-        self._wake_body()
-
-    def on_message_complete(self) -> None:
-        if self.status:  # not an interim answer's end
-            self.complete = True
-            self._wake_body()
-
-    # -- one exchange
-    @property
-    def reusable(self) -> bool:
-        return not self.closed and self.transport is not None and not self.transport.is_closing()
-
-    def send(self, payload: bytes) -> asyncio.Future[None]:
-        assert self.transport is not None
-        self._reset()
-        self._head_waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(payload)
-        return self._head_waiter
-
-    def close(self) -> None:
-        self.closed = True
-        if self.transport is not None:
-            self.transport.close()
-
-    def expire(self, message: str) -> None:
-        """The request's deadline passed: fail whatever waits, and close."""
-        self._fail(TimeoutError(message))
-        self.close()
-
-    def take(self) -> bytes:
-        data = self._chunks[0] if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
-        if self._paused and self.transport is not None and not self.closed:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
-
-    def has_data(self) -> bool:
-        return bool(self._chunks)
-
-    def wait_body(self) -> asyncio.Future[None]:
-        self._body_waiter = asyncio.get_running_loop().create_future()
-        return self._body_waiter
-
-    def _broken(self, exc: UpstreamError) -> None:
-        self._fail(exc)
-        self.close()
-
-    def _fail(self, exc: BaseException) -> None:
-        if self.error is None and not self.complete:
-            self.error = exc
-        for waiter in (self._head_waiter, self._body_waiter):
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(exc)
-
-    def _wake_body(self) -> None:
-        waiter = self._body_waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
 
 
 class LeanResponse:
@@ -213,7 +55,7 @@ class LeanResponse:
 
     __slots__ = ("_conn", "_key", "_pool", "_released", "_timer", "status")
 
-    def __init__(self, pool: HttpUpstream, key: tuple[str, int], conn: _Connection, timer: asyncio.TimerHandle):
+    def __init__(self, pool: HttpUpstream, key: tuple[str, int], conn: LeanConnection, timer: asyncio.TimerHandle):
         self._pool = pool
         self._key = key
         self._conn = conn
@@ -223,6 +65,16 @@ class LeanResponse:
 
     def header(self, name: str) -> str | None:
         return self._conn.headers.get(name.lower())
+
+    @property
+    def reading_paused(self) -> bool:
+        """The worker's connection is not read from: the caller is ``HIGH_WATER`` body bytes behind."""
+        return self._conn.reading_paused
+
+    @property
+    def complete(self) -> bool:
+        """The whole answer has arrived, whether or not the caller has taken it."""
+        return self._conn.complete
 
     async def read(self, max_bytes: int | None = None) -> bytes:
         """The whole body; past ``max_bytes`` it raises :class:`UpstreamError` and the connection closes."""
@@ -275,13 +127,23 @@ class HttpUpstream:
     """
 
     def __init__(self, *, limit: int, connect_timeout_s: float, max_idle_per_host: int | None = None):
-        self._idle: dict[tuple[str, int], list[_Connection]] = {}
+        self._idle: dict[tuple[str, int], list[LeanConnection]] = {}
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
+        self._waiting = 0
         self._connect_timeout_s = connect_timeout_s
         self._max_idle_per_host = max_idle_per_host
         self._targets: dict[str, tuple[tuple[str, int], str]] = {}
         self._closed = False
         self._swept = time.monotonic()
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for a slot (every one of ``limit`` is in flight)."""
+        return self._waiting
+
+    def idle_connections(self, base_url: str) -> list[LeanConnection]:
+        """The idle connections pooled for one worker (a copy), reusable or not yet swept."""
+        return list(self._idle.get(self._target(base_url)[0], ()))
 
     def _target(self, base_url: str) -> tuple[tuple[str, int], str]:
         target = self._targets.get(base_url)
@@ -292,12 +154,6 @@ class HttpUpstream:
             if len(self._targets) > 4096:  # workers come and go: never grow without bound
                 self._targets.clear()
         return target
-
-    def post(
-        self, base_url: str, path: str, body: bytes, headers: dict[str, str], *, timeout_s: float
-    ) -> Awaitable[LeanResponse]:
-        """``request("POST", ...)``."""
-        return self.request("POST", base_url, path, body, headers, timeout_s=timeout_s)
 
     async def fetch(
         self,
@@ -345,8 +201,12 @@ class HttpUpstream:
         slots = self._slots
         if slots is not None:
             if slots.locked():  # every slot is taken: wait for one, within this request's deadline
-                async with asyncio.timeout_at(deadline):
-                    await slots.acquire()
+                self._waiting += 1
+                try:
+                    async with asyncio.timeout_at(deadline):
+                        await slots.acquire()
+                finally:
+                    self._waiting -= 1
             else:
                 await slots.acquire()
         try:
@@ -364,7 +224,7 @@ class HttpUpstream:
             raise
         return LeanResponse(self, key, conn, timer)
 
-    async def _checkout(self, key: tuple[str, int], deadline: float) -> _Connection:
+    async def _checkout(self, key: tuple[str, int], deadline: float) -> LeanConnection:
         idle = self._idle.get(key)
         if idle:
             now = time.monotonic()
@@ -375,10 +235,10 @@ class HttpUpstream:
                 conn.close()
         loop = asyncio.get_running_loop()
         async with asyncio.timeout_at(min(loop.time() + self._connect_timeout_s, deadline)):
-            _, conn = await loop.create_connection(_Connection, key[0], key[1])
+            _, conn = await loop.create_connection(LeanConnection, key[0], key[1])
         return conn
 
-    def _checkin(self, key: tuple[str, int], conn: _Connection) -> None:
+    def _checkin(self, key: tuple[str, int], conn: LeanConnection) -> None:
         if self._slots is not None:
             self._slots.release()
         now = time.monotonic()

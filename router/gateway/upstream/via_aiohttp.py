@@ -1,0 +1,122 @@
+"""``https`` workers through aiohttp, behind the same interface as the lean client.
+
+The session is created on the first call to an ``https`` worker (a fleet of plain-http workers
+never opens one) and closed with the client. Its connector keeps at most ``limit`` connections
+(``--max-connections``) and does not decompress: a proxied body passes through byte for byte.
+aiohttp's own errors are turned into the transport errors of
+:mod:`router.gateway.upstream.transport`, so callers classify one set of exceptions:
+``aiohttp.ClientConnectionError`` before an answer began is a ``ConnectionError``, any other
+``aiohttp.ClientError`` an :class:`~router.gateway.upstream.transport.UpstreamError`, and a
+passed deadline stays a ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import aiohttp
+
+from router.gateway.upstream.transport import MAX_BODY_BYTES, UpstreamError
+
+__all__ = ["AiohttpUpstream"]
+
+STREAM_CHUNK = 64 * 1024
+
+
+class _AiohttpResponse:
+    __slots__ = ("_resp", "status")
+
+    def __init__(self, resp: aiohttp.ClientResponse):
+        self._resp = resp
+        self.status = resp.status
+
+    def header(self, name: str) -> str | None:
+        return self._resp.headers.get(name)
+
+    async def read(self, max_bytes: int | None = None) -> bytes:
+        resp = self._resp
+        try:
+            if max_bytes is None:
+                return await resp.read()
+            if resp.content_length is not None and resp.content_length > max_bytes:
+                resp.close()
+                raise UpstreamError(f"the worker's answer is larger than {max_bytes} bytes")
+            parts: list[bytes] = []
+            size = 0
+            async for chunk in resp.content.iter_chunked(STREAM_CHUNK):
+                size += len(chunk)
+                if size > max_bytes:
+                    resp.close()
+                    raise UpstreamError(f"the worker's answer is larger than {max_bytes} bytes")
+                parts.append(chunk)
+            return b"".join(parts)
+        except TimeoutError:
+            raise
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for chunk in self._resp.content.iter_chunked(STREAM_CHUNK):
+                yield chunk
+        except TimeoutError:
+            raise
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+
+    def release(self) -> None:
+        self._resp.release()
+
+
+class AiohttpUpstream:
+    """Requests to ``https`` workers over one lazily opened aiohttp session."""
+
+    def __init__(self, *, limit: int, connect_timeout_s: float):
+        self._limit = limit
+        self._connect_timeout_s = connect_timeout_s
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        session = self._session
+        if session is None:
+            connector = aiohttp.TCPConnector(limit=self._limit, limit_per_host=0, ttl_dns_cache=300)
+            session = self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        return session
+
+    async def request(
+        self, method: str, base_url: str, path: str, body: bytes | None, headers: dict[str, str], *, timeout_s: float
+    ) -> _AiohttpResponse:
+        """Send the request and wait for the answer's head (the errors of the module docstring)."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(self._connect_timeout_s, timeout_s))
+        try:
+            resp = await self._client().request(method, base_url + path, data=body, headers=headers, timeout=timeout)
+        except TimeoutError:
+            raise
+        except aiohttp.ClientConnectionError as exc:
+            raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
+        except aiohttp.ClientError as exc:
+            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+        return _AiohttpResponse(resp)
+
+    async def fetch(
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        *,
+        timeout_s: float,
+        max_bytes: int = MAX_BODY_BYTES,
+    ) -> tuple[int, bytes]:
+        """One whole exchange: ``(status, body)``, the body at most ``max_bytes``."""
+        resp = await self.request(method, base_url, path, body, headers, timeout_s=timeout_s)
+        try:
+            return resp.status, await resp.read(max_bytes)
+        finally:
+            resp.release()
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
