@@ -259,15 +259,6 @@ def import_cycles() -> list[list[str]]:
     return sorted(components)
 
 
-#: The cycles the source has today; another change removes them (then this xfail turns into a failure: drop it).
-KNOWN_CYCLES = (
-    "worker.coordinator ↔ worker.updates (TYPE_CHECKING); "
-    "worker.engine.{admin_ops,model_worker,scheduler} ↔ worker.tp.{follower,peers}; "
-    "worker.model.causal_lm ↔ worker.model.weight_map"
-)
-
-
-@pytest.mark.xfail(strict=True, reason=f"import cycles still in the source: {KNOWN_CYCLES}")
 def test_no_import_cycles() -> None:
     cycles = import_cycles()
     assert not cycles, "import cycles among project modules:\n" + "\n".join(" ↔ ".join(c) for c in cycles)

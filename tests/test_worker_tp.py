@@ -31,9 +31,7 @@ from tests._router_fixtures import ADMIN_KEY, auth, start_router
 from tests._router_trainer import run_trainer
 from tests._worker_helpers import Worker
 from tests.procs import free_port, http_json
-from worker.engine.admin_ops import flush_cache
 from worker.model.checkpoint import read_checkpoint
-from worker.stage import PassiveStage
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["hello world", "the quick brown fox", "1 2 3 4"]
@@ -246,13 +244,6 @@ def test_weight_sync_through_the_router_with_two_tp2_workers_and_a_tp1_one(check
         assert outputs[0] == outputs[1] == outputs[2]
     finally:
         proc.stop()
-
-
-async def test_a_stage_without_an_admin_capable_scheduler_answers_skipped() -> None:
-    result = await PassiveStage("detokenizer").run("flush_cache", flush_cache, 1.0)
-    assert result.success and result.data == {"skipped": True}
-    assert result.rank_results[0]["skipped"] is True and "no admin-capable scheduler" in result.message
-    assert result.body()["rank_results"] == result.rank_results
 
 
 def test_vllm_packed_update_reaches_every_rank(pair, checkpoints) -> None:

@@ -3,9 +3,8 @@
 It submits generations to the stage leader's scheduler, runs admin operations
 on every rank through the :class:`~worker.stage.Stage`, serializes operations
 that change weights or pause state, and bounds every wait with a timeout.
-Extension point for other admin routes: :meth:`Coordinator.run_on_scheduler`
-(a callable on the leader's scheduler thread) and :meth:`Coordinator.admin`
-(an op on every rank, aggregated with ``rank_results``), inside
+Extension point for other admin routes: :meth:`Coordinator.admin` (an op on
+every rank, aggregated into one typed :class:`~worker.stage.StageResult`), inside
 :meth:`Coordinator.admin_section` when the op changes weights.
 """
 
@@ -17,42 +16,41 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
 from functools import partial
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
-from router.contract import endpoints as ep
 from router.contract.admin import (
     ContinueRequest,
     MemoryOccupationRequest,
+    ModelInfo,
     PauseRequest,
+    RankResult,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
+    WeightsEffect,
+    WeightStateName,
 )
 from router.contract.vllm import SCHEDULER_PAUSE_MODE
 from router.contract.vllm_dev import SLEEP_PAUSE_MODE, AbortRequestsRequest, SleepQuery, WakeUpQuery
 from router.dataplane.buckets import NamedTensors
 from worker.engine import admin_ops
-from worker.engine.admin_ops import OpResult
 from worker.engine.daemon_thread import Abandoned, run_on_daemon_thread
 from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpdateError
-from worker.engine.request import GenerationParams, OutputChannel, Request
+from worker.engine.request import GenerationParams
+from worker.engine.results import AbortedRequests, Answered, OpResult, Paused, RankInfo
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import CommitOptions
 from worker.engine.weight_state import WeightState
-from worker.generation import GenerationHandle
-from worker.stage import AdminTimeout, RankOp, SchedulerUnavailable, Stage, StageResult, held
+from worker.generation_service import SHUTDOWN_ABORT_WAIT_S, GenerationService
+from worker.stage import AdminTimeout, RankOp, Stage, StageResult, held
+from worker.tp.follower import RankState
 from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
 
 log = logging.getLogger(__name__)
 
 S = TypeVar("S")
 
-#: Aborting requests on the scheduler thread: the budget of ``/abort_request``.
-ABORT_WAIT_S = ep.ABORT_REQUEST.budget.work_s
-#: At shutdown, once the grace is over: how long the abort of what is left and its callers' answers
-#: may take together (the scheduler acts between two steps, so this is far more than needed).
-SHUTDOWN_ABORT_WAIT_S = 5.0
-SHUTTING_DOWN = "the worker is shutting down"
 #: How often a ``drain`` pause looks whether the running requests have ended.
 DRAIN_POLL_S = 0.02
 _NO_EMPTY = ContinueRequest(torch_empty_cache=False)
@@ -65,12 +63,12 @@ class Coordinator:
         self.stage = stage
         self.health_check_timeout_s = health_check_timeout_s
         self._admin_lock = asyncio.Lock()
-        self._inflight: dict[str, GenerationHandle] = {}
+        self.generation = GenerationService(stage)
+        """Generation admission: submit, release, abort, drain."""
         self.updates = UpdatePipeline(self)
         """Every weight update of this worker goes through this one pipeline."""
         self.instance_id = uuid.uuid4().hex
         """Tells a router that this process is new (a restarted worker holds its boot checkpoint)."""
-        self._draining = False
 
     # -- accessors -------------------------------------------------------------------
     @property
@@ -92,21 +90,21 @@ class Coordinator:
     @property
     def draining(self) -> bool:
         """The process is shutting down: no new generation is admitted."""
-        return self._draining
+        return self.generation.draining
 
     @property
     def num_in_flight(self) -> int:
         """Generations admitted and not yet answered (a batch counts each of its prompts)."""
-        return len(self._inflight)
+        return self.generation.num_in_flight
 
     @property
-    def weight_state(self) -> str:
+    def weight_state(self) -> WeightStateName:
         """The weights' state over every rank: the least servable one."""
-        states = [rank.worker.ledger.state for rank in self.stage.views()]
+        states = [rank.weight_state for rank in self.stage.states()]
         for state in (WeightState.PARTIAL, WeightState.WRITING, WeightState.RELEASED):
             if state in states:
-                return state.value
-        return WeightState.SERVING.value
+                return cast(WeightStateName, state.value)
+        return "serving"
 
     @property
     def cannot_serve(self) -> str | None:
@@ -141,75 +139,24 @@ class Coordinator:
         async with held(self._admin_lock, timeout_s, busy):
             yield
 
-    async def admin(self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None) -> StageResult:
+    async def admin(
+        self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None
+    ) -> StageResult[Any]:
         """Run ``op`` on every rank (scheduler threads) and aggregate with ``rank_results``
         (``follower_op`` on the follower ranks of a tensor-parallel worker, when given)."""
         return await self.stage.run(action, op, timeout_s, follower_op)
 
-    async def run_on_scheduler(self, fn: Callable[[], Any], timeout_s: float, action: str = "admin") -> Any:
-        """Run ``fn()`` on the leader's scheduler thread between steps; its raw result."""
-        if not self.scheduler.alive:
-            raise SchedulerUnavailable(f"{action}: the scheduler thread is not running")
-        fut = self.scheduler.submit_admin(fn)
-        try:
-            return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s)
-        except TimeoutError:
-            fut.cancel()
-            raise AdminTimeout(action, timeout_s) from None
-
     # -- generation ------------------------------------------------------------------------
-    def rid_in_flight(self, rid: str) -> bool:
-        return rid in self._inflight
-
-    def submit(
-        self,
-        prompt_ids: list[int],
-        params: GenerationParams,
-        *,
-        rid: str | None = None,
-        stream: bool = False,
-        return_text_in_logprobs: bool = False,
-        wakeup: asyncio.Event | None = None,
-    ) -> GenerationHandle:
-        """Queue one prompt; the caller must :meth:`release` the handle when done."""
-        rid = rid or uuid.uuid4().hex
-        if rid in self._inflight:
-            raise ValueError(f"a request with rid {rid!r} is already in flight")
-        channel = OutputChannel(asyncio.get_running_loop(), wakeup)
-        request = Request(rid=rid, prompt_ids=list(prompt_ids), params=params, channel=channel, stream=stream)
-        handle = GenerationHandle(request, channel, return_text_in_logprobs=return_text_in_logprobs)
-        self._inflight[rid] = handle
-        self.scheduler.submit_request(request)
-        return handle
-
-    def release(self, handle: GenerationHandle) -> None:
-        """The handler is done with ``handle``: abort it if unfinished, mark it returned."""
-        if not handle.finished:
-            self.scheduler.submit_abort(handle.rid, message="Aborted: the client went away")
-        if self._inflight.get(handle.rid) is handle:
-            del self._inflight[handle.rid]
-        handle.returned.set()
-
-    async def abort(self, rid: str | None, *, abort_all: bool = False, message: str = "Aborted") -> list[str]:
-        fut = self.scheduler.submit_abort(rid, abort_all=abort_all, message=message)
-        return await asyncio.wait_for(asyncio.wrap_future(fut), ABORT_WAIT_S)
-
     async def wait_returned(self, rids: list[str], timeout_s: float) -> None:
         """Wait until the handlers of ``rids`` have produced their responses (bounded)."""
-        pending = [self._inflight[r].returned.wait() for r in rids if r in self._inflight]
-        if not pending:
-            return
-        try:
-            await asyncio.wait_for(asyncio.gather(*pending), timeout_s)
-        except TimeoutError:
-            log.warning("aborted requests did not all return within %.1fs", timeout_s)
+        await self.generation.wait_returned(rids, timeout_s)
 
     # -- composite admin operations -------------------------------------------------------
-    async def pause(self, req: PauseRequest, timeout_s: float) -> StageResult:
+    async def pause(self, req: PauseRequest, timeout_s: float) -> StageResult[Paused]:
         """``/pause_generation``: see :meth:`pause_in`."""
         return await self.pause_in(req.mode, timeout_s, action="pause_generation")
 
-    async def pause_in(self, mode: str, timeout_s: float, *, action: str = "pause") -> StageResult:
+    async def pause_in(self, mode: str, timeout_s: float, *, action: str = "pause") -> StageResult[Paused]:
         """Pause in a scheduler mode. ``abort`` returns only after every aborted request has been
         answered; ``drain`` only once the running requests have ended (past ``timeout_s`` the
         drain is called off, generation goes on, and the caller gets :class:`AdminTimeout`)."""
@@ -217,11 +164,11 @@ class Coordinator:
         async with self.admin_section(action, timeout_s):
             return await self._pause_held(mode, action, deadline, timeout_s)
 
-    async def _pause_held(self, mode: str, action: str, deadline: float, timeout_s: float) -> StageResult:
+    async def _pause_held(self, mode: str, action: str, deadline: float, timeout_s: float) -> StageResult[Paused]:
         """:meth:`pause_in`'s work, inside the admin section."""
-        result = await self.admin(action, partial(admin_ops.pause, mode=mode), _left(deadline))
-        if mode == "abort":
-            await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
+        result: StageResult[Paused] = await self.admin(action, partial(admin_ops.pause, mode=mode), _left(deadline))
+        if mode == "abort" and result.data is not None:
+            await self.wait_returned(result.data.aborted_rids, _left(deadline))
         elif mode == "drain":
             await self._drained(action, deadline, timeout_s)
         return result
@@ -231,7 +178,7 @@ class Coordinator:
         """vLLM's ``is_sleeping``: generation paused, or any memory released."""
         return self.is_paused or bool(self.worker.released_tags)
 
-    async def sleep(self, req: SleepQuery, timeout_s: float) -> StageResult:
+    async def sleep(self, req: SleepQuery, timeout_s: float) -> StageResult[Any]:
         """vLLM's ``/sleep``: pause in ``req.mode`` (at level 1 or 2 ``keep`` retracts: the KV is about
         to be freed), then at level 1 or 2 release the memory, the weights with a host copy at level 1
         and without one at level 2. A release that is refused un-pauses a worker this call paused,
@@ -250,7 +197,7 @@ class Coordinator:
                 await self.admin("sleep", partial(admin_ops.continue_generation, req=_NO_EMPTY), _left(deadline))
             return result
 
-    async def wake_up(self, req: WakeUpQuery, timeout_s: float) -> StageResult:
+    async def wake_up(self, req: WakeUpQuery, timeout_s: float) -> StageResult[Any]:
         """vLLM's ``/wake_up``: restore the released memory ``req`` names (all of it by default), then,
         once nothing is released any more, resume generation (vLLM resumes its scheduler when fully awake)."""
         deadline = time.monotonic() + timeout_s
@@ -258,19 +205,20 @@ class Coordinator:
             tags = req.memory_tags()
             resume = MemoryOccupationRequest.model_validate({"tags": tags or None})
             if tags == []:  # ``scheduling`` alone: no memory to restore
-                result = self._answer("wake_up", True, "nothing to restore", resumed=[])
+                result: StageResult[Any] = self._answer("wake_up", True, "nothing to restore", resumed=[])
             else:
                 result = await self.admin("wake_up", partial(admin_ops.resume_memory, req=resume), _left(deadline))
             if result.success and not self.worker.released_tags and self.is_paused:
                 await self.admin("wake_up", partial(admin_ops.continue_generation, req=_NO_EMPTY), _left(deadline))
             return result
 
-    async def abort_requests(self, req: AbortRequestsRequest, timeout_s: float) -> StageResult:
+    async def abort_requests(self, req: AbortRequestsRequest, timeout_s: float) -> StageResult[AbortedRequests]:
         """vLLM's ``/abort_requests``: the requests ``req`` names, or all; answers once their callers have
         their (aborted) answers."""
         deadline = time.monotonic() + timeout_s
-        result = await self.admin("abort_requests", partial(admin_ops.abort_requests, req=req), _left(deadline))
-        await self.wait_returned(list(result.data.get("aborted_rids", [])), _left(deadline))
+        op = partial(admin_ops.abort_requests, req=req)
+        result: StageResult[AbortedRequests] = await self.admin("abort_requests", op, _left(deadline))
+        await self.wait_returned(result.data.aborted_rids if result.data is not None else [], _left(deadline))
         return result
 
     async def _drained(self, action: str, deadline: float, timeout_s: float) -> None:
@@ -282,7 +230,7 @@ class Coordinator:
                 raise AdminTimeout(f"{action} (waiting for running requests to end)", timeout_s)
             await asyncio.sleep(DRAIN_POLL_S)
 
-    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult:
+    async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult[Any]:
         """One update transaction: check, read and validate the checkpoint off the scheduler
         thread (inference keeps running), abort requests if asked, write it in one step."""
 
@@ -308,12 +256,13 @@ class Coordinator:
             require_complete=True,
             options=options,
         )
-        result.data.update(model_path=self.worker.model_path)
+        if result.data is not None:
+            result.data = replace(result.data, model_path=self.worker.model_path)
         return result
 
     async def update_weights_from_tensor(
         self, req: UpdateWeightsFromTensorRequest, stage: Callable[[], NamedTensors], timeout_s: float
-    ) -> StageResult:
+    ) -> StageResult[Any]:
         """Like :meth:`update_weights_from_disk`: ``stage`` (open the shared memory, copy the tensors
         out; already checked against the model) runs off the event loop, then the tensors are written
         in one step with rollback. It may be a subset of the weights."""
@@ -345,7 +294,7 @@ class Coordinator:
         require_complete: bool,
         options: Callable[[S], CommitOptions],
         staging_errors: tuple[type[Exception], ...] = (),
-    ) -> StageResult:
+    ) -> StageResult[Any]:
         """begin → ``stage`` (bounded by the step's time) → take → apply (one step, rollback) → commit,
         or fail: the shape of every update whose weights are staged whole before they are written."""
         try:
@@ -368,11 +317,12 @@ class Coordinator:
                 effect = exc.effect
             prefix = "" if isinstance(exc, UpdateRefused) else "Failed to update weights: "
             return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted, weights=effect)
-        result = await self.updates.commit(txn, options(staged))
+        result: StageResult[Any] = await self.updates.commit(txn, options(staged))
         result.message = (
             "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
         )
-        result.data.update(num_aborted=txn.num_aborted)
+        if result.data is not None:
+            result.data = replace(result.data, num_aborted=txn.num_aborted)
         return result
 
     async def _read_checkpoint(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StagedCheckpoint:
@@ -387,12 +337,22 @@ class Coordinator:
         except Abandoned as exc:
             raise WeightUpdateError(f"the checkpoint read was abandoned: {exc}") from None
 
-    def _answer(self, action: str, ok: bool, message: str, **data: Any) -> StageResult:
+    def _answer(
+        self,
+        action: str,
+        ok: bool,
+        message: str,
+        *,
+        weights: WeightsEffect | None = None,
+        num_aborted: int | None = None,
+        resumed: list[str] | None = None,
+    ) -> StageResult[Answered]:
         """A stage-level answer built here (no scheduler round trip), with every rank's result."""
-        result = OpResult(ok, message, {"num_paused_requests": self.scheduler.num_waiting, **data})
-        return self.stage.describe(action, lambda _s: result)
+        data = Answered(self.scheduler.num_waiting, weights, num_aborted=num_aborted, resumed=resumed)
+        result = OpResult(ok, message, data)
+        return self.stage.describe(action, lambda _rank: result)
 
-    async def flush_cache(self, wait_s: float, timeout_s: float) -> StageResult:
+    async def flush_cache(self, wait_s: float, timeout_s: float) -> StageResult[None]:
         """Flush; with ``wait_s`` > 0, retry until the worker is idle or the time is up."""
         deadline = time.monotonic() + wait_s
         while True:
@@ -412,7 +372,7 @@ class Coordinator:
         if blocked:
             return True, f"{blocked}; the worker is up but not generating"
         params = GenerationParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
-        handle = self.submit([0], params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
+        handle = self.generation.submit([0], params, rid=f"HEALTH_CHECK_{uuid.uuid4().hex}")
         try:
             deadline = time.monotonic() + self.health_check_timeout_s
             while not handle.finished and time.monotonic() < deadline:
@@ -426,98 +386,62 @@ class Coordinator:
                 return True, "ok"
             return False, f"no output within {self.health_check_timeout_s:g}s"
         finally:
-            self.release(handle)
+            self.generation.release(handle)
 
     # -- shutdown --------------------------------------------------------------------------
     def start_draining(self) -> None:
-        """Admit no new generation from now on (``/generate`` answers 503, ``/health`` ``draining``),
-        so that a router retries elsewhere and a readiness probe takes this worker out of service."""
-        self._draining = True
+        """See :meth:`GenerationService.start_draining`."""
+        self.generation.start_draining()
 
     async def drain(self, grace_s: float, cut_short: asyncio.Event | None = None) -> tuple[int, int]:
-        """Stop admitting, let the generations in flight finish for up to ``grace_s`` (less if
-        ``cut_short`` is set), then abort the rest and wait, bounded, until their callers have
-        their answers (``finish_reason`` ``abort`` with the partial output). Returns how many
-        finished and how many were aborted."""
-        self.start_draining()
-        handles = list(self._inflight.values())
-
-        async def all_returned() -> None:
-            for handle in handles:
-                await handle.returned.wait()
-
-        if handles:
-            waits: set[asyncio.Future[Any]] = {asyncio.ensure_future(all_returned())}
-            if cut_short is not None:
-                waits.add(asyncio.ensure_future(cut_short.wait()))
-            try:
-                await asyncio.wait(waits, timeout=grace_s, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                for wait in waits:
-                    wait.cancel()
-        left = [h.rid for h in handles if not h.returned.is_set()]
-        if left and self.alive:
-            deadline = time.monotonic() + SHUTDOWN_ABORT_WAIT_S
-            aborted = self.scheduler.submit_abort(None, abort_all=True, message=f"Aborted: {SHUTTING_DOWN}")
-            try:
-                await asyncio.wait_for(asyncio.wrap_future(aborted), SHUTDOWN_ABORT_WAIT_S)
-            except TimeoutError:
-                log.warning("the scheduler did not abort the remaining requests within %.0fs", SHUTDOWN_ABORT_WAIT_S)
-            await self.wait_returned(left, _left(deadline))
-        return len(handles) - len(left), len(left)
+        """See :meth:`GenerationService.drain`."""
+        return await self.generation.drain(grace_s, cut_short)
 
     # -- status ----------------------------------------------------------------------------
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self) -> ModelInfo:
         """SGLang's ``/model_info`` fields plus the admin state; read without a
         scheduler round trip so it answers even during a long update."""
         worker = self.worker
         cfg = worker.config
         ranks = self.stage.describe("model_info", _rank_info)
-        return {
-            "model_path": worker.model_path,
-            "tokenizer_path": worker.tokenizer_path,
-            "is_generation": True,
-            "preferred_sampling_params": None,
-            "weight_version": worker.weight_version,
-            "has_image_understanding": False,
-            "has_audio_understanding": False,
-            "model_type": cfg.raw.get("model_type", cfg.architecture),
-            "architectures": [cfg.hf_architecture],
-            "served_model_name": worker.served_model_name,
-            "load_format": worker.load_format,
-            "tp_size": self.stage.tp_size,
-            "dtype": worker.dtype_name,
-            "device": str(worker.device),
-            "context_length": worker.context_len,
-            "is_paused": self.scheduler.is_paused,
-            "pause_mode": self.scheduler.pause_mode,
-            "weights_partial": any(r.worker.weights_partial for r in self.stage.views()),
-            "weights_released": worker.weights_released,
-            "weight_state": self.weight_state,
-            "instance_id": self.instance_id,
-            "token_step": worker.token_step,
-            "supports_weight_update": True,
-            "supports_weight_checker": True,
-            "rank_results": ranks.rank_results,
-        }
+        return ModelInfo(
+            model_path=worker.model_path,
+            tokenizer_path=worker.tokenizer_path,
+            weight_version=worker.weight_version,
+            model_type=cfg.raw.get("model_type", cfg.architecture),
+            architectures=[cfg.hf_architecture],
+            served_model_name=worker.served_model_name,
+            load_format=worker.load_format,
+            tp_size=self.stage.tp_size,
+            dtype=worker.dtype_name,
+            device=str(worker.device),
+            context_length=worker.context_len,
+            is_paused=self.scheduler.is_paused,
+            pause_mode=self.scheduler.pause_mode,
+            weights_partial=any(r.weights_partial for r in self.stage.states()),
+            weights_released=worker.weights_released,
+            weight_state=self.weight_state,
+            instance_id=self.instance_id,
+            token_step=worker.token_step,
+            rank_results=[RankResult.model_validate(r) for r in ranks.rank_results],
+        )
 
 
-def _rank_info(s: Scheduler) -> OpResult:
-    w = s.worker
+def _rank_info(rank: RankState) -> OpResult[RankInfo]:
     return OpResult(
         True,
         "",
-        {
-            "model_path": w.model_path,
-            "weight_version": w.weight_version,
-            "is_paused": s.is_paused,
-            "pause_mode": s.pause_mode,
-            "weights_partial": w.weights_partial,
-            "weights_released": w.weights_released,
-            "device": str(w.device),
-            "dtype": w.dtype_name,
-            "alive": s.alive,
-        },
+        RankInfo(
+            model_path=rank.model_path,
+            weight_version=rank.weight_version,
+            is_paused=rank.is_paused,
+            pause_mode=rank.pause_mode,
+            weights_partial=rank.weights_partial,
+            weights_released=rank.weights_released,
+            device=rank.device,
+            dtype=rank.dtype,
+            alive=rank.alive,
+        ),
     )
 
 

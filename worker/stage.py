@@ -4,8 +4,9 @@ A stage has one scheduler (rank 0's) and, with tensor parallelism, follower
 ranks in their own processes (:mod:`worker.tp`). An admin operation runs on
 every rank (rank 0's scheduler thread sends it to the followers, runs it, and
 waits for theirs, bounded) and the per-rank outcomes are folded into one
-:class:`StageResult` that always carries ``rank_results``: one entry per rank,
-a lost or late rank named in a failed one.
+:class:`StageResult` that always carries every rank's typed outcome: one entry
+per rank, a lost or late rank named in a failed one. Outcomes become JSON
+(``rank_results``, :meth:`StageResult.body`) only at the HTTP edge.
 """
 
 from __future__ import annotations
@@ -16,17 +17,18 @@ import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
-from types import SimpleNamespace
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from worker.engine.admin_ops import OpResult
+from worker.engine.results import OpResult, wire_fields
 from worker.engine.scheduler import Scheduler
-from worker.engine.weight_state import WeightState
+from worker.tp.follower import RankState
 from worker.tp.peers import TPPeers, TPRankLost
 
 log = logging.getLogger(__name__)
 
-RankOp = Callable[[Scheduler], OpResult]
+T = TypeVar("T")
+
+RankOp = Callable[[Scheduler], OpResult[Any]]
 
 
 class AdminTimeout(Exception):
@@ -62,32 +64,38 @@ async def held(lock: asyncio.Lock, wait_s: float, busy_message: str) -> AsyncIte
         lock.release()
 
 
-@dataclass
-class StageResult:
-    """The stage-level aggregate of one admin operation."""
+@dataclass(slots=True)
+class StageResult(Generic[T]):
+    """The stage-level aggregate of one admin operation: every rank's typed outcome, in rank order."""
 
     action: str
     success: bool
     message: str
-    data: dict[str, Any] = field(default_factory=dict)
-    rank_results: list[dict[str, Any]] = field(default_factory=list)
-    rank_data: list[dict[str, Any]] = field(default_factory=list)
-    """Every rank's full ``data`` (``data`` itself is the leader's)."""
+    data: T | None = None
+    """The leader's payload, as the answer reports it (a caller may replace it with a fuller one)."""
+    outcomes: list[OpResult[T]] = field(default_factory=list)
+
+    @property
+    def rank_results(self) -> list[dict[str, Any]]:
+        """The JSON edge: one ``rank_results`` entry per rank, with its payload's scalar fields."""
+        size = len(self.outcomes)
+        return [_rank_result(i, size, r) for i, r in enumerate(self.outcomes)]
 
     def body(self, **extra: Any) -> dict[str, Any]:
         """The JSON response body: ``{success, message, <leader's data>, rank_results}``."""
         return {
             "success": self.success,
             "message": self.message,
-            **self.data,
+            **wire_fields(self.data),
             **extra,
             "rank_results": self.rank_results,
         }
 
 
-def _rank_result(rank: int, tp_size: int, result: OpResult) -> dict[str, Any]:
-    # Scalars only: bulky per-rank payloads (checksums) are reported once, by the caller.
-    scalars = {k: v for k, v in result.data.items() if isinstance(v, (str, int, float, bool)) or v is None}
+def _rank_result(rank: int, tp_size: int, result: OpResult[Any]) -> dict[str, Any]:
+    # Scalars only: bulky per-rank payloads (a checker's digests) are reported once, by the caller.
+    fields = wire_fields(result.data)
+    scalars = {k: v for k, v in fields.items() if isinstance(v, (str, int, float, bool)) or v is None}
     return {
         "rank": rank,
         "role": "tp",
@@ -99,16 +107,15 @@ def _rank_result(rank: int, tp_size: int, result: OpResult) -> dict[str, Any]:
     }
 
 
-def aggregate(action: str, results: list[OpResult]) -> StageResult:
+def aggregate(action: str, results: list[OpResult[T]]) -> StageResult[T]:
     """All ranks must succeed; messages are joined with ``" | "`` as SGLang merges DP results."""
     messages = list(dict.fromkeys(r.message for r in results if r.message))
     return StageResult(
         action=action,
         success=all(r.success for r in results),
         message=" | ".join(messages),
-        data=dict(results[0].data) if results else {},
-        rank_results=[_rank_result(i, len(results), r) for i, r in enumerate(results)],
-        rank_data=[r.data for r in results],
+        data=results[0].data if results else None,
+        outcomes=list(results),
     )
 
 
@@ -132,11 +139,10 @@ class Stage:
     def tp_size(self) -> int:
         return len(self.ranks) if self.peers is None else self.peers.size
 
-    def views(self) -> list[Any]:
-        """Every rank as status reads see it: the schedulers, and each follower's last reported state."""
-        if self.peers is None:
-            return list(self.ranks)
-        return [self.leader, *(FollowerView(f.state) for f in self.peers.followers)]
+    def states(self) -> list[RankState]:
+        """Every rank as status reads see it: rank 0 now, and each follower as it last reported itself."""
+        followers = [] if self.peers is None else [f.state for f in self.peers.followers]
+        return [*(RankState.of(rank) for rank in self.ranks), *followers]
 
     def start(self) -> None:
         for rank in self.ranks:
@@ -152,7 +158,9 @@ class Stage:
     def alive(self) -> bool:
         return all(rank.alive for rank in self.ranks) and (self.peers is None or self.peers.alive)
 
-    async def run(self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None) -> StageResult:
+    async def run(
+        self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None
+    ) -> StageResult[Any]:
         """Run ``op`` on every rank's scheduler thread and aggregate; raises
         :class:`AdminTimeout`, or :class:`SchedulerUnavailable` when a rank's thread is gone.
 
@@ -170,7 +178,7 @@ class Stage:
             for f in futures:
                 f.cancel()  # only stops ops that have not started yet
             raise AdminTimeout(action, timeout_s) from None
-        results = []
+        results: list[OpResult[Any]] = []
         for outcome in outcomes:
             if isinstance(outcome, OpResult):
                 results.append(outcome)
@@ -182,13 +190,13 @@ class Stage:
 
     async def _run_everywhere(
         self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None
-    ) -> StageResult:
+    ) -> StageResult[Any]:
         """Tensor parallel: rank 0's scheduler thread sends ``op`` to the followers, runs it, awaits theirs."""
         assert self.peers is not None
         run = functools.partial(_everywhere, action, op, follower_op or op, self.leader, self.peers, timeout_s)
         return aggregate(action, await self._on_leader(action, run, timeout_s))
 
-    async def followers(self, action: str, ops: RankOp | Sequence[RankOp], timeout_s: float) -> list[OpResult]:
+    async def followers(self, action: str, ops: RankOp | Sequence[RankOp], timeout_s: float) -> list[OpResult[Any]]:
         """Run an operation on the follower ranks only (``ops``: one for all, or one per follower in rank
         order); each follower's result. Ordered with forward steps like every other operation."""
         if self.peers is None:
@@ -196,7 +204,7 @@ class Stage:
         peers = self.peers
         per_rank = list(ops) if isinstance(ops, Sequence) else [ops] * len(peers.followers)
 
-        def run() -> list[OpResult]:
+        def run() -> list[OpResult[Any]]:
             try:
                 peers.send_ops(action, per_rank)
                 return peers.await_op(action, timeout_s)
@@ -221,31 +229,11 @@ class Stage:
             fut.cancel()
             raise AdminTimeout(action, timeout_s) from None
 
-    def describe(self, action: str, op: RankOp) -> StageResult:
+    def describe(self, action: str, op: Callable[[RankState], OpResult[T]]) -> StageResult[T]:
         """Aggregate a read-only ``op`` evaluated right here (no scheduler round trip),
         so status queries answer even while a long admin operation holds the thread;
         a follower rank answers from the state it last reported."""
-        return aggregate(action, [op(rank) for rank in self.views()])
-
-
-class PassiveStage:
-    """A stage with no admin-capable scheduler (a tokenizer or detokenizer stage, say): every admin
-    operation succeeds as ``skipped`` there, so a pipeline's fan-out needs no special case for it."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    async def run(self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None) -> StageResult:
-        message = f"skipped: stage {self.name!r} has no admin-capable scheduler"
-        rank = {"rank": 0, "role": "stage", "tp_rank": 0, "tp_size": 1, "success": True, "message": message}
-        return StageResult(
-            action=action,
-            success=True,
-            message=message,
-            data={"skipped": True},
-            rank_results=[{**rank, "skipped": True}],
-            rank_data=[{"skipped": True}],
-        )
+        return aggregate(action, [op(rank) for rank in self.states()])
 
 
 #: Beyond an operation's own bound: rank 0 waits for the followers within the bound, then answers.
@@ -254,7 +242,7 @@ TP_MARGIN_S = 5.0
 
 def _everywhere(
     action: str, op: RankOp, follower_op: RankOp, leader: Scheduler, peers: TPPeers, timeout_s: float
-) -> list[OpResult]:
+) -> list[OpResult[Any]]:
     """On rank 0's scheduler thread: the followers run ``follower_op`` and rank 0 ``op``; one result per
     rank, in rank order.
 
@@ -271,7 +259,7 @@ def _everywhere(
     try:
         remote = peers.await_op(action, timeout_s)
     except TPRankLost as exc:
-        lost = OpResult(False, str(exc))
+        lost: OpResult[Any] = OpResult(False, str(exc))
         return [local, *[lost] * (peers.size - 1)]
     return [local, *remote]
 
@@ -290,22 +278,3 @@ def _with_followers(
     if failed:
         raise RuntimeError(f"{action} failed on follower rank(s): {'; '.join(failed)}")
     return value
-
-
-class FollowerView:
-    """A follower rank as status reads see it: what it reported after its last operation."""
-
-    def __init__(self, state: dict[str, Any]):
-        self.is_paused = bool(state.get("is_paused"))
-        self.pause_mode = state.get("pause_mode")
-        self.alive = True
-        self.worker = SimpleNamespace(
-            model_path=state.get("model_path"),
-            weight_version=state.get("weight_version"),
-            weights_partial=bool(state.get("weights_partial")),
-            weights_released=bool(state.get("weights_released")),
-            released_tags=frozenset(state.get("released_tags", ())),
-            device=state.get("device"),
-            dtype_name=state.get("dtype"),
-            ledger=SimpleNamespace(state=WeightState(state.get("weight_state", WeightState.SERVING.value))),
-        )

@@ -25,24 +25,49 @@ admin section so that they never interleave with a pause or a memory release.
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from router.contract.budget import APPLY_S, CLEANUP_S
 from router.contract.budget import HOP_MARGIN_S as WRITER_WAIT_S
 from router.dataplane.buckets import NamedTensors
 from worker.engine import weight_ops
+from worker.engine.results import Applied, Committed, Ended, Taken, effect_of
+from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import CommitOptions
 from worker.engine.weight_state import WeightsEffect
-from worker.stage import AdminBusy, StageResult
+from worker.stage import AdminBusy, RankOp, Stage, StageResult
 
-if TYPE_CHECKING:
-    from worker.coordinator import Coordinator
+
+class PipelinePorts(Protocol):
+    """What the pipeline uses of the worker (the coordinator provides it; the pipeline never sees more)."""
+
+    @property
+    def scheduler(self) -> Scheduler: ...
+
+    @property
+    def stage(self) -> Stage: ...
+
+    def admin_section(self, action: str, timeout_s: float) -> AbstractAsyncContextManager[None]:
+        """The worker's admin lock, held for one step."""
+        ...
+
+    async def admin(
+        self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None
+    ) -> StageResult[Any]:
+        """``op`` on every rank, aggregated."""
+        ...
+
+    async def wait_returned(self, rids: list[str], timeout_s: float) -> None:
+        """Until the callers of ``rids`` have their answers (bounded)."""
+        ...
 
 
 class UpdateRefused(Exception):
@@ -57,9 +82,47 @@ class UpdateFailed(Exception):
         self.effect = effect
 
 
+class TxnPhase(enum.StrEnum):
+    """Where an :class:`UpdateTransaction` is (see :data:`_NEXT` for the allowed steps)."""
+
+    BEGINNING = "beginning"
+    """The writer lock is held; the ranks are being checked (or, streaming, taken)."""
+    CHECKED = "checked"
+    """Atomic: every rank may be written; the source's own work (read, receive) runs now."""
+    HOLDING = "holding"
+    """Streaming: the worker is taken and generation held; buckets apply as they land."""
+    TAKEN = "taken"
+    """Atomic: requests aborted if asked, right before the write."""
+    APPLIED = "applied"
+    """Atomic: written in one scheduler step."""
+    COMMITTED = "committed"
+    ENDED = "ended"
+    """Ended without a commit (refused, failed, aborted or closed)."""
+
+
+#: The phase machine::
+#:
+#:     BEGINNING ─► CHECKED ─take─► TAKEN ─apply─► APPLIED ─commit─► COMMITTED
+#:         └──────► HOLDING (streamed buckets apply here) ──commit──► COMMITTED
+#:     any phase before COMMITTED ─fail / mark_partial / end─► ENDED
+_NEXT: dict[TxnPhase, frozenset[TxnPhase]] = {
+    TxnPhase.BEGINNING: frozenset({TxnPhase.CHECKED, TxnPhase.HOLDING}),
+    TxnPhase.CHECKED: frozenset({TxnPhase.TAKEN}),
+    TxnPhase.TAKEN: frozenset({TxnPhase.APPLIED}),
+    TxnPhase.APPLIED: frozenset({TxnPhase.COMMITTED}),
+    TxnPhase.HOLDING: frozenset({TxnPhase.COMMITTED}),
+    TxnPhase.COMMITTED: frozenset(),
+    TxnPhase.ENDED: frozenset(),
+}
+
+
+class TransactionError(RuntimeError):
+    """A step out of order (a bug in the caller, not a caller's mistake): names the step that must come first."""
+
+
 @dataclass(eq=False)
 class UpdateTransaction:
-    """One weight update, from :meth:`UpdatePipeline.begin` to its end."""
+    """One weight update, from :meth:`UpdatePipeline.begin` to its end; :attr:`phase` says where it is."""
 
     action: str
     abort_all: bool
@@ -76,7 +139,23 @@ class UpdateTransaction:
     """Streamed buckets written so far (counted before each copy: a copy that fails midway wrote too)."""
     failed: threading.Event = field(default_factory=threading.Event)
     """Set once the update failed: streamed buckets still queued are refused."""
-    ended: bool = False
+    phase: TxnPhase = TxnPhase.BEGINNING
+    ended: bool = field(default=False, init=False)
+    """The writer lock is released (the phase is then ``COMMITTED`` or ``ENDED``)."""
+
+    def advance(self, to: TxnPhase) -> None:
+        """Move to ``to``, or raise :class:`TransactionError` naming what must come first."""
+        if to not in _NEXT[self.phase]:
+            before = [p.value for p, nexts in _NEXT.items() if to in nexts]
+            raise TransactionError(
+                f"{self.action}: cannot go to {to.value} from {self.phase.value}; expected {' or '.join(before)} first"
+            )
+        self.phase = to
+
+    def require(self, *phases: TxnPhase) -> None:
+        if self.phase not in phases:
+            expected = " or ".join(p.value for p in phases)
+            raise TransactionError(f"{self.action}: the update is {self.phase.value}; expected {expected}")
 
     def step_s(self) -> float:
         return max(self.deadline - time.monotonic(), 0.0) + self.after_deadline_s
@@ -87,17 +166,20 @@ class UpdateTransaction:
         self.deadline = max(self.deadline, time.monotonic() + window_s)
 
     def end(self) -> None:
-        """Release the worker's writer lock; the only place it is released."""
+        """Release the worker's writer lock; the only place it is released. A transaction that did
+        not commit ends ``ENDED``."""
         if not self.ended:
             self.ended = True
+            if self.phase is not TxnPhase.COMMITTED:
+                self.phase = TxnPhase.ENDED
             self.lock.release()
 
 
 class UpdatePipeline:
     """Runs :class:`UpdateTransaction` s on one worker's ranks (see the module docstring)."""
 
-    def __init__(self, coordinator: Coordinator):
-        self._coord = coordinator
+    def __init__(self, ports: PipelinePorts):
+        self._coord = ports
         self._writer = asyncio.Lock()
         self._holder: UpdateTransaction | None = None
 
@@ -133,10 +215,12 @@ class UpdatePipeline:
             if streaming:
                 # Its buckets apply as they land: take the worker now (take checks first).
                 await self._take(txn, hold=True, allow_frozen=allow_frozen)
+                txn.advance(TxnPhase.HOLDING)
             else:
                 checked = await self._step(txn, partial(weight_ops.check, abort_all=abort_all))
                 if not checked.success:
                     raise UpdateRefused(checked.message)
+                txn.advance(TxnPhase.CHECKED)
         except BaseException:
             self._end(txn)
             raise
@@ -146,19 +230,22 @@ class UpdatePipeline:
         """Atomic updates, right before the write: abort requests (if asked) and wait for their answers.
 
         Without ``abort_all_requests`` there is nothing to take: the apply step checks again."""
+        txn.require(TxnPhase.CHECKED)
         if txn.abort_all:
             await self._take(txn, hold=False)
+        txn.advance(TxnPhase.TAKEN)
 
     def apply_streamed(
         self,
         txn: UpdateTransaction,
         named: NamedTensors,
         verify: Callable[[], None] | None = None,
-        follower_op: Any = None,
+        follower_op: RankOp | None = None,
     ) -> Future[Any]:
         """From the receive thread: write one bucket on the scheduler thread between steps,
         after ``verify`` (its checksum) has passed there, while the next bucket is received.
         The follower ranks of a tensor-parallel worker write their own copy (``follower_op``)."""
+        txn.require(TxnPhase.HOLDING)
         txn.buckets_applied += 1
         scheduler = self._coord.scheduler
         local = partial(weight_ops.apply_streamed, scheduler, named, txn.failed, verify)
@@ -167,38 +254,55 @@ class UpdatePipeline:
         return scheduler.submit_admin(local)
 
     async def apply(
-        self, txn: UpdateTransaction, named: NamedTensors, *, require_complete: bool, follower_op: Any = None
+        self,
+        txn: UpdateTransaction,
+        named: NamedTensors,
+        *,
+        require_complete: bool,
+        follower_op: RankOp | None = None,
     ) -> None:
         """Write ``named`` in one scheduler step, or raise :class:`UpdateFailed` (weights intact unless a
         rollback failed); the follower ranks of a tensor-parallel worker run ``follower_op`` instead."""
+        txn.require(TxnPhase.TAKEN)
         result = await self._step(
             txn,
             partial(weight_ops.apply_atomic, named=named, abort_all=txn.abort_all, require_complete=require_complete),
             follower_op=follower_op,
         )
-        txn.num_aborted += sum(int(d.get("num_aborted", 0)) for d in result.rank_data[:1])
+        leader: Applied | None = result.data
+        if leader is not None:
+            txn.num_aborted += leader.num_aborted or 0
         if not result.success:
-            effects = {d.get("weights") for d in result.rank_data}
+            # A rank that does not say what it did (it raised, or was lost) counts as partial.
+            effects = {effect_of(outcome.data) for outcome in result.outcomes}
             if effects & {"updated", "partial"}:
                 # Tensor parallel ranks disagree (one wrote, another rolled back) or a rollback failed:
                 # no rank may serve this mix, so every rank is marked partial until a full update.
                 await self._step(txn, weight_ops.mark_partial, cleanup=True)
                 raise UpdateFailed(result.message, "partial")
             raise UpdateFailed(result.message, "intact")
+        txn.advance(TxnPhase.APPLIED)
 
-    async def commit(self, txn: UpdateTransaction, opts: CommitOptions) -> StageResult:
-        """Record the write (weight state, version, flush, pause, checksum) and end the transaction."""
+    async def commit(self, txn: UpdateTransaction, opts: CommitOptions) -> StageResult[Committed]:
+        """Record the write (weight state, version, flush, pause, checksum) and end the transaction.
+
+        Only after the write: an atomic update's :meth:`apply`, or a streaming update's hold."""
+        txn.require(TxnPhase.APPLIED, TxnPhase.HOLDING)
         try:
             return await self._step(txn, partial(weight_ops.commit, opts=opts))
         finally:
+            txn.advance(TxnPhase.COMMITTED)
             self._end(txn)
 
     async def fail(self, txn: UpdateTransaction) -> WeightsEffect:
         """End an update that will not commit: ``partial`` if it wrote buckets (generation stays held)."""
         txn.failed.set()
         try:
-            result = await self._step(txn, partial(weight_ops.fail, lift=txn.paused_by_update), cleanup=True)
-            return "partial" if result.data.get("weights") == "partial" else "intact"
+            result: StageResult[Ended] = await self._step(
+                txn, partial(weight_ops.fail, lift=txn.paused_by_update), cleanup=True
+            )
+            # The leader's effect; one it does not report counts as partial.
+            return "partial" if effect_of(result.data) == "partial" else "intact"
         finally:
             self._end(txn)
 
@@ -222,8 +326,9 @@ class UpdatePipeline:
         )
         if not taken.success:
             raise UpdateRefused(taken.message)
-        txn.paused_by_update = txn.paused_by_update or bool(taken.data.get("paused_by_update"))
-        aborted = list(taken.data.get("aborted_rids", []))
+        data: Taken = taken.data if taken.data is not None else Taken()
+        txn.paused_by_update = txn.paused_by_update or data.paused_by_update
+        aborted = list(data.aborted_rids)
         txn.num_aborted += len(aborted)
         if aborted:
             # As SGLang's writer lock does: aborted requests are answered, with the
@@ -231,8 +336,8 @@ class UpdatePipeline:
             await self._coord.wait_returned(aborted, txn.step_s())
 
     async def _step(
-        self, txn: UpdateTransaction, op: Any, *, cleanup: bool = False, follower_op: Any = None
-    ) -> StageResult:
+        self, txn: UpdateTransaction, op: RankOp, *, cleanup: bool = False, follower_op: RankOp | None = None
+    ) -> StageResult[Any]:
         # A cleanup step runs even after the deadline (an update that timed out must still end).
         bound = max(txn.step_s(), CLEANUP_S) if cleanup else txn.step_s()
         async with self._coord.admin_section(txn.action, bound):

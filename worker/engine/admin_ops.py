@@ -1,13 +1,12 @@
 """Admin operations, each a plain function run on a rank's scheduler thread.
 
 Every function takes the rank's :class:`Scheduler` and a validated wire
-message, and returns an :class:`OpResult`. They run between forward steps, so
+message, and returns a typed :class:`~worker.engine.results.OpResult`. They run between forward steps, so
 they see a consistent set of requests and never race a forward pass.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 from router.contract.admin import (
@@ -20,16 +19,18 @@ from router.contract.admin import (
 from router.contract.vllm_dev import AbortRequestsRequest
 from worker.engine.checker import CheckerError, compare_ok
 from worker.engine.model_worker import MEMORY_TAGS, WeightUpdateError
+from worker.engine.results import (
+    Aborted,
+    AbortedRequests,
+    CheckerReport,
+    Continued,
+    OpResult,
+    Paused,
+    Released,
+    Resumed,
+    VersionSet,
+)
 from worker.engine.scheduler import Scheduler
-
-
-@dataclass
-class OpResult:
-    """One rank's outcome; ``data`` holds action-specific fields."""
-
-    success: bool
-    message: str
-    data: dict[str, Any] = field(default_factory=dict)
 
 
 def active_requests_message(count: int, what: str, *, can_abort_all: bool = True) -> str:
@@ -42,18 +43,17 @@ def active_requests_message(count: int, what: str, *, can_abort_all: bool = True
     )
 
 
-def pause(s: Scheduler, *, mode: str) -> OpResult:
-    info = s.pause(mode)
-    return OpResult(True, "Generation paused successfully.", {"pause_mode": mode, **info})
+def pause(s: Scheduler, *, mode: str) -> OpResult[Paused]:
+    return OpResult(True, "Generation paused successfully.", s.pause(mode))
 
 
-def continue_generation(s: Scheduler, req: ContinueRequest) -> OpResult:
+def continue_generation(s: Scheduler, req: ContinueRequest) -> OpResult[Continued]:
     was_paused = s.is_paused
     s.continue_generation(empty_cache=req.torch_empty_cache)
-    return OpResult(True, "Generation continued successfully.", {"was_paused": was_paused})
+    return OpResult(True, "Generation continued successfully.", Continued(was_paused))
 
 
-def abort_request(s: Scheduler, req: AbortRequest) -> OpResult:
+def abort_request(s: Scheduler, req: AbortRequest) -> OpResult[Aborted]:
     """Prefix-match abort. An empty ``rid`` without ``abort_all`` aborts nothing:
     SGLang's tokenizer also returns early for a rid it does not know, and a
     prefix of ``""`` would otherwise match every request."""
@@ -65,10 +65,10 @@ def abort_request(s: Scheduler, req: AbortRequest) -> OpResult:
     else:
         for rid in rids:
             aborted += s.abort_matching(rid, message=message)
-    return OpResult(True, f"aborted {len(aborted)} request(s)", {"num_aborted": len(aborted), "aborted_rids": aborted})
+    return OpResult(True, f"aborted {len(aborted)} request(s)", Aborted(len(aborted), aborted))
 
 
-def abort_requests(s: Scheduler, req: AbortRequestsRequest) -> OpResult:
+def abort_requests(s: Scheduler, req: AbortRequestsRequest) -> OpResult[AbortedRequests]:
     """vLLM's abort: the requests whose rid is one of ``req``'s ids, with their choices (a call's
     choice ``j`` runs as ``<id>-<j>``); every request when ``req`` names none."""
     message = "Aborted by /abort_requests"
@@ -77,7 +77,7 @@ def abort_requests(s: Scheduler, req: AbortRequestsRequest) -> OpResult:
     else:
         wanted = set(req.ids())
         aborted = s.abort_where(lambda rid: rid in wanted or _parent_rid(rid) in wanted, message)
-    return OpResult(True, f"aborted {len(aborted)} request(s)", {"aborted": len(aborted), "aborted_rids": aborted})
+    return OpResult(True, f"aborted {len(aborted)} request(s)", AbortedRequests(len(aborted), aborted))
 
 
 def _parent_rid(rid: str) -> str | None:
@@ -86,48 +86,45 @@ def _parent_rid(rid: str) -> str | None:
     return parent if parent and index.isdigit() else None
 
 
-def flush_cache(s: Scheduler, _req: Any = None) -> OpResult:
+def flush_cache(s: Scheduler, _req: Any = None) -> OpResult[None]:
     ok, message = s.flush_cache()
     return OpResult(ok, message)
 
 
-def update_weight_version(s: Scheduler, req: UpdateWeightVersionRequest) -> OpResult:
+def update_weight_version(s: Scheduler, req: UpdateWeightVersionRequest) -> OpResult[VersionSet]:
     """Set the label, then (by default, as SGLang) abort every request. The
     aborted responses are built after the change, so they carry the new label,
     which is what SGLang's asynchronous abort shows in practice."""
     s.worker.weight_version = req.new_version
     aborted = s.abort_all("Aborted: weight version updated") if req.abort_all_requests else []
-    return OpResult(
-        True,
-        f"Weight version updated to {req.new_version}",
-        {"new_version": req.new_version, "num_aborted": len(aborted), "weights": "updated"},
-    )
+    return OpResult(True, f"Weight version updated to {req.new_version}", VersionSet(req.new_version, len(aborted)))
 
 
-def weights_checker(s: Scheduler, req: WeightsCheckerRequest) -> OpResult:
+def weights_checker(s: Scheduler, req: WeightsCheckerRequest) -> OpResult[CheckerReport]:
     try:
         summary = s.worker.run_checker(req.action, req.skip_tensor_list or ())
     except (CheckerError, WeightUpdateError) as exc:
-        return OpResult(False, str(exc), {"action": req.action})
+        return OpResult(False, str(exc), CheckerReport({"action": req.action}))
     if req.action == "compare" and not compare_ok(summary):
         n = len(summary["changed"]) + len(summary["missing"]) + len(summary["unexpected"])
-        return OpResult(False, f"check tensor equality failed: {n} tensor(s) differ from the snapshot", summary)
-    return OpResult(True, f"{req.action} done over {summary['tensor_count']} tensors", summary)
+        message = f"check tensor equality failed: {n} tensor(s) differ from the snapshot"
+        return OpResult(False, message, CheckerReport(summary))
+    return OpResult(True, f"{req.action} done over {summary['tensor_count']} tensors", CheckerReport(summary))
 
 
 def _tags(req: MemoryOccupationRequest) -> list[str]:
     return list(req.tags) if req.tags else list(MEMORY_TAGS)
 
 
-def release_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult:
+def release_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult[Released]:
     """Refused while requests are active. Queued requests stay queued: generation
     does not step while any memory is released (they run after resume)."""
     if s.active_request_count:
         return OpResult(False, active_requests_message(s.active_request_count, "release memory", can_abort_all=False))
     released = s.worker.release_memory(_tags(req), keep_weights=req.keep_weights)
-    return OpResult(True, f"released {', '.join(released) or 'nothing (already released)'}", {"released": released})
+    return OpResult(True, f"released {', '.join(released) or 'nothing (already released)'}", Released(released))
 
 
-def resume_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult:
+def resume_memory(s: Scheduler, req: MemoryOccupationRequest) -> OpResult[Resumed]:
     resumed = s.worker.resume_memory(_tags(req))
-    return OpResult(True, f"resumed {', '.join(resumed) or 'nothing (not released)'}", {"resumed": resumed})
+    return OpResult(True, f"resumed {', '.join(resumed) or 'nothing (not released)'}", Resumed(resumed))

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -44,10 +44,21 @@ from worker.model.checkpoint import check_config_file, read_checkpoint_chunked
 from worker.model.kv_cache import KVCache
 from worker.model.tensor_parallel import TensorParallel
 
-if TYPE_CHECKING:
-    from worker.tp.peers import TPPeers
-
 log = logging.getLogger(__name__)
+
+
+class ForwardPeers(Protocol):
+    """The follower ranks every forward step of rank 0 is mirrored to (:class:`worker.tp.peers.TPPeers`):
+    the engine drives them through this port and never imports the transport."""
+
+    def open_sequence(self, capacity: int) -> int: ...
+
+    def drop_sequence(self, seq: int) -> None: ...
+
+    def send_forward(self, batch: list[tuple[int, list[int]]]) -> None: ...
+
+    def await_forward(self) -> None: ...
+
 
 DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SUPPORTED_LOAD_FORMATS = (None, "auto", "safetensors")
@@ -100,7 +111,7 @@ class ModelWorker:
         dtype: str = "float32",
         served_model_name: str | None = None,
         tp: TensorParallel | None = None,
-        peers: TPPeers | None = None,
+        peers: ForwardPeers | None = None,
     ):
         if dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {dtype!r}; choose from {sorted(DTYPES)}")

@@ -41,6 +41,7 @@ from typing import Any
 
 from worker.engine.model_worker import ModelWorker
 from worker.engine.request import ReqState, Request, abort_reason, length_reason
+from worker.engine.results import Paused
 from worker.engine.sampling import check_finish, make_generator, sample_batch
 from worker.model import SeqInput
 
@@ -170,7 +171,7 @@ class Scheduler:
     def abort_all(self, message: str = "Aborted") -> list[str]:
         return self.abort_matching(None, abort_all=True, message=message)
 
-    def pause(self, mode: str) -> dict[str, Any]:
+    def pause(self, mode: str) -> Paused:
         """Enter a pause mode. Unlike SGLang, ``abort`` mode also marks the
         scheduler paused (SGLang only blocks new requests in its tokenizer); the
         observable behaviour is the same: held requests end as aborted and new
@@ -186,12 +187,7 @@ class Scheduler:
         self.pause_mode = mode
         # Draining: running requests keep stepping; the pause takes hold once they are done.
         self.is_paused = mode != "drain" or not self._running
-        return {
-            "num_aborted": len(aborted),
-            "aborted_rids": aborted,
-            "num_retracted": retracted,
-            "num_frozen": len(self._running),
-        }
+        return Paused(mode, len(aborted), aborted, num_retracted=retracted, num_frozen=len(self._running))
 
     def retract_running(self) -> int:
         """Drop the KV of every running request and put it back at the head of the queue, in order."""

@@ -1,14 +1,18 @@
 """The scheduler-thread steps of every weight update (disk, distributed, and later sources).
 
 Each function runs on one rank's scheduler thread, between forward steps, and
-returns an :class:`~worker.engine.admin_ops.OpResult`; the event-loop side that
+returns a typed :class:`~worker.engine.results.OpResult`; the event-loop side that
 sequences them is :class:`worker.updates.UpdatePipeline`. Together they are one
 transaction:
 
     check → take → apply (atomic, with rollback; or streamed bucket by bucket) → commit | fail
 
-``data["weights"]`` of every result says what the step left the weights as:
-``intact``, ``updated`` or ``partial`` (:data:`~worker.engine.weight_state.WeightsEffect`).
+The ``effect`` of every payload (:class:`~worker.engine.results.Checked`,
+:class:`~worker.engine.results.Taken`, :class:`~worker.engine.results.Applied`,
+:class:`~worker.engine.results.Committed`, :class:`~worker.engine.results.Ended`) says what
+the step left the weights as: ``intact``, ``updated`` or ``partial``
+(:data:`~worker.engine.weight_state.WeightsEffect`); a result without one counts as ``partial``
+(:func:`~worker.engine.results.effect_of`).
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from router.dataplane.buckets import NamedTensors
-from worker.engine.admin_ops import OpResult, active_requests_message
+from worker.engine.admin_ops import active_requests_message
 from worker.engine.model_worker import RollbackFailed, WeightUpdateError
+from worker.engine.results import Applied, Checked, Committed, Ended, OpResult, Taken
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_state import WeightState
 
@@ -37,41 +42,41 @@ def refusal(s: Scheduler, *, abort_all: bool, allow_frozen: bool = False) -> str
     return None
 
 
-def check(s: Scheduler, *, abort_all: bool) -> OpResult:
+def check(s: Scheduler, *, abort_all: bool) -> OpResult[Checked]:
     """Refuse at once what would be refused anyway (before a checkpoint is read or a receive posted)."""
     why = refusal(s, abort_all=abort_all)
-    return OpResult(why is None, why or "ok", {"num_paused_requests": s.num_waiting, "weights": "intact"})
+    return OpResult(why is None, why or "ok", Checked(num_paused_requests=s.num_waiting))
 
 
-def take(s: Scheduler, *, abort_all: bool, hold: bool, allow_frozen: bool = False) -> OpResult:
+def take(s: Scheduler, *, abort_all: bool, hold: bool, allow_frozen: bool = False) -> OpResult[Taken]:
     """Make the worker ready to be written: abort requests if asked; with ``hold``, stop generation
     (an ``in_place`` pause; with nothing active it only holds queued requests back)."""
     why = refusal(s, abort_all=abort_all, allow_frozen=allow_frozen)
     if why is not None:
-        return OpResult(False, why, {"weights": "intact"})
+        return OpResult(False, why, Taken())
     aborted = s.abort_all("Aborted: weights are being updated") if abort_all else []
     paused_by_update = False
     if hold and not s.is_paused:
         s.pause("in_place")
         paused_by_update = True
-    return OpResult(True, "", {"aborted_rids": aborted, "paused_by_update": paused_by_update, "weights": "intact"})
+    return OpResult(True, "", Taken(aborted_rids=aborted, paused_by_update=paused_by_update))
 
 
-def apply_atomic(s: Scheduler, named: NamedTensors, *, abort_all: bool, require_complete: bool) -> OpResult:
+def apply_atomic(s: Scheduler, named: NamedTensors, *, abort_all: bool, require_complete: bool) -> OpResult[Applied]:
     """Write every tensor in this one step; on failure the previous weights stay (or, if even
     restoring failed, the weights are partial). Requests that arrived since ``take`` are
     aborted first when ``abort_all`` (their answers carry the previous ``weight_version``)."""
     why = refusal(s, abort_all=abort_all)
     if why is not None:
-        return OpResult(False, why, {"weights": "intact"})
+        return OpResult(False, why, Applied("intact"))
     aborted = s.abort_all("Aborted: weights are being updated") if abort_all else []
     try:
         s.worker.apply_atomic(named, require_complete=require_complete)
     except WeightUpdateError as exc:
-        return OpResult(False, str(exc), {"num_aborted": len(aborted), "weights": "intact"})
+        return OpResult(False, str(exc), Applied("intact", num_aborted=len(aborted)))
     except RollbackFailed as exc:
-        return OpResult(False, str(exc), {"num_aborted": len(aborted), "weights": "partial"})
-    return OpResult(True, "", {"num_aborted": len(aborted), "weights": "updated"})
+        return OpResult(False, str(exc), Applied("partial", num_aborted=len(aborted)))
+    return OpResult(True, "", Applied("updated", num_aborted=len(aborted)))
 
 
 def apply_streamed(
@@ -113,7 +118,7 @@ class CommitOptions:
     load_format: str | None = None
 
 
-def commit(s: Scheduler, opts: CommitOptions) -> OpResult:
+def commit(s: Scheduler, opts: CommitOptions) -> OpResult[Committed]:
     """Record a successful write: weight state, version, flush, pause; optionally the checksum."""
     w = s.worker
     effect = w.ledger.committed(opts.names, whole=opts.whole)
@@ -124,7 +129,7 @@ def commit(s: Scheduler, opts: CommitOptions) -> OpResult:
         w.token_step = opts.token_step
     if opts.weight_version is not None:
         w.weight_version = opts.weight_version
-    data: dict[str, object] = {"weights": effect, "weight_version": w.weight_version}
+    data = Committed(effect, w.weight_version)
     if opts.flush_cache:
         ok, reason = s.flush_cache()
         if not ok:
@@ -136,26 +141,26 @@ def commit(s: Scheduler, opts: CommitOptions) -> OpResult:
     if opts.keep_pause and not s.is_paused:
         s.pause("in_place")
     if opts.checksum:
-        data["checksum"] = w.weights_checksum()
-    data["is_paused"] = s.is_paused
-    data["num_paused_requests"] = s.num_waiting
+        data.checksum = w.weights_checksum()
+    data.is_paused = s.is_paused
+    data.num_paused_requests = s.num_waiting
     return OpResult(True, "", data)
 
 
-def fail(s: Scheduler, *, lift: bool) -> OpResult:
+def fail(s: Scheduler, *, lift: bool) -> OpResult[Ended]:
     """An update ended without commit: a streaming one that wrote buckets leaves the weights partial
     (generation stays held); one that wrote nothing lifts its hold when ``lift``."""
     effect = s.worker.ledger.writing_failed()
     if effect == "intact" and lift:
         lift_hold(s)
-    return OpResult(True, "", {"weights": effect, "weights_partial": s.worker.weights_partial})
+    return OpResult(True, "", Ended(effect, weights_partial=s.worker.weights_partial))
 
 
-def mark_partial(s: Scheduler) -> OpResult:
+def mark_partial(s: Scheduler) -> OpResult[Ended]:
     """SGLang's single-phase sync failed midway: earlier calls of the same sync may have written buckets."""
     if s.worker.ledger.state is WeightState.RELEASED:
-        return OpResult(True, "", {"weights": "intact"})
-    return OpResult(True, "", {"weights": s.worker.ledger.mark_partial()})
+        return OpResult(True, "", Ended("intact"))
+    return OpResult(True, "", Ended(s.worker.ledger.mark_partial()))
 
 
 def lift_hold(s: Scheduler) -> None:

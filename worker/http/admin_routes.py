@@ -28,14 +28,17 @@ from router.contract.admin import (
     UpdateWeightsFromTensorRequest,
     UpdateWeightVersionRequest,
     WeightsCheckerRequest,
+    WeightVersionResult,
 )
 from router.contract.base import WireResponse
 from router.contract.errors import ApiError
 from router.contract.vllm_server import ResetPrefixCacheRequest, ResetPrefixCacheResult
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
+from router.contract.weight_sync import PrepareWeightsUpdateResponse
 from worker.engine import admin_ops
 from worker.engine.checker import engine_report
+from worker.engine.results import CheckerReport
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.http.server_info import server_info
 from worker.stage import AdminBusy, AdminTimeout, StageResult
@@ -59,7 +62,12 @@ def admin_handler(fn: Handler) -> Handler:
     return wrapper
 
 
-def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], body: WireResponse | dict[str, Any]) -> web.Response:
+#: The answers that say what a call did to the weights (``weights``, ``weights_partial``) and carry
+#: ``rank_results``.
+RANKED_ANSWERS = (AdminResult, PrepareWeightsUpdateResponse)
+
+
+def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], model: WireResponse) -> web.Response:
     """The route's response model as JSON: 200, or 400 with ``error.message`` when it reports a failure.
 
     ``weights`` says what this call did to the weights. A route that never writes them
@@ -68,12 +76,11 @@ def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], body: WireResp
     a mix of versions (a failed update before) or released without a copy and not yet
     rewritten. A refusal on such a worker still leaves them ``intact`` (it changed nothing);
     the worker serves nothing until they are whole, and a router keeps it pending."""
-    model = body if isinstance(body, WireResponse) else endpoint.response.model_validate(body)
-    if "weights" in type(model).model_fields:
-        said = getattr(model, "weights", None)
+    if isinstance(model, RANKED_ANSWERS):
+        said = model.weights
         if said is None and not endpoint.writes_weights:
             said = "intact"
-        partial = bool(request.app[COORDINATOR].worker.weights_partial or getattr(model, "weights_partial", False))
+        partial = bool(request.app[COORDINATOR].worker.weights_partial or model.weights_partial)
         model = model.model_copy(update={"weights": said, "weights_partial": partial})
     payload = model.model_dump(mode="json")
     if model.ok:
@@ -83,9 +90,10 @@ def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], body: WireResp
 
 
 def stage_answer(
-    request: web.Request, endpoint: ep.Endpoint[Any, Any], result: StageResult, **extra: Any
+    request: web.Request, endpoint: ep.Endpoint[Any, Any], result: StageResult[Any], **extra: Any
 ) -> web.Response:
-    return answer(request, endpoint, result.body(**extra))
+    """A stage's aggregate as the route's response model (the JSON edge of a typed result)."""
+    return answer(request, endpoint, endpoint.response.model_validate(result.body(**extra)))
 
 
 async def _exclusive(
@@ -111,7 +119,8 @@ async def model_info(request: web.Request) -> web.Response:
 async def get_weight_version(request: web.Request) -> web.Response:
     """``{"weight_version"}``. Upstream SGLang v0.5.9 answers 404 here (deprecated
     in favour of ``/model_info``); slime patches it back and its client calls it."""
-    return answer(request, ep.GET_WEIGHT_VERSION, {"weight_version": request.app[COORDINATOR].worker.weight_version})
+    version = request.app[COORDINATOR].worker.weight_version
+    return answer(request, ep.GET_WEIGHT_VERSION, WeightVersionResult(weight_version=version))
 
 
 # -- weight version ----------------------------------------------------------------------
@@ -189,10 +198,11 @@ async def update_weights_from_disk(request: web.Request) -> web.Response:
 async def weights_checker(request: web.Request) -> web.Response:
     req = await parse_body(request, WeightsCheckerRequest)
     bound = ep.WEIGHTS_CHECKER.worker_bound(req)
-    result = await request.app[COORDINATOR].admin(
+    result: StageResult[CheckerReport] = await request.app[COORDINATOR].admin(
         "weights_checker", functools.partial(admin_ops.weights_checker, req=req), bound
     )
-    return stage_answer(request, ep.WEIGHTS_CHECKER, result, **engine_report(result.rank_data))
+    summaries = [o.data.summary if o.data is not None else {} for o in result.outcomes]
+    return stage_answer(request, ep.WEIGHTS_CHECKER, result, **engine_report(summaries))
 
 
 @admin_handler

@@ -116,7 +116,7 @@ async def _abort_on_shutdown(app: web.Application) -> None:
     coord = app[COORDINATOR]
     if coord.alive:
         try:
-            await coord.abort(None, abort_all=True, message="Aborted: the worker is shutting down")
+            await coord.generation.abort(None, abort_all=True, message="Aborted: the worker is shutting down")
         except Exception:
             log.exception("aborting requests at shutdown failed")
 

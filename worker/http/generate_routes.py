@@ -20,10 +20,11 @@ from router.contract.errors import ApiError, Unavailable
 from router.contract.generate import GenerateRequest, GenerateResponse, SamplingParams
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
-from worker.coordinator import SHUTTING_DOWN, Coordinator
+from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker
 from worker.engine.request import GenerationParams
 from worker.generation import GenerationHandle
+from worker.generation_service import SHUTTING_DOWN
 from worker.http.keys import COORDINATOR
 from worker.http.streaming import ClientGone, client_gone, event_stream, open_sse, send_event
 
@@ -98,7 +99,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         sp = body.item_sampling_params(i)
         check_lengths(len(ids), sp.max_new_tokens, worker.context_len)
         rid = body.item_rid(i)
-        if rid is not None and coord.rid_in_flight(rid):
+        if rid is not None and coord.generation.rid_in_flight(rid):
             raise ApiError(400, f"a request with rid {rid!r} is already in flight")
         items.append((ids, generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num), rid))
     check_admission(coord)
@@ -108,7 +109,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         for ids, params, rid in items:
             handles.append(
-                coord.submit(
+                coord.generation.submit(
                     ids,
                     params,
                     rid=rid,
@@ -122,7 +123,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return await _collect(request, coord, handles, body.is_batch, wakeup)
     finally:
         for handle in handles:
-            coord.release(handle)
+            coord.generation.release(handle)
 
 
 def check_admission(coord: Coordinator) -> None:

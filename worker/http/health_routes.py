@@ -11,7 +11,7 @@ from aiohttp import web
 
 from router.contract.admin import HealthStatus
 from router.contract.web.openapi import Route
-from worker.coordinator import SHUTTING_DOWN
+from worker.generation_service import SHUTTING_DOWN
 from worker.http.keys import COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
 
 
@@ -31,7 +31,7 @@ async def health(request: web.Request) -> web.Response:
         status="draining" if coord.draining else "ok",
         is_paused=coord.is_paused,
         weight_version=coord.worker.weight_version,
-        weight_state=coord.weight_state,  # type: ignore[arg-type]
+        weight_state=coord.weight_state,
         instance_id=coord.instance_id,
         receive=request.app[WEIGHT_SYNC].receive_state,  # type: ignore[arg-type]
         weight_update="open" if request.app[VLLM_TRANSFER].update_open else None,

@@ -135,7 +135,7 @@ def plan_call(
         for j in range(n):
             index = p * n + j
             choice_rid = rid if total == 1 else f"{rid}-{index}"
-            if coord.rid_in_flight(choice_rid):
+            if coord.generation.rid_in_flight(choice_rid):
                 raise ApiError(400, f"a request with rid {choice_rid!r} is already in flight")
             params = GenerationParams(
                 max_new_tokens=max_new,
@@ -198,7 +198,7 @@ async def run_call(request: web.Request, coord: Coordinator, call: answers.Call,
     submitted: list[GenerationHandle] = []
     try:
         for choice in call.choices:
-            choice.handle = coord.submit(
+            choice.handle = coord.generation.submit(
                 call.prompts[choice.prompt_index], choice.params, rid=choice.rid, stream=stream, wakeup=wakeup
             )
             submitted.append(choice.handle)
@@ -207,7 +207,7 @@ async def run_call(request: web.Request, coord: Coordinator, call: answers.Call,
         return await _collect(request, coord, call, submitted, wakeup)
     finally:
         for handle in submitted:
-            coord.release(handle)
+            coord.generation.release(handle)
 
 
 async def _collect(

@@ -21,11 +21,13 @@ from router.contract.admin import ContinueRequest
 from router.contract.vllm import (
     SCHEDULER_PAUSE_MODE,
     EmptyVllmRequest,
+    IsPausedResponse,
     PauseQuery,
     PauseStatus,
     VllmResult,
+    WorkerWorldSize,
 )
-from router.contract.vllm_dev import AbortRequestsRequest, SleepQuery, WakeUpQuery
+from router.contract.vllm_dev import AbortRequestsRequest, IsSleepingResponse, SleepQuery, WakeUpQuery
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body, parse_model, parse_query_first, read_json
 from worker.engine import admin_ops
@@ -82,11 +84,11 @@ async def resume(request: web.Request) -> web.Response:
 
 async def is_paused(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
-    return answer(request, ep.IS_PAUSED, {"is_paused": coord.is_paused})
+    return answer(request, ep.IS_PAUSED, IsPausedResponse(is_paused=coord.is_paused))
 
 
 async def get_world_size(request: web.Request) -> web.Response:
-    return answer(request, ep.GET_WORLD_SIZE, {"world_size": request.app[COORDINATOR].stage.tp_size})
+    return answer(request, ep.GET_WORLD_SIZE, WorkerWorldSize(world_size=request.app[COORDINATOR].stage.tp_size))
 
 
 @admin_handler
@@ -107,7 +109,7 @@ async def wake_up(request: web.Request) -> web.Response:
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
-    return answer(request, ep.IS_SLEEPING, {"is_sleeping": request.app[COORDINATOR].is_sleeping})
+    return answer(request, ep.IS_SLEEPING, IsSleepingResponse(is_sleeping=request.app[COORDINATOR].is_sleeping))
 
 
 @admin_handler

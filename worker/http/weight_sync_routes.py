@@ -29,7 +29,7 @@ from router.contract.admin import RankResult
 from router.contract.base import WireRequest, WireResponse
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
-from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes
+from worker.http.admin_routes import RANKED_ANSWERS, Handler, admin_handler, answer, endpoint_routes
 from worker.http.keys import COORDINATOR, WEIGHT_SYNC
 from worker.transfer.controller import WeightSyncController
 
@@ -52,13 +52,11 @@ def with_rank_results(response: WireResponse, tp_size: int) -> WireResponse:
     """One ``rank_results`` entry per TP rank. A weight-sync call's outcome is decided for the whole
     stage by rank 0 (a follower's failure fails the call and is named in its message), so every rank
     reports that outcome."""
-    if "rank_results" not in type(response).model_fields or getattr(response, "rank_results", None):
+    if not isinstance(response, RANKED_ANSWERS) or response.rank_results:
         return response
-    success = getattr(response, "success", None)
-    ok = bool(success) if success is not None else getattr(response, "status", None) == "ready"
-    message = str(getattr(response, "message", "") or "")
-    response.rank_results = [  # type: ignore[attr-defined]
-        RankResult(rank=r, tp_rank=r, tp_size=tp_size, success=ok, message=message) for r in range(tp_size)
+    response.rank_results = [
+        RankResult(rank=r, tp_rank=r, tp_size=tp_size, success=response.ok, message=response.message)
+        for r in range(tp_size)
     ]
     return response
 

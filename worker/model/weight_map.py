@@ -18,14 +18,25 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
-from worker.model.tensor_parallel import ShardSpec, checkpoint_shard_spec
+from worker.model.config import ModelConfig
+from worker.model.tensor_parallel import ShardLayout, ShardSpec, TensorParallel, checkpoint_shard_spec
 
-if TYPE_CHECKING:
-    from worker.model.causal_lm import CausalLM
+
+class MappedModel(Protocol):
+    """What the map reads of the model it serves (:class:`~worker.model.causal_lm.CausalLM`),
+    named here so that the map does not import the model that owns it."""
+
+    config: ModelConfig
+    layout: ShardLayout
+    dtype: torch.dtype
+    tp: TensorParallel
+
+    def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]: ...
+
 
 # Names that appear in some checkpoints but carry no learned state.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
@@ -50,7 +61,7 @@ class _Target:
 class WeightMap:
     """Resolves checkpoint names to row ranges of the model's parameters."""
 
-    def __init__(self, model: CausalLM):
+    def __init__(self, model: MappedModel):
         cfg = model.config
         layout = model.layout
         # This rank's sizes: the fused parameters hold only its sections.

@@ -19,10 +19,17 @@ import logging
 import os
 import signal
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from worker.engine.weight_state import WeightState
+
+if TYPE_CHECKING:
+    from worker.engine.results import OpResult
+    from worker.engine.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +71,7 @@ class RunOp:
     """An admin operation to run on this rank's scheduler state: ``op(scheduler)`` → ``OpResult``."""
 
     action: str
-    op: Any
+    op: Callable[[Scheduler], OpResult[Any]]
 
 
 STOP = "stop"
@@ -89,21 +96,45 @@ def join_group(spec: RankSpec) -> Any:
     return TensorParallel(rank=spec.rank, size=spec.size, group=dist.group.WORLD)
 
 
-def snapshot(scheduler: Any) -> dict[str, Any]:
+@dataclass(frozen=True, slots=True)
+class RankState:
+    """One rank as status reads see it (``/model_info``, ``/health``): rank 0's read at once, a
+    follower's as it reported itself after its last operation (sent with every result)."""
+
+    model_path: str | None = None
+    weight_version: str | None = None
+    is_paused: bool = False
+    pause_mode: str | None = None
+    weights_partial: bool = False
+    weights_released: bool = False
+    released_tags: frozenset[str] = frozenset()
+    device: str | None = None
+    dtype: str | None = None
+    weight_state: WeightState = WeightState.SERVING
+    alive: bool = True
+
+    @classmethod
+    def of(cls, scheduler: Scheduler, *, alive: bool | None = None) -> RankState:
+        """``scheduler``'s rank now; ``alive`` overrides its thread's (a follower's is never started)."""
+        w = scheduler.worker
+        return cls(
+            model_path=w.model_path,
+            weight_version=w.weight_version,
+            is_paused=scheduler.is_paused,
+            pause_mode=scheduler.pause_mode,
+            weights_partial=w.weights_partial,
+            weights_released=w.weights_released,
+            released_tags=frozenset(w.released_tags),
+            device=str(w.device),
+            dtype=w.dtype_name,
+            weight_state=w.ledger.state,
+            alive=scheduler.alive if alive is None else alive,
+        )
+
+
+def snapshot(scheduler: Scheduler) -> RankState:
     """The state rank 0 reports for this rank between operations (``/model_info`` ``rank_results``)."""
-    w = scheduler.worker
-    return {
-        "model_path": w.model_path,
-        "weight_version": w.weight_version,
-        "is_paused": scheduler.is_paused,
-        "pause_mode": scheduler.pause_mode,
-        "weights_partial": w.weights_partial,
-        "weights_released": w.weights_released,
-        "released_tags": sorted(w.released_tags),
-        "device": str(w.device),
-        "dtype": w.dtype_name,
-        "weight_state": w.ledger.state.value,
-    }
+    return RankState.of(scheduler, alive=True)
 
 
 def follower_main(conn: Connection, spec: RankSpec) -> None:
@@ -117,8 +148,8 @@ def follower_main(conn: Connection, spec: RankSpec) -> None:
 
         if spec.num_threads is not None:
             torch.set_num_threads(spec.num_threads)
-        from worker.engine.admin_ops import OpResult
         from worker.engine.model_worker import ModelWorker
+        from worker.engine.results import OpResult
         from worker.engine.scheduler import Scheduler
 
         tp = join_group(spec)

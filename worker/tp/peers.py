@@ -25,9 +25,12 @@ from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from worker.tp.follower import STOP, Forward, RankSpec, RunOp, follower_main, join_group
+from worker.tp.follower import STOP, Forward, RankSpec, RankState, RunOp, follower_main, join_group
+
+if TYPE_CHECKING:
+    from worker.engine.results import OpResult
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +65,7 @@ class Follower:
         self.rank = rank
         self.process = process
         self.conn = conn
-        self.state: dict[str, Any] = {}
+        self.state = RankState()
 
     def receive(self, deadline: float, what: str) -> tuple[str, Any]:
         while True:
@@ -175,10 +178,10 @@ class TPPeers:
             raise ValueError(f"{len(ops)} operations for {len(self.followers)} followers")
         self._send_each([RunOp(action, op) for op in ops], action)
 
-    def await_op(self, action: str, timeout_s: float) -> list[Any]:
+    def await_op(self, action: str, timeout_s: float) -> list[OpResult[Any]]:
         """Each follower's ``OpResult`` (in rank order); its state snapshot is kept."""
         deadline = time.monotonic() + timeout_s
-        results = []
+        results: list[OpResult[Any]] = []
         for f in self.followers:
             _, payload = self._guard(lambda f=f: f.receive(deadline, action))
             result, f.state = payload

@@ -32,7 +32,7 @@ from router.contract.bucket_layout import BucketLayout
 from router.dataplane.buckets import NamedTensors
 from router.dataplane.formats import for_load_format
 from router.dataplane.group import WeightUpdateGroup, init_weight_update_group
-from worker.engine.admin_ops import OpResult
+from worker.engine.results import Applied, OpResult, Received
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import apply_atomic
 from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
@@ -96,7 +96,7 @@ def join(
     world_size: int,
     backend: str,
     timeout_s: float,
-) -> OpResult:
+) -> OpResult[None]:
     if name in _AGENT.groups:
         return OpResult(False, f"group {name!r} already exists on this rank")
     _AGENT.groups[name] = init_weight_update_group(
@@ -111,7 +111,7 @@ def join(
     return OpResult(True, f"joined group {name!r} as rank {rank}")
 
 
-def destroy(s: Scheduler, *, name: str) -> OpResult:
+def destroy(s: Scheduler, *, name: str) -> OpResult[None]:
     group = _AGENT.groups.pop(name, None)
     if group is None:
         return OpResult(True, f"group {name!r} was not joined on this rank")
@@ -131,7 +131,7 @@ def start_receive(
     atomic: bool,
     window_s: float,
     checksums: tuple[str | None, ...],
-) -> OpResult:
+) -> OpResult[None]:
     group = _AGENT.groups.get(group_name)
     if group is None:
         return OpResult(False, f"group {group_name!r} is not joined on this rank")
@@ -152,7 +152,7 @@ def start_receive(
     return OpResult(True, "receiving")
 
 
-def apply_bucket(s: Scheduler, *, index: int, wait_s: float) -> OpResult:
+def apply_bucket(s: Scheduler, *, index: int, wait_s: float) -> OpResult[Applied]:
     """Streaming: write this rank's shard of bucket ``index`` once this rank received it."""
     named, done = _AGENT.take(index, wait_s)
     try:
@@ -160,28 +160,28 @@ def apply_bucket(s: Scheduler, *, index: int, wait_s: float) -> OpResult:
         count = s.worker.apply_streamed(named)
     except Exception as exc:
         done.set_exception(exc)
-        return OpResult(False, f"bucket {index + 1} not applied on this rank: {exc}", {"weights": "partial"})
+        return OpResult(False, f"bucket {index + 1} not applied on this rank: {exc}", Applied("partial"))
     done.set_result(count)
-    return OpResult(True, "", {"applied": count})
+    return OpResult(True, "", Applied("updated", count=count))
 
 
-def apply_given(s: Scheduler, *, named: NamedTensors) -> OpResult:
+def apply_given(s: Scheduler, *, named: NamedTensors) -> OpResult[Applied]:
     """Streaming: write this rank's shard of full tensors rank 0 handed over (a shared-memory update)."""
     try:
         count = s.worker.apply_streamed(named)
     except Exception as exc:
-        return OpResult(False, f"tensors not applied on this rank: {exc}", {"weights": "partial"})
-    return OpResult(True, "", {"applied": count})
+        return OpResult(False, f"tensors not applied on this rank: {exc}", Applied("partial"))
+    return OpResult(True, "", Applied("updated", count=count))
 
 
-def apply_all(s: Scheduler, *, abort_all: bool, require_complete: bool, wait_s: float) -> OpResult:
+def apply_all(s: Scheduler, *, abort_all: bool, require_complete: bool, wait_s: float) -> OpResult[Applied]:
     """Atomic: once this rank's receive finished, verify and write every staged bucket in one step."""
     receiver = _AGENT.receiver
     if receiver is None:
-        return OpResult(False, "no receive ran on this rank", {"weights": "intact"})
+        return OpResult(False, "no receive ran on this rank", Applied("intact"))
     outcome = receiver.wait(wait_s)
     if not outcome.ok:
-        return OpResult(False, f"this rank's receive failed: {outcome.error}", {"weights": "intact"})
+        return OpResult(False, f"this rank's receive failed: {outcome.error}", Applied("intact"))
     try:
         staged = receiver.staged()
         verify_staged(staged, _AGENT.checksums)
@@ -189,20 +189,20 @@ def apply_all(s: Scheduler, *, abort_all: bool, require_complete: bool, wait_s: 
             s, [t for _, named in staged for t in named], abort_all=abort_all, require_complete=require_complete
         )
     except ChecksumMismatch as exc:
-        return OpResult(False, str(exc), {"weights": "intact"})
+        return OpResult(False, str(exc), Applied("intact"))
     finally:
         receiver.release()
 
 
-def receive_outcome(s: Scheduler, *, wait_s: float) -> OpResult:
+def receive_outcome(s: Scheduler, *, wait_s: float) -> OpResult[Received]:
     receiver = _AGENT.receiver
     if receiver is None:
         return OpResult(False, "no receive ran on this rank")
     outcome = receiver.wait(wait_s)
-    return OpResult(outcome.ok, outcome.error or "", {"buckets_received": outcome.buckets_received})
+    return OpResult(outcome.ok, outcome.error or "", Received(outcome.buckets_received))
 
 
-def cancel_receive(s: Scheduler, *, reason: str, broken_reason: str | None = None) -> OpResult:
+def cancel_receive(s: Scheduler, *, reason: str, broken_reason: str | None = None) -> OpResult[None]:
     receiver = _AGENT.receiver
     if receiver is not None:
         receiver.cancel(reason, broken_reason=broken_reason)

@@ -54,11 +54,14 @@ from router.contract.weight_sync import DestroyWeightsUpdateGroupRequest, InitWe
 from router.dataplane.buckets import NamedTensors
 from router.dataplane.formats import for_load_format
 from router.dataplane.group import WeightUpdateGroup
+from worker.engine.results import effect_of
 from worker.engine.weight_ops import CommitOptions
 from worker.stage import AdminBusy
 from worker.tp import transfer as tp_transfer
 from worker.transfer import vllm_handles
-from worker.transfer.controller import RECEIVE_GRACE_S, WeightSyncController
+from worker.transfer.controller import WeightSyncController
+from worker.transfer.held import Held
+from worker.transfer.receive_session import RECEIVE_GRACE_S
 from worker.updates import UpdateRefused, UpdateTransaction
 
 log = logging.getLogger(__name__)
@@ -76,7 +79,6 @@ class _OpenUpdate:
     window_s: float
     names: list[str] = field(default_factory=list)
     calls: int = 0
-    expiry: asyncio.Task[None] | None = None
 
 
 class VllmWeightTransfer:
@@ -92,11 +94,11 @@ class VllmWeightTransfer:
         #: The wire params the group's init fixed (vLLM 0.28+), used by every update that does not
         #: say otherwise; ``None`` when the init sent none.
         self.transfer_params: TransferParams | None = None
-        self._open: _OpenUpdate | None = None
+        self._held: Held[_OpenUpdate] = Held("vllm-update-expiry")
 
     @property
     def update_open(self) -> bool:
-        return self._open is not None
+        return self._held.current is not None
 
     # -- init ------------------------------------------------------------------------------------
 
@@ -104,7 +106,7 @@ class VllmWeightTransfer:
         """Join the trainer's group as ``/init_weights_update_group`` does; a group of the same name
         is left first (vLLM has no destroy route: a restarted trainer simply initializes again)."""
         info = req.init_info
-        if self._open is not None:
+        if self._held.current is not None:
             return _conflict("a weight update is open: call /finish_weight_update before initializing again")
         if info.nccl_unique_id_b64 is not None and self.backend != "nccl":
             return 400, VllmResult(
@@ -150,7 +152,7 @@ class VllmWeightTransfer:
 
     async def start(self, req: StartWeightUpdateRequest) -> Answer:
         async with self.sync.holding("start_weight_update"):
-            if self._open is not None:
+            if self._held.current is not None:
                 return _conflict("a weight update is already started: call /finish_weight_update first")
             window = req.timeout_s or self.sync.receive_timeout_s
             try:
@@ -160,14 +162,13 @@ class VllmWeightTransfer:
             except UpdateRefused as exc:
                 return 400, VllmResult(success=False, message=f"Weight update not started: {exc}", weights="intact")
             opened = _OpenUpdate(txn, window)
-            opened.expiry = asyncio.get_running_loop().create_task(self._expire(opened), name="vllm-update-expiry")
-            self._open = opened
+            self._held.hold(opened, expires_at=lambda: opened.txn.deadline + RECEIVE_GRACE_S, end=self._expire)
             return 200, VllmResult(message="Weight update started", weights="intact")
 
     async def update(self, req: UpdateWeightsRequest) -> Answer:
         info = req.update_info
         async with self.sync.holding("update_weights"):
-            opened = self._open
+            opened = self._held.current
             if opened is None:
                 return _conflict("no weight update is started: call /start_weight_update before /update_weights")
             if info.uses_shared_memory:
@@ -176,7 +177,7 @@ class VllmWeightTransfer:
 
     async def finish(self, req: FinishWeightUpdateRequest) -> Answer:
         async with self.sync.holding("finish_weight_update"):
-            opened = self._open
+            opened = self._held.current
             if opened is None:
                 return _conflict("no weight update is started: call /start_weight_update first")
             self._end(opened)
@@ -191,7 +192,7 @@ class VllmWeightTransfer:
                     lift_hold=opened.txn.paused_by_update,
                 ),
             )
-            effect = result.data.get("weights", "partial")
+            effect = effect_of(result.data)
             if not result.success:
                 return 400, VllmResult(success=False, message=result.message, weights=effect)
             return 200, VllmResult(
@@ -211,15 +212,12 @@ class VllmWeightTransfer:
         try:
             params = info.transfer_params(self.transfer_params)
             buckets = _buckets(info, params)
-            receive = await self.sync.start_receive(
-                buckets,
-                self.group_name,
-                for_load_format("flattened_bucket" if params.packed else None),
-                atomic=False,
-                abort_all=False,
-                weight_version=None,
-                timeout_s=info.timeout_s or opened.window_s,
-                within=opened.txn,
+            # This receive writes into the update opened by /start_weight_update: a refusal leaves it open.
+            plan = self.sync.receives.plan(buckets, for_load_format("flattened_bucket" if params.packed else None))
+            window = info.timeout_s or opened.window_s
+            opened.txn.extend(window)
+            receive = await self.sync.receives.start(
+                opened.txn, group, plan, atomic=False, window_s=window, weight_version=None
             )
         except (UpdateRefused, ValueError) as exc:
             return _refused(str(exc))
@@ -280,31 +278,26 @@ class VllmWeightTransfer:
         return 400, VllmResult(success=False, message=f"Weight update failed, {message}.{note}", weights=effect)
 
     def _end(self, opened: _OpenUpdate) -> None:
-        if self._open is opened:
-            self._open = None
-        if opened.expiry is not None and opened.expiry is not asyncio.current_task():
-            opened.expiry.cancel()
+        self._held.detach(opened)
 
-    async def _expire(self, opened: _OpenUpdate) -> None:
+    async def _expire(self, opened: _OpenUpdate) -> bool:
         """End an update nobody finished once its window has passed (each call extends it); a call
-        still running holds the lock, so the update ends after it at the earliest."""
-        while self._open is opened:
-            await asyncio.sleep(max(opened.txn.deadline - time.monotonic(), 0.0) + RECEIVE_GRACE_S)
-            if time.monotonic() < opened.txn.deadline:
-                continue
-            try:
-                async with self.sync.holding("ending an unfinished weight update", wait_s=APPLY_S):
-                    if self._open is not opened or time.monotonic() < opened.txn.deadline:
-                        continue
-                    log.warning("vLLM weight update neither finished nor failed within its window; ending it")
-                    self._end(opened)
-                    await self.updates.fail(opened.txn)
-                    return
-            except AdminBusy:
-                continue
+        still running holds the lock, so the update ends after it at the earliest (``False``: try later)."""
+        try:
+            async with self.sync.holding("ending an unfinished weight update", wait_s=APPLY_S):
+                if self._held.current is not opened:
+                    return True
+                if time.monotonic() < opened.txn.deadline:
+                    return False
+                log.warning("vLLM weight update neither finished nor failed within its window; ending it")
+                self._end(opened)
+                await self.updates.fail(opened.txn)
+                return True
+        except AdminBusy:
+            return False
 
     async def close(self) -> None:
-        opened = self._open
+        opened = self._held.current
         if opened is not None:
             self._end(opened)
             opened.txn.failed.set()

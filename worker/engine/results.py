@@ -1,0 +1,215 @@
+"""Typed outcomes of the operations that run on a rank's scheduler thread.
+
+An operation returns ``OpResult[T]``: success, a message, and a payload ``T``,
+one small slotted dataclass per kind of step (:class:`Taken`, :class:`Applied`,
+:class:`Committed`, ...). Payloads cross the thread boundary and, for the
+follower ranks of a tensor-parallel worker, the process boundary (pickled), so
+they hold plain values only.
+
+Invariants:
+
+- A payload's field is read by attribute, never by a string key; the one place a
+  payload becomes a ``dict`` is :func:`wire_fields`, at the JSON edge (a field's
+  ``wire`` name, ``weights`` for an ``effect``, is the key it has in the answer).
+- **A missing effect is ``partial``** (:func:`effect_of`): a rank that answered
+  without saying what it did to the weights (it raised, or was lost) may have
+  written some of them. This is the contract's own rule (a worker that does not say
+  is treated as ``partial``), so the worker and the router read silence alike.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from router.contract.admin import WeightsEffect
+
+T = TypeVar("T")
+
+_WEIGHTS = {"wire": "weights"}
+_OMIT_NONE = {"omit_none": True}
+
+
+@dataclass(slots=True)
+class OpResult(Generic[T]):
+    """One rank's outcome; ``data`` is the operation's typed payload (``None`` when it has none,
+    or when the operation raised before producing one)."""
+
+    success: bool
+    message: str
+    data: T | None = None
+
+
+def wire_fields(payload: object) -> dict[str, Any]:
+    """The JSON edge: a payload's fields under their wire names (``{}`` for ``None``).
+
+    A field marked ``omit_none`` is left out while it is ``None``; a ``spread`` field (a
+    report whose keys are its own) is merged in."""
+    if payload is None:
+        return {}
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(payload):  # type: ignore[arg-type]
+        value = getattr(payload, f.name)
+        if f.metadata.get("spread"):
+            out.update(value)
+        elif value is not None or not f.metadata.get("omit_none"):
+            out[f.metadata.get("wire", f.name)] = value
+    return out
+
+
+# -- weight-update steps (worker.engine.weight_ops) -----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """``check``: the update may start (or why not); nothing changed either way."""
+
+    num_paused_requests: int
+    effect: WeightsEffect = field(default="intact", metadata=_WEIGHTS)
+
+
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """``take``: the requests aborted for the update, and whether it paused generation."""
+
+    aborted_rids: list[str] = field(default_factory=list)
+    paused_by_update: bool = False
+    effect: WeightsEffect = field(default="intact", metadata=_WEIGHTS)
+
+
+@dataclass(frozen=True, slots=True)
+class Applied:
+    """An apply step (atomic, or a follower's bucket): what it left the weights as."""
+
+    effect: WeightsEffect = field(metadata=_WEIGHTS)
+    num_aborted: int | None = field(default=None, metadata=_OMIT_NONE)
+    count: int | None = field(default=None, metadata={"wire": "applied", "omit_none": True})
+    """Tensors written (a follower's streamed bucket)."""
+
+
+@dataclass(slots=True)
+class Committed:
+    """``commit``: the weights' effect and version, the pause state after it, and the checksum if asked.
+
+    ``num_aborted`` and ``model_path`` are filled in by the caller for its answer."""
+
+    effect: WeightsEffect = field(metadata=_WEIGHTS)
+    weight_version: str
+    checksum: str | None = field(default=None, metadata=_OMIT_NONE)
+    is_paused: bool | None = field(default=None, metadata=_OMIT_NONE)
+    num_paused_requests: int | None = field(default=None, metadata=_OMIT_NONE)
+    num_aborted: int | None = field(default=None, metadata=_OMIT_NONE)
+    model_path: str | None = field(default=None, metadata=_OMIT_NONE)
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """``fail`` / ``mark_partial``: what an update that will not commit left the weights as."""
+
+    effect: WeightsEffect = field(metadata=_WEIGHTS)
+    weights_partial: bool | None = field(default=None, metadata=_OMIT_NONE)
+
+
+@dataclass(frozen=True, slots=True)
+class Received:
+    """A follower's receive: how many buckets it took in."""
+
+    buckets_received: int
+
+
+# -- admin operations (worker.engine.admin_ops) ---------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Paused:
+    pause_mode: str
+    num_aborted: int
+    aborted_rids: list[str]
+    num_retracted: int
+    num_frozen: int
+
+
+@dataclass(frozen=True, slots=True)
+class Continued:
+    was_paused: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Aborted:
+    """``/abort_request``: SGLang's count."""
+
+    num_aborted: int
+    aborted_rids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class AbortedRequests:
+    """vLLM's ``/abort_requests``: its count is ``aborted``."""
+
+    aborted: int
+    aborted_rids: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class VersionSet:
+    new_version: str
+    num_aborted: int
+    effect: WeightsEffect = field(default="updated", metadata=_WEIGHTS)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckerReport:
+    """``weights_checker``: the checker's summary, a JSON report whose keys are its own."""
+
+    summary: dict[str, Any] = field(metadata={"spread": True})
+
+    @property
+    def rank_checksum(self) -> str | None:
+        value = self.summary.get("per_gpu_checksum")
+        return value if isinstance(value, str) else None
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    released: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Resumed:
+    resumed: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Answered:
+    """An answer the coordinator builds itself (a refusal, a failed update, nothing to do)."""
+
+    num_paused_requests: int
+    effect: WeightsEffect | None = field(default=None, metadata={"wire": "weights", "omit_none": True})
+    num_aborted: int | None = field(default=None, metadata=_OMIT_NONE)
+    resumed: list[str] | None = field(default=None, metadata=_OMIT_NONE)
+    model_path: str | None = field(default=None, metadata=_OMIT_NONE)
+
+
+@dataclass(frozen=True, slots=True)
+class RankInfo:
+    """One rank as ``/model_info`` reports it."""
+
+    model_path: str | None
+    weight_version: str | None
+    is_paused: bool
+    pause_mode: str | None
+    weights_partial: bool
+    weights_released: bool
+    device: str | None
+    dtype: str | None
+    alive: bool
+
+
+def effect_of(data: object) -> WeightsEffect:
+    """What a step's payload says it did to the weights; ``partial`` when it says nothing (see the module)."""
+    if isinstance(data, (Checked, Taken, Applied, Committed, Ended, VersionSet)):
+        return data.effect
+    if isinstance(data, Answered) and data.effect is not None:
+        return data.effect
+    return "partial"
