@@ -1,10 +1,13 @@
 """Fencing: an update's targets leave request routing until its outcome is known.
 
 Before a fenced operation contacts anyone, its targets are written to the
-journal (durably) and disabled. The fence settles exactly once: :meth:`Fence.succeed`
-restores each target's previous ``disabled`` flag and clears the journal;
-:meth:`Fence.fail` keeps every target disabled and the journal entry pending until
-an operator resolves it, because any target's weights may differ from the others'.
+journal (durably) and disabled. The fence settles exactly once, worker by worker
+(:meth:`Fence.settle`): the targets the caller names as kept stay disabled, with the
+journal entry narrowed to them until an operator resolves it, because their weights may
+differ from the fleet's; every other target gets its previous ``disabled`` flag back.
+Which targets are kept is decided from each worker's own answer (``verdicts``; the rule
+is written once, in docs/weight-sync.md). :meth:`Fence.succeed` keeps none;
+:meth:`Fence.fail` keeps all, for an outcome that cannot be known per worker.
 """
 
 from __future__ import annotations
