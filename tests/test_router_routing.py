@@ -140,7 +140,7 @@ def test_weights_checker_reports_identical_fleet(router):
     status, body = http_json("POST", url + "/weights_checker", {"action": "checksum"})
     assert status == 200, body
     assert body["identical"] is True and len(set(body["worker_checksums"].values())) == 1
-    assert all(r["success"] and r["elapsed_ms"] >= 0 for r in body["results"])
+    assert all(r["success"] for r in body["results"])
 
 
 def test_stream_and_client_disconnect_aborts_on_worker(router, fleet):

@@ -40,7 +40,6 @@ def test_checksum_matches_the_checkpoint(aw, expected):
         assert out["per_engine_checksum"] and out["per_engine_checksum"] != checksum
         assert out["ranks"][0]["per_gpu_checksum"] == checksum
         assert out["rank_results"][0]["per_gpu_checksum"] == checksum
-        assert out["elapsed_s"] >= 0
 
 
 def test_snapshot_compare_and_reset_tensors(aw, expected):
