@@ -80,6 +80,7 @@ def test_in_place_freezes_with_kv_and_refuses_flush(pw, pool, checkpoints):
 
     status, body = pw.post("/flush_cache")
     assert status == 400 and "active request" in body["error"]["message"]
+    assert body["success"] is False and body["weights"] == "intact"  # the shape of every admin refusal
     status, body = pw.call("GET", "/flush_cache")
     assert status == 400
     status, body = pw.post("/update_weights_from_disk", {"model_path": str(checkpoints["llama"])})
