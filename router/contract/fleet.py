@@ -327,8 +327,23 @@ class JournalState(WireResponse):
     reason: str = ""
 
 
+class StorageView(WireResponse):
+    """Whether the store of the router's durable records holds what memory holds.
+
+    ``healthy: false`` means some records were not written (a read-only or full volume):
+    the router keeps deciding from memory, which fails closed, and writes them again
+    until the store takes them; a restart meanwhile would read older records."""
+
+    healthy: bool
+    location: str
+    unsaved: list[str] = Field(default_factory=list)
+    error: str = ""
+
+
 class JournalView(WireResponse):
     pending: JournalState | None = None
+    storage: StorageView | None = None
+    """``None`` without a state store (memory only)."""
 
 
 class JournalResolved(WireResponse):

@@ -36,8 +36,8 @@ from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
-from router.gateway.admin.groups import WeightGroups
-from router.gateway.admin.journal import UpdateJournal
+from router.gateway.admin.groups import GROUPS_FILE, WeightGroups
+from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal
 from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.ranks import GroupInitializer
 from router.gateway.admin.two_phase import TwoPhaseCoordinator
@@ -48,11 +48,12 @@ from router.gateway.discovery.k8s import KubernetesPods
 from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
-from router.gateway.fleet.weights import FleetWeights
+from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routes import admin, fleet, openai, tokens
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.state.durable import DurableState
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import WorkerClient
 
@@ -176,7 +177,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics=app[keys.METRICS],
         fanout=FanOut(workers),
         prober=prober,
-        groups=WeightGroups(cfg.state_dir),
+        groups=WeightGroups(app[keys.STATE].record(GROUPS_FILE)),
     )
     app[keys.ADMIN] = ctx
     app[keys.PROXY] = GenerateProxy(
@@ -265,10 +266,11 @@ def create_app(config: RouterConfig) -> web.Application:
     thresholds = HealthThresholds(
         failure=config.health_failure_threshold, dead=config.dead_threshold, success=config.health_success_threshold
     )
-    registry = WorkerRegistry(thresholds=thresholds, fleet=FleetWeights(config.state_dir))
+    state = DurableState.in_directory(config.state_dir)
+    registry = WorkerRegistry(thresholds=thresholds, fleet=FleetWeights(state.record(FLEET_FILE)))
     for url in config.worker_urls:
         registry.add(url)
-    journal = UpdateJournal(config.state_dir)
+    journal = UpdateJournal(state.record(JOURNAL_FILE))
     _restore_journal(registry, journal)
     metrics = RouterMetrics(registry)
     table = routes()
@@ -290,11 +292,13 @@ def create_app(config: RouterConfig) -> web.Application:
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
     app[keys.JOURNAL] = journal
+    app[keys.STATE] = state
     app[keys.METRICS] = metrics
     app[keys.GATE] = UpdateGate(config.admin_lock_timeout_s, on_wait=metrics.observe_lock_wait)
     app[keys.TASKS] = TaskSet()
     app[keys.SERVICE_HEADERS] = _service_headers(config)
     app.router.add_routes(route_defs(table))
+    app.cleanup_ctx.append(state.retry_ctx)
     app.cleanup_ctx.append(upstream_ctx)
     app.cleanup_ctx.append(discovery_ctx)
     return app

@@ -20,6 +20,7 @@ from router.gateway.fleet.health import HealthChecker
 from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.state.durable import DurableState
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import WorkerClient
 
@@ -27,6 +28,7 @@ CONFIG = web.AppKey("config", RouterConfig)
 REGISTRY = web.AppKey("registry", WorkerRegistry)
 GATE = web.AppKey("update_gate", UpdateGate)
 JOURNAL = web.AppKey("journal", UpdateJournal)
+STATE = web.AppKey("durable_state", DurableState)
 METRICS = web.AppKey("metrics", RouterMetrics)
 TASKS = web.AppKey("tasks", TaskSet)
 SERVICE_HEADERS = web.AppKey("service_headers", dict[str, str])

@@ -11,15 +11,15 @@ with 409 naming the change, before anything is fenced or broadcast. The trainer
 rebuilds the group (destroy, init with the new world size); ``GET
 /get_world_size`` says whether each group still matches.
 
-Records live in ``<state_dir>/weight_groups.json`` (written atomically, off the
-event loop), so a router restart keeps refusing stale groups. A group the router
+Records are ``weight_groups.json`` in the router's state store (``--state-dir``,
+written atomically off the event loop; :mod:`router.gateway.state`), so a router
+restart keeps refusing stale groups. A group the router
 has no record of (built before it ran without a state dir) is not judged here:
 the workers decide, and a worker outside it refuses.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable, Sequence
@@ -32,8 +32,8 @@ from router.contract.base import WireRequest
 from router.contract.errors import Conflict
 from router.contract.fleet import GroupMembership, RankAssignment
 from router.contract.weight_sync import DEFAULT_GROUP_NAME
-from router.gateway import state_file
 from router.gateway.fleet.registry import Worker
+from router.gateway.state.durable import DurableRecord, as_record
 
 log = logging.getLogger(__name__)
 
@@ -88,19 +88,20 @@ def membership_changes(record: GroupRecord, targets: Sequence[Worker]) -> list[s
 class WeightGroups:
     """Group records by name, with the rule that refuses updates on a group the fleet outgrew."""
 
-    def __init__(self, state_dir: Path | None):
-        self._path = None if state_dir is None else state_dir / GROUPS_FILE
+    def __init__(self, state: DurableRecord | Path | None):
+        self._stored = as_record(state, GROUPS_FILE)
         self._records = self._load()
 
     def _load(self) -> _Records:
-        if self._path is None or not self._path.exists():
-            return _Records()
         try:
-            return _Records.model_validate_json(self._path.read_text())
+            data = self._stored.load()
+            return _Records() if data is None else _Records.model_validate_json(data)
         except (OSError, ValueError, ValidationError) as exc:
             # Without the record every group is unknown: the workers decide, as for a group built elsewhere.
             log.error(
-                "weight group record %s is unreadable (%s); groups are not checked until rebuilt", self._path, exc
+                "weight group record in %s is unreadable (%s); groups are not checked until rebuilt",
+                self._stored.location,
+                exc,
             )
             return _Records()
 
@@ -172,10 +173,5 @@ class WeightGroups:
             await self._save()
 
     async def _save(self) -> None:
-        if self._path is None:
-            return
-        data = self._records.model_dump_json(indent=1).encode()
-        try:
-            await asyncio.to_thread(state_file.write_atomic, self._path, data)
-        except OSError as exc:  # the in-memory record still decides
-            log.error("could not persist the weight group record %s: %s", self._path, exc)
+        # The in-memory records still decide whether or not the store takes them now.
+        await self._stored.save(self._records.model_dump_json(indent=1).encode())

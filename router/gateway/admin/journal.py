@@ -1,8 +1,8 @@
 """Crash-safe record of an admin update whose outcome is not known to be good.
 
 Before an update disables its targets, the router writes their ids (and each
-one's previous ``disabled`` flag) to ``<state_dir>/update_journal.json``
-(:func:`~router.gateway.state_file.write_atomic`, on a worker thread). When the
+one's previous ``disabled`` flag) to the ``update_journal.json`` record of its
+state store (``--state-dir`` by default; :mod:`router.gateway.state`). When the
 update ends the entry is removed, or narrowed to the workers whose weights may
 differ from the fleet's, which stay disabled. If the router dies mid-update, the next
 start finds the entry and keeps those workers disabled: once a broadcast has
@@ -13,13 +13,17 @@ An operator clears it by re-enabling each worker (``PUT /workers/{id}
 ``POST /weight_update_journal/resolve {"acknowledge": true}``. While an entry
 is pending, further updates are refused with 409.
 
-Without a state dir the journal lives in memory only: failures still fail
-closed, but a router crash forgets them (the CLI warns about this).
+A store that refuses a write never stops the router: the entry in memory fences
+its workers all the same, ``/health`` and the journal view report the storage
+fault, and the record is written again until the store takes it. Only the entry
+written before an update starts must reach the store: if it cannot, the update
+is refused (503) and nothing changes. Without a state store the journal lives in
+memory only: failures still fail closed, but a router crash forgets them (the
+CLI warns about this).
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -29,7 +33,7 @@ from pydantic import ValidationError
 
 from router.contract.errors import Unavailable
 from router.contract.fleet import JournalState, JournalTarget
-from router.gateway import state_file
+from router.gateway.state.durable import DurableRecord, as_record
 
 log = logging.getLogger(__name__)
 
@@ -39,40 +43,37 @@ JOURNAL_FILE = "update_journal.json"
 class UpdateJournal:
     """The pending entry (at most one) and its durable copy."""
 
-    def __init__(self, state_dir: Path | None):
-        self.state_dir = state_dir
+    def __init__(self, state: DurableRecord | Path | None):
+        self.record = as_record(state, JOURNAL_FILE)
         self.pending: JournalState | None = None
-
-    @property
-    def path(self) -> Path | None:
-        return None if self.state_dir is None else self.state_dir / JOURNAL_FILE
 
     def load(self) -> JournalState | None:
         """Read the entry left by a previous run (at start-up, before the event loop serves).
 
         An entry still ``in_flight`` means the router died mid-update; it becomes
-        ``failed``. A file that exists but cannot be read raises; the caller
-        treats that as "every worker uncertain" (see :meth:`load_or_unreadable`).
+        ``failed`` (written back when the store takes it). A record that exists but
+        cannot be read raises; the caller treats that as "every worker uncertain"
+        (see :meth:`load_or_unreadable`).
         """
         self.pending = None
-        path = self.path
-        if path is None or not path.exists():
+        data = self.record.load()
+        if data is None:
             return None
-        state = JournalState.model_validate_json(path.read_text())
+        state = JournalState.model_validate_json(data)
         if state.state == "in_flight":
             state.state = "failed"
             state.reason = f"router stopped during {state.path}; targets' weights are uncertain"
             state.failed = [t.id for t in state.targets]
-            self._persist(state)
+            self.record.save_now(_encode(state))
         self.pending = state
         return state
 
     def load_or_unreadable(self, all_workers: Iterable[tuple[str, str]]) -> JournalState | None:
-        """Like :meth:`load`, but an unreadable file fences every given worker."""
+        """Like :meth:`load`, but an unreadable record fences every given worker."""
         try:
             return self.load()
         except (OSError, ValueError, ValidationError) as exc:
-            log.error("update journal %s is unreadable (%s); keeping every worker disabled", self.path, exc)
+            log.error("update journal in %s is unreadable (%s); keeping every worker disabled", self.location, exc)
             state = JournalState(
                 state="failed",
                 path="(unknown)",
@@ -82,8 +83,12 @@ class UpdateJournal:
             )
             state.failed = [t.id for t in state.targets]
             self.pending = state
-            self._persist(state)
+            self.record.save_now(_encode(state))
             return state
+
+    @property
+    def location(self) -> str:
+        return self.record.location
 
     async def begin(self, path: str, targets: Iterable[tuple[str, str, bool]]) -> None:
         """Record an update about to start; raise 503 (and change nothing) if it cannot be made durable."""
@@ -94,7 +99,7 @@ class UpdateJournal:
             targets=[JournalTarget(id=i, url=u, previous_disabled=d) for i, u, d in targets],
         )
         try:
-            await asyncio.to_thread(self._persist, state)
+            await self.record.save_or_raise(_encode(state))
         except OSError as exc:
             raise Unavailable(f"update refused: cannot write the update journal ({exc})") from None
         self.pending = state
@@ -102,25 +107,16 @@ class UpdateJournal:
     async def fail(self, kept_ids: Iterable[str], reason: str) -> None:
         """The update ended with these targets' weights uncertain: the entry keeps exactly them."""
         if self._mark_failed(kept_ids, reason):
-            await self._save()
+            await self.record.save(_encode(self.pending))
 
     def fail_now(self, kept_ids: Iterable[str], reason: str) -> None:
         """:meth:`fail` without leaving the calling thread (an interrupted operation, perhaps at shutdown)."""
         if self._mark_failed(kept_ids, reason):
-            try:
-                self._persist(self.pending)
-            except OSError as exc:  # the in-memory entry still fences the workers
-                log.error("could not persist the failed update journal: %s", exc)
+            self.record.save_now(_encode(self.pending))
 
     async def clear(self) -> None:
         self.pending = None
-        path = self.path
-        if path is None:
-            return
-        try:
-            await asyncio.to_thread(state_file.remove, path)
-        except OSError as exc:
-            log.error("could not remove update journal %s: %s", path, exc)
+        await self.record.save(None)
 
     async def discard_target(self, worker_id: str) -> bool:
         """Drop one worker from a failed entry (the operator re-enabled it); True if it was there."""
@@ -135,7 +131,7 @@ class UpdateJournal:
             return True
         state.targets = remaining
         state.failed = [f for f in state.failed if f != worker_id]
-        await self._save()
+        await self.record.save(_encode(state))
         return True
 
     def names(self, worker_id: str) -> bool:
@@ -152,17 +148,6 @@ class UpdateJournal:
         state.reason = reason
         return True
 
-    async def _save(self) -> None:
-        state = self.pending
-        if state is None:
-            return
-        try:
-            await asyncio.to_thread(self._persist, state)
-        except OSError as exc:  # the in-memory entry still fences the workers
-            log.error("could not persist the update journal: %s", exc)
 
-    def _persist(self, state: JournalState | None) -> None:
-        path = self.path
-        if path is None or state is None:
-            return
-        state_file.write_atomic(path, state.model_dump_json(indent=1).encode())
+def _encode(state: JournalState | None) -> bytes | None:
+    return None if state is None else state.model_dump_json(indent=1).encode()

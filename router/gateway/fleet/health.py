@@ -9,6 +9,11 @@ another worker died) for its endpoints' longer budgets. Workers that an update i
 are probed but their failures are not counted (see ``Worker.update_holds``),
 and their metadata is left alone until the update settles. Every call goes
 through the gateway's worker client (:class:`~router.gateway.upstream.WorkerClient`).
+
+A worker found dead has its generation requests in flight ended at once
+(:meth:`WorkerProber.give_up_requests`): one that had no answer yet is retried on another
+worker within the retry budget, a stream already relaying ends with an error event, rather
+than both waiting for ``--request-timeout-s`` on a worker that stopped answering.
 """
 
 from __future__ import annotations
@@ -54,6 +59,13 @@ class WorkerProber:
         answer = await self._workers.fetch(worker.url, HEALTH_PATH, HealthStatus, headers={}, timeout_s=self._timeout_s)
         return answer.value
 
+    def give_up_requests(self, worker: Worker) -> None:
+        """The worker stopped answering: its generation requests still waiting would wait for
+        ``--request-timeout-s``; end them now (the proxy retries those that got no answer yet)."""
+        cut = self._workers.cut_generation(worker.url, f"worker {worker.id} stopped answering health checks")
+        if cut:
+            log.warning("worker %s is dead: ended %d request(s) in flight on it", worker.id, cut)
+
     async def refresh_metadata(self, worker: Worker) -> bool:
         """Update the worker's version, weight state, instance and ``tp_size``; False if it did not answer."""
         answer = await self._workers.call(worker.url, ep.MODEL_INFO, headers=self._headers, cap_s=self._timeout_s)
@@ -89,6 +101,8 @@ class HealthChecker:
         ok = await self._prober.probe(worker)
         if self._registry.observe_probe(worker, ok):
             log.info("worker %s (%s) is now %s", worker.id, worker.url, worker.health)
+            if worker.health == "dead":
+                self._prober.give_up_requests(worker)
         if ok and worker.update_holds == 0:
             await self._prober.refresh_metadata(worker)
 

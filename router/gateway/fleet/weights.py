@@ -10,15 +10,15 @@ since (a late join), or one whose weights are ``partial`` or ``released`` is
 *pending*: it still receives admin broadcasts, and the next broadcast that
 brings it to the fleet's weights makes it routable again.
 
-The record lives in ``<state_dir>/fleet_weights.json`` (written atomically, off
-the event loop), so a router restart does not forget which weights are current.
+The record is ``fleet_weights.json`` in the router's state store (``--state-dir``,
+written atomically off the event loop; :mod:`router.gateway.state`), so a router
+restart does not forget which weights are current.
 Before the first weight change there is no record, and every worker's boot
 weights count as the fleet's.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections import Counter
@@ -28,7 +28,7 @@ from typing import Protocol
 
 from pydantic import BaseModel, Field, ValidationError
 
-from router.gateway import state_file
+from router.gateway.state.durable import DurableRecord, as_record
 
 log = logging.getLogger(__name__)
 
@@ -66,19 +66,20 @@ class ReportedWeights(Protocol):
 class FleetWeights:
     """The record, and the rule that decides whether a worker holds the fleet's weights."""
 
-    def __init__(self, state_dir: Path | None):
-        self._path = None if state_dir is None else state_dir / FLEET_FILE
+    def __init__(self, state: DurableRecord | Path | None):
+        self._stored = as_record(state, FLEET_FILE)
         self.record: FleetRecord | None = self._load()
 
     def _load(self) -> FleetRecord | None:
-        if self._path is None or not self._path.exists():
-            return None
         try:
-            return FleetRecord.model_validate_json(self._path.read_text())
+            data = self._stored.load()
+            return None if data is None else FleetRecord.model_validate_json(data)
         except (OSError, ValueError, ValidationError) as exc:
             # Without the record no worker can be shown to hold the current weights: trust none.
             log.error(
-                "fleet weights record %s is unreadable (%s); every worker is pending until an update", self._path, exc
+                "fleet weights record in %s is unreadable (%s); every worker is pending until an update",
+                self._stored.location,
+                exc,
             )
             return FleetRecord(weight_version=None, changed_at=time.time(), holders={})
 
@@ -113,8 +114,5 @@ class FleetWeights:
             holders={wid: w.instance_id for wid, w in reports if w.weight_version == version and w.instance_id},
         )
         self.record = record
-        if self._path is not None:
-            try:
-                await asyncio.to_thread(state_file.write_atomic, self._path, record.model_dump_json(indent=1).encode())
-            except OSError as exc:  # the in-memory record still decides routing
-                log.error("could not persist the fleet weights record %s: %s", self._path, exc)
+        # The in-memory record decides routing whether or not the store takes it now.
+        await self._stored.save(record.model_dump_json(indent=1).encode())

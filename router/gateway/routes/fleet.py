@@ -104,6 +104,9 @@ async def health(request: web.Request) -> web.Response:
     even when no worker is routable. Says how discovery fares when it is on."""
     routable = len(request.app[keys.REGISTRY].routable())
     body: dict[str, object] = {"status": "ok", "routable_workers": routable}
+    storage = request.app[keys.STATE].view()
+    if storage is not None:
+        body["state_storage"] = storage.model_dump()
     status = request.app.get(keys.DISCOVERY_STATUS)
     if status is not None:
         body["discovery"] = status.view()
@@ -123,7 +126,8 @@ async def readiness(request: web.Request) -> web.Response:
 
 
 async def get_journal(request: web.Request) -> web.Response:
-    return web.json_response(JournalView(pending=request.app[keys.JOURNAL].pending).model_dump())
+    view = JournalView(pending=request.app[keys.JOURNAL].pending, storage=request.app[keys.STATE].view())
+    return web.json_response(view.model_dump())
 
 
 async def resolve_journal(request: web.Request) -> web.Response:

@@ -119,6 +119,12 @@ class WorkerClient:
             base_url, endpoint.path, endpoint.response, method=method, body=body, headers=headers, timeout_s=timeout_s
         )
 
+    def cut_generation(self, base_url: str, message: str) -> int:
+        """End the generation requests in flight to one worker (the prober found it dead): a request
+        still without an answer fails as if its connection broke, so the proxy retries it elsewhere,
+        and a stream already relaying ends with an error event. Admin calls keep their own bounds."""
+        return self._transport(base_url, self._streams).cut(base_url, message)
+
     async def close(self) -> None:
         """Close every pooled connection and the aiohttp session (after the calls in flight)."""
         self._streams.close()

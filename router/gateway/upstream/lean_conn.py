@@ -142,6 +142,10 @@ class LeanConnection(asyncio.Protocol):
         if self.transport is not None:
             self.transport.close()
 
+    def cut(self, message: str) -> None:
+        """The router gave up on this worker (its health checks say it is dead): fail whatever waits, and close."""
+        self._broken(UpstreamError(message))
+
     def expire(self, message: str) -> None:
         """The request's deadline passed: fail whatever waits, and close."""
         self._fail(TimeoutError(message))

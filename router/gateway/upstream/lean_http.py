@@ -128,6 +128,8 @@ class HttpUpstream:
 
     def __init__(self, *, limit: int, connect_timeout_s: float, max_idle_per_host: int | None = None):
         self._idle: dict[tuple[str, int], list[LeanConnection]] = {}
+        # Connections carrying a request now, per worker: what :meth:`cut` ends.
+        self._busy: dict[tuple[str, int], set[LeanConnection]] = {}
         self._slots = asyncio.Semaphore(limit) if limit > 0 else None
         self._waiting = 0
         self._connect_timeout_s = connect_timeout_s
@@ -212,10 +214,15 @@ class HttpUpstream:
         try:
             conn = await self._checkout(key, deadline)
             timer = loop.call_at(deadline, conn.expire, f"no complete answer within {timeout_s:g}s")
+            busy = self._busy.get(key)
+            if busy is None:
+                busy = self._busy[key] = set()
+            busy.add(conn)
             try:
                 await conn.send(payload)
             except BaseException:
                 timer.cancel()
+                busy.discard(conn)
                 conn.close()
                 raise
         except BaseException:
@@ -238,7 +245,20 @@ class HttpUpstream:
             _, conn = await loop.create_connection(LeanConnection, key[0], key[1])
         return conn
 
+    def cut(self, base_url: str, message: str) -> int:
+        """End every request in flight to one worker now: whoever waits for its head or body gets
+        :class:`UpstreamError` (``message``). Returns how many were cut."""
+        busy = self._busy.pop(self._target(base_url)[0], set())
+        for conn in busy:
+            conn.cut(message)
+        return len(busy)
+
     def _checkin(self, key: tuple[str, int], conn: LeanConnection) -> None:
+        busy = self._busy.get(key)
+        if busy is not None:
+            busy.discard(conn)
+            if not busy:
+                del self._busy[key]
         if self._slots is not None:
             self._slots.release()
         now = time.monotonic()

@@ -75,6 +75,10 @@ class Transport(Protocol):
         """One whole exchange: ``(status, body)``; the deadline covers it all."""
         ...
 
+    def cut(self, base_url: str, message: str) -> int:
+        """End the requests in flight to one worker: their waits raise :class:`UpstreamError` (``message``)."""
+        ...
+
 
 def mime_type(content_type: str | None) -> str:
     """``application/json; charset=utf-8`` → ``application/json`` (aiohttp's default when absent)."""

@@ -8,10 +8,15 @@ aiohttp's own errors are turned into the transport errors of
 ``aiohttp.ClientConnectionError`` before an answer began is a ``ConnectionError``, any other
 ``aiohttp.ClientError`` an :class:`~router.gateway.upstream.transport.UpstreamError`, and a
 passed deadline stays a ``TimeoutError``.
+
+:meth:`AiohttpUpstream.cut` ends every request in flight to one worker: a request still
+waiting for its head stops waiting (its aiohttp request is cancelled), an answer being read is
+closed, and both raise :class:`~router.gateway.upstream.transport.UpstreamError`.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -24,11 +29,21 @@ STREAM_CHUNK = 64 * 1024
 
 
 class _AiohttpResponse:
-    __slots__ = ("_resp", "status")
+    __slots__ = ("_cut", "_on_release", "_resp", "status")
 
-    def __init__(self, resp: aiohttp.ClientResponse):
+    def __init__(self, resp: aiohttp.ClientResponse, on_release: set[_AiohttpResponse]):
         self._resp = resp
         self.status = resp.status
+        self._cut: str | None = None
+        self._on_release = on_release
+        on_release.add(self)
+
+    def cut(self, message: str) -> None:
+        self._cut = message
+        self._resp.close()
+
+    def _error(self, exc: aiohttp.ClientError) -> UpstreamError:
+        return UpstreamError(self._cut or f"{type(exc).__name__}: {exc}")
 
     def header(self, name: str) -> str | None:
         return self._resp.headers.get(name)
@@ -53,7 +68,7 @@ class _AiohttpResponse:
         except TimeoutError:
             raise
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+            raise self._error(exc) from None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -62,9 +77,12 @@ class _AiohttpResponse:
         except TimeoutError:
             raise
         except aiohttp.ClientError as exc:
-            raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+            raise self._error(exc) from None
+        if self._cut is not None:  # closed under the reader: what came is not the whole answer
+            raise UpstreamError(self._cut)
 
     def release(self) -> None:
+        self._on_release.discard(self)
         self._resp.release()
 
 
@@ -75,6 +93,9 @@ class AiohttpUpstream:
         self._limit = limit
         self._connect_timeout_s = connect_timeout_s
         self._session: aiohttp.ClientSession | None = None
+        # Per worker: what :meth:`cut` ends (a signal for requests awaiting their head, the answers being read).
+        self._cut_signals: dict[str, asyncio.Future[str]] = {}
+        self._answers: dict[str, set[_AiohttpResponse]] = {}
 
     def _client(self) -> aiohttp.ClientSession:
         session = self._session
@@ -88,15 +109,42 @@ class AiohttpUpstream:
     ) -> _AiohttpResponse:
         """Send the request and wait for the answer's head (the errors of the module docstring)."""
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(self._connect_timeout_s, timeout_s))
+        signal = self._cut_signals.get(base_url)
+        if signal is None:
+            signal = self._cut_signals[base_url] = asyncio.get_running_loop().create_future()
+        sent = asyncio.ensure_future(
+            self._client().request(method, base_url + path, data=body, headers=headers, timeout=timeout)
+        )
         try:
-            resp = await self._client().request(method, base_url + path, data=body, headers=headers, timeout=timeout)
+            await asyncio.wait((sent, signal), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            if not sent.done():  # cut, or the caller went away: stop waiting for the head
+                sent.cancel()
+                await asyncio.gather(sent, return_exceptions=True)
+        if sent.cancelled():
+            raise UpstreamError(signal.result())
+        try:
+            resp = sent.result()
         except TimeoutError:
             raise
         except aiohttp.ClientConnectionError as exc:
             raise ConnectionError(f"{type(exc).__name__}: {exc}") from None
         except aiohttp.ClientError as exc:
             raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
-        return _AiohttpResponse(resp)
+        answers = self._answers.get(base_url)
+        if answers is None:
+            answers = self._answers[base_url] = set()
+        return _AiohttpResponse(resp, answers)
+
+    def cut(self, base_url: str, message: str) -> int:
+        """End every request in flight to one worker (see the module docstring); how many were cut."""
+        signal = self._cut_signals.pop(base_url, None)
+        if signal is not None and not signal.done():
+            signal.set_result(message)
+        answers = self._answers.pop(base_url, set())
+        for answer in answers:
+            answer.cut(message)
+        return len(answers)
 
     async def fetch(
         self,

@@ -1,0 +1,143 @@
+"""The router's state store refuses writes: the router still starts, fences, reports, and catches up.
+
+The fault is made by putting a directory where the store writes its temporary
+file (``<record>.tmp``): every write of that record then fails with an
+``OSError``, whoever runs the test (a read-only mount would not stop root).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+from router.contract.fleet import JournalState, JournalTarget
+from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal
+from router.gateway.fleet.registry import normalize_url, worker_id_for
+from router.gateway.state.durable import DurableState
+from tests._router_fixtures import (
+    ADMIN_KEY,
+    auth,
+    generate_via,
+    make_tiny_checkpoint,
+    start_router,
+    start_workers,
+    wait_for,
+)
+from tests.procs import http_json
+
+
+def block_writes(state_dir: Path, name: str) -> Path:
+    blocker = state_dir / f"{name}.tmp"
+    blocker.mkdir(parents=True)
+    (blocker / "keep").write_text("a directory where the store's temporary file goes")
+    return blocker
+
+
+class TestDurableRecord:
+    async def test_an_unsaved_record_is_written_once_the_store_takes_it(self, tmp_path):
+        state = DurableState.in_directory(tmp_path)
+        record = state.record("r.json")
+        blocker = block_writes(tmp_path, "r.json")
+        assert not await record.save(b"one")
+        assert record.unsaved and record.error is not None
+        view = state.view()
+        assert view is not None and not view.healthy and view.unsaved == ["r.json"] and "r.json" in view.error
+        assert not (tmp_path / "r.json").exists()
+        # A newer content is what the retry writes, never an older one.
+        assert not await record.save(b"two")
+        shutil.rmtree(blocker)
+        await state.retry_unsaved()
+        assert (tmp_path / "r.json").read_bytes() == b"two"
+        assert not record.unsaved and record.error is None
+        view = state.view()
+        assert view is not None and view.healthy and view.unsaved == []
+
+    async def test_save_or_raise_keeps_the_previous_content_wanted(self, tmp_path):
+        state = DurableState.in_directory(tmp_path)
+        record = state.record("r.json")
+        assert await record.save(b"old")
+        blocker = block_writes(tmp_path, "r.json")
+        with pytest.raises(OSError):
+            await record.save_or_raise(b"new")
+        shutil.rmtree(blocker)
+        await state.retry_unsaved()
+        assert (tmp_path / "r.json").read_bytes() == b"old"
+
+    def test_a_crash_journal_on_a_store_that_refuses_writes_still_loads(self, tmp_path):
+        crash = JournalState(
+            state="in_flight",
+            path="/update_weights_from_disk",
+            started_at=time.time(),
+            targets=[JournalTarget(id="w-a", url="http://127.0.0.2:1", previous_disabled=False)],
+        )
+        (tmp_path / JOURNAL_FILE).write_text(crash.model_dump_json())
+        block_writes(tmp_path, JOURNAL_FILE)
+        journal = UpdateJournal(DurableState.in_directory(tmp_path).record(JOURNAL_FILE))
+        pending = journal.load_or_unreadable([("w-a", "http://127.0.0.2:1")])
+        assert pending is not None and pending.state == "failed" and pending.failed == ["w-a"]
+        assert journal.record.unsaved
+        # The store still holds the old entry: it fences the same workers if the router restarts now.
+        assert json.loads((tmp_path / JOURNAL_FILE).read_text())["state"] == "in_flight"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("storage") / "model")
+    procs = start_workers(model, 2, extra_args=["--admin-api-key", ADMIN_KEY])
+    yield [url for _, url in procs]
+    for proc, _ in procs:
+        proc.stop()
+
+
+def test_router_starts_on_a_crash_journal_it_cannot_rewrite(pair, tmp_path):
+    """Before, rewriting the entry as failed raised at start-up and the router crash-looped."""
+    journaled, _ = pair
+    journaled_id, other_id = (worker_id_for(normalize_url(u)) for u in pair)
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    crash = JournalState(
+        state="in_flight",
+        path="/update_weights_from_disk",
+        started_at=time.time(),
+        targets=[JournalTarget(id=journaled_id, url=journaled, previous_disabled=False)],
+    )
+    (state_dir / JOURNAL_FILE).write_text(crash.model_dump_json())
+    blocker = block_writes(state_dir, JOURNAL_FILE)
+
+    proc, url = start_router(pair, admin_key=ADMIN_KEY, state_dir=state_dir, wait_healthy=1)
+    try:
+        status, health = http_json("GET", url + "/health")
+        assert status == 200
+        storage = health["state_storage"]
+        assert storage["healthy"] is False and storage["unsaved"] == [JOURNAL_FILE] and storage["error"]
+
+        status, view = http_json("GET", url + "/weight_update_journal", headers=auth())
+        assert status == 200
+        assert view["pending"]["state"] == "failed"
+        assert view["pending"]["failed"] == [journaled_id]
+        assert view["storage"]["healthy"] is False
+
+        # The journaled worker serves nothing; the other one serves everything.
+        served = {generate_via(url)[2] for _ in range(6)}
+        assert served == {other_id}
+        # No update starts while the entry is pending.
+        status, body = http_json("POST", url + "/pause_generation", {"mode": "abort"}, headers=auth(), timeout=30)
+        assert status == 409, body
+
+        # The store takes writes again: the failed entry reaches it, and /health says so.
+        shutil.rmtree(blocker)
+        wait_for(lambda: http_json("GET", url + "/health")[1]["state_storage"]["healthy"], timeout=20)
+        on_disk = json.loads((state_dir / JOURNAL_FILE).read_text())
+        assert on_disk["state"] == "failed" and on_disk["failed"] == [journaled_id]
+
+        # The documented recovery works: resolve, and the worker is routable again.
+        status, body = http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": True}, headers=auth())
+        assert status == 200 and body["resolved"], body
+        assert not (state_dir / JOURNAL_FILE).exists()
+        wait_for(lambda: {generate_via(url)[2] for _ in range(6)} == {journaled_id, other_id}, timeout=20)
+    finally:
+        proc.stop()
