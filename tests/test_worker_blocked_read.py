@@ -290,7 +290,7 @@ def stuck_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stuc
 
 def _with_coordinator(model_dir: Path, body: Callable[[Coordinator], Coroutine[Any, Any, None]]) -> None:
     """Run ``body(coordinator)`` in a fresh event loop with a started in-process pipeline."""
-    coord = Coordinator(Stage("llm", [Scheduler(ModelWorker(str(model_dir)), rank=0, max_running_requests=4)]))
+    coord = Coordinator(Stage("llm", Scheduler(ModelWorker(str(model_dir)), rank=0, max_running_requests=4)))
 
     async def main() -> None:
         coord.stage.start()

@@ -6,6 +6,20 @@ that change weights or pause state, and bounds every wait with a timeout.
 Extension point for other admin routes: :meth:`Coordinator.admin` (an op on
 every rank, aggregated into one typed :class:`~worker.stage.StageResult`), inside
 :meth:`Coordinator.admin_section` when the op changes weights.
+
+The worker's lock order, stated once here (a call holding one lock waits only for those below it):
+
+1. the weight-sync call lock (:meth:`~worker.transfer.controller.WeightSyncController.holding`):
+   one weight-sync call at a time, SGLang's and vLLM's; a complete holds it while it waits for its receive;
+2. the writer lock (:class:`~worker.updates.UpdatePipeline`): one update transaction at a time. A
+   transaction holds it, not a call: a prepared two-phase or open vLLM update keeps it between calls,
+   and the calls that end it (complete, abort, finish, the expiry) take only the call lock;
+3. the admin lock (:meth:`Coordinator.admin_section`): one step that changes weights or pause state.
+
+Past a lock wait's bound the caller gets 503 naming the holder. A call's own ``timeout_s`` caps every
+wait it makes, lock waits included: each lasts at most its usual bound (30 s for the call and writer
+locks, 10 s for an abort, the step's bound for the admin lock) or ``timeout_s``, whichever is shorter;
+the work after a wait (applying what was received, say) keeps its own bound (:mod:`router.contract.budget`).
 """
 
 from __future__ import annotations
@@ -15,8 +29,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import replace
+from collections.abc import AsyncIterator, Callable
 from functools import partial
 from typing import Any, TypeVar, cast
 
@@ -28,24 +41,22 @@ from router.contract.admin import (
     RankResult,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
-    WeightsEffect,
     WeightStateName,
 )
 from router.contract.vllm import SCHEDULER_PAUSE_MODE
 from router.contract.vllm_dev import SLEEP_PAUSE_MODE, AbortRequestsRequest, SleepQuery, WakeUpQuery
 from router.dataplane.buckets import NamedTensors
 from worker.engine import admin_ops
-from worker.engine.daemon_thread import Abandoned, run_on_daemon_thread
-from worker.engine.model_worker import ModelWorker, StagedCheckpoint, WeightUpdateError
+from worker.engine.model_worker import ModelWorker
 from worker.engine.request import GenerationParams
-from worker.engine.results import AbortedRequests, Answered, OpResult, Paused, RankInfo
+from worker.engine.results import AbortedRequests, OpResult, Paused, RankInfo
 from worker.engine.scheduler import Scheduler
-from worker.engine.weight_ops import CommitOptions
 from worker.engine.weight_state import WeightState
 from worker.generation_service import SHUTDOWN_ABORT_WAIT_S, GenerationService
+from worker.one_step_updates import OneStepUpdates, answered
 from worker.stage import AdminTimeout, RankOp, Stage, StageResult, held
 from worker.tp.follower import RankState
-from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
+from worker.updates import UpdatePipeline
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +78,8 @@ class Coordinator:
         """Generation admission: submit, release, abort, drain."""
         self.updates = UpdatePipeline(self)
         """Every weight update of this worker goes through this one pipeline."""
+        self.one_step = OneStepUpdates(stage, self.updates)
+        """Updates whose weights the call itself brings (a checkpoint on disk, tensors)."""
         self.instance_id = uuid.uuid4().hex
         """Tells a router that this process is new (a restarted worker holds its boot checkpoint)."""
 
@@ -205,7 +218,7 @@ class Coordinator:
             tags = req.memory_tags()
             resume = MemoryOccupationRequest.model_validate({"tags": tags or None})
             if tags == []:  # ``scheduling`` alone: no memory to restore
-                result: StageResult[Any] = self._answer("wake_up", True, "nothing to restore", resumed=[])
+                result: StageResult[Any] = answered(self.stage, "wake_up", True, "nothing to restore", resumed=[])
             else:
                 result = await self.admin("wake_up", partial(admin_ops.resume_memory, req=resume), _left(deadline))
             if result.success and not self.worker.released_tags and self.is_paused:
@@ -231,126 +244,14 @@ class Coordinator:
             await asyncio.sleep(DRAIN_POLL_S)
 
     async def update_weights_from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult[Any]:
-        """One update transaction: check, read and validate the checkpoint off the scheduler
-        thread (inference keeps running), abort requests if asked, write it in one step."""
-
-        def options(staged: StagedCheckpoint) -> CommitOptions:
-            return CommitOptions(
-                names=tuple(name for name, _ in staged.tensors),
-                whole=True,
-                weight_version=req.weight_version,
-                flush_cache=req.flush_cache,
-                keep_pause=req.keep_pause,
-                empty_cache=req.torch_empty_cache,
-                token_step=req.token_step,
-                model_path=staged.path,
-                load_format=staged.load_format,
-            )
-
-        result = await self._update_in_one_step(
-            "update_weights_from_disk",
-            abort_all=req.abort_all_requests,
-            timeout_s=timeout_s,
-            stage=lambda bound_s: self._read_checkpoint(req, bound_s),
-            tensors=lambda staged: staged.tensors,
-            require_complete=True,
-            options=options,
-        )
-        if result.data is not None:
-            result.data = replace(result.data, model_path=self.worker.model_path)
-        return result
+        """See :meth:`OneStepUpdates.from_disk`."""
+        return await self.one_step.from_disk(req, timeout_s)
 
     async def update_weights_from_tensor(
         self, req: UpdateWeightsFromTensorRequest, stage: Callable[[], NamedTensors], timeout_s: float
     ) -> StageResult[Any]:
-        """Like :meth:`update_weights_from_disk`: ``stage`` (open the shared memory, copy the tensors
-        out; already checked against the model) runs off the event loop, then the tensors are written
-        in one step with rollback. It may be a subset of the weights."""
-
-        def options(named: NamedTensors) -> CommitOptions:
-            return CommitOptions(
-                names=tuple(name for name, _ in named), weight_version=req.weight_version, flush_cache=req.flush_cache
-            )
-
-        return await self._update_in_one_step(
-            "update_weights_from_tensor",
-            abort_all=req.abort_all_requests,
-            timeout_s=timeout_s,
-            stage=lambda bound_s: asyncio.wait_for(asyncio.to_thread(stage), bound_s),
-            tensors=lambda named: named,
-            require_complete=False,
-            options=options,
-            staging_errors=(ValueError, OSError, RuntimeError),
-        )
-
-    async def _update_in_one_step(
-        self,
-        action: str,
-        *,
-        abort_all: bool,
-        timeout_s: float,
-        stage: Callable[[float], Awaitable[S]],
-        tensors: Callable[[S], NamedTensors],
-        require_complete: bool,
-        options: Callable[[S], CommitOptions],
-        staging_errors: tuple[type[Exception], ...] = (),
-    ) -> StageResult[Any]:
-        """begin → ``stage`` (bounded by the step's time) → take → apply (one step, rollback) → commit,
-        or fail: the shape of every update whose weights are staged whole before they are written."""
-        try:
-            txn = await self.updates.begin(
-                action, abort_all=abort_all, streaming=False, timeout_s=timeout_s, after_deadline_s=0.0
-            )
-        except UpdateRefused as exc:
-            return self._answer(action, False, str(exc), weights="intact")
-        refusals: tuple[type[Exception], ...] = (UpdateRefused, UpdateFailed, WeightUpdateError, *staging_errors)
-        try:
-            staged = await stage(txn.step_s())
-            await self.updates.take(txn)
-            await self.updates.apply(txn, tensors(staged), require_complete=require_complete)
-        except TimeoutError:  # before the refusals: a TimeoutError is an OSError too
-            await self.updates.fail(txn)
-            raise AdminTimeout(action, timeout_s) from None
-        except refusals as exc:
-            effect = await self.updates.fail(txn)
-            if isinstance(exc, UpdateFailed):
-                effect = exc.effect
-            prefix = "" if isinstance(exc, UpdateRefused) else "Failed to update weights: "
-            return self._answer(action, False, f"{prefix}{exc}", num_aborted=txn.num_aborted, weights=effect)
-        result: StageResult[Any] = await self.updates.commit(txn, options(staged))
-        result.message = (
-            "Succeeded to update model weights." if result.success else f"Failed to update weights: {result.message}"
-        )
-        if result.data is not None:
-            result.data = replace(result.data, num_aborted=txn.num_aborted)
-        return result
-
-    async def _read_checkpoint(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StagedCheckpoint:
-        """Every rank reads and validates the checkpoint (all ranks share one host today, so the
-        leader's read serves them all), on a daemon thread of its own: a read stuck on a hung file
-        system then holds up neither the event loop nor the process's exit. At ``timeout_s`` it
-        raises :class:`TimeoutError` and the read is abandoned (told to stop, its result dropped); a
-        read abandoned because the worker is shutting down fails the update at once."""
-        stage = partial(self.worker.stage_checkpoint, req.model_path, req.load_format)
-        try:
-            return await run_on_daemon_thread(lambda stop: stage(cancel=stop), timeout_s, name="checkpoint-read")
-        except Abandoned as exc:
-            raise WeightUpdateError(f"the checkpoint read was abandoned: {exc}") from None
-
-    def _answer(
-        self,
-        action: str,
-        ok: bool,
-        message: str,
-        *,
-        weights: WeightsEffect | None = None,
-        num_aborted: int | None = None,
-        resumed: list[str] | None = None,
-    ) -> StageResult[Answered]:
-        """A stage-level answer built here (no scheduler round trip), with every rank's result."""
-        data = Answered(self.scheduler.num_waiting, weights, num_aborted=num_aborted, resumed=resumed)
-        result = OpResult(ok, message, data)
-        return self.stage.describe(action, lambda _rank: result)
+        """See :meth:`OneStepUpdates.from_tensor`."""
+        return await self.one_step.from_tensor(req, stage, timeout_s)
 
     async def flush_cache(self, wait_s: float, timeout_s: float) -> StageResult[None]:
         """Flush; with ``wait_s`` > 0, retry until the worker is idle or the time is up."""

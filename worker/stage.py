@@ -122,41 +122,32 @@ def aggregate(action: str, results: list[OpResult[T]]) -> StageResult[T]:
 class Stage:
     """A named stage: rank 0's scheduler, and the follower ranks of a tensor-parallel worker."""
 
-    def __init__(self, name: str, ranks: list[Scheduler], peers: TPPeers | None = None):
-        if not ranks:
-            raise ValueError("a stage needs at least one rank")
-        if peers is not None and len(ranks) != 1:
-            raise ValueError("a tensor-parallel stage has one scheduler (rank 0's); its followers are its peers")
+    def __init__(self, name: str, leader: Scheduler, peers: TPPeers | None = None):
         self.name = name
-        self.ranks = ranks
+        self.leader = leader
+        """Rank 0's scheduler: it serves generation and sends every admin operation to the followers."""
         self.peers = peers
 
     @property
-    def leader(self) -> Scheduler:
-        return self.ranks[0]
-
-    @property
     def tp_size(self) -> int:
-        return len(self.ranks) if self.peers is None else self.peers.size
+        return 1 if self.peers is None else self.peers.size
 
     def states(self) -> list[RankState]:
         """Every rank as status reads see it: rank 0 now, and each follower as it last reported itself."""
         followers = [] if self.peers is None else [f.state for f in self.peers.followers]
-        return [*(RankState.of(rank) for rank in self.ranks), *followers]
+        return [RankState.of(self.leader), *followers]
 
     def start(self) -> None:
-        for rank in self.ranks:
-            rank.start()
+        self.leader.start()
 
     def stop(self, timeout: float = 10.0) -> None:
-        for rank in self.ranks:
-            rank.stop(timeout)
+        self.leader.stop(timeout)
         if self.peers is not None:
             self.peers.close(timeout)
 
     @property
     def alive(self) -> bool:
-        return all(rank.alive for rank in self.ranks) and (self.peers is None or self.peers.alive)
+        return self.leader.alive and (self.peers is None or self.peers.alive)
 
     async def run(
         self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None = None
@@ -170,23 +161,17 @@ class Stage:
             raise SchedulerUnavailable(f"{action}: the scheduler thread is not running")
         if self.peers is not None:
             return await self._run_everywhere(action, op, timeout_s, follower_op)
-        futures = [rank.submit_admin(functools.partial(op, rank)) for rank in self.ranks]
-        waiters = [asyncio.wrap_future(f) for f in futures]
+        future = self.leader.submit_admin(functools.partial(op, self.leader))
         try:
-            outcomes = await asyncio.wait_for(asyncio.gather(*waiters, return_exceptions=True), timeout_s)
+            outcome: OpResult[Any] = await asyncio.wait_for(asyncio.wrap_future(future), timeout_s)
         except TimeoutError:
-            for f in futures:
-                f.cancel()  # only stops ops that have not started yet
+            future.cancel()  # only stops an op that has not started yet
             raise AdminTimeout(action, timeout_s) from None
-        results: list[OpResult[Any]] = []
-        for outcome in outcomes:
-            if isinstance(outcome, OpResult):
-                results.append(outcome)
-            else:
-                if not isinstance(outcome, (ValueError, RuntimeError)):
-                    log.error("admin op %s raised", action, exc_info=outcome)
-                results.append(OpResult(False, f"{action} failed: {type(outcome).__name__}: {outcome}"))
-        return aggregate(action, results)
+        except Exception as exc:
+            if not isinstance(exc, (ValueError, RuntimeError)):
+                log.error("admin op %s raised", action, exc_info=exc)
+            outcome = OpResult(False, f"{action} failed: {type(exc).__name__}: {exc}")
+        return aggregate(action, [outcome])
 
     async def _run_everywhere(
         self, action: str, op: RankOp, timeout_s: float, follower_op: RankOp | None

@@ -214,10 +214,10 @@ class UpdatePipeline:
         try:
             if streaming:
                 # Its buckets apply as they land: take the worker now (take checks first).
-                await self._take(txn, hold=True, allow_frozen=allow_frozen)
+                await self._take(txn, hold=True, allow_frozen=allow_frozen, lock_wait_s=timeout_s)
                 txn.advance(TxnPhase.HOLDING)
             else:
-                checked = await self._step(txn, partial(weight_ops.check, abort_all=abort_all))
+                checked = await self._step(txn, partial(weight_ops.check, abort_all=abort_all), lock_wait_s=timeout_s)
                 if not checked.success:
                     raise UpdateRefused(checked.message)
                 txn.advance(TxnPhase.CHECKED)
@@ -320,9 +320,13 @@ class UpdatePipeline:
 
     # -- internals ---------------------------------------------------------------------------
 
-    async def _take(self, txn: UpdateTransaction, *, hold: bool, allow_frozen: bool = False) -> None:
+    async def _take(
+        self, txn: UpdateTransaction, *, hold: bool, allow_frozen: bool = False, lock_wait_s: float | None = None
+    ) -> None:
         taken = await self._step(
-            txn, partial(weight_ops.take, abort_all=txn.abort_all, hold=hold, allow_frozen=allow_frozen)
+            txn,
+            partial(weight_ops.take, abort_all=txn.abort_all, hold=hold, allow_frozen=allow_frozen),
+            lock_wait_s=lock_wait_s,
         )
         if not taken.success:
             raise UpdateRefused(taken.message)
@@ -336,11 +340,20 @@ class UpdatePipeline:
             await self._coord.wait_returned(aborted, txn.step_s())
 
     async def _step(
-        self, txn: UpdateTransaction, op: RankOp, *, cleanup: bool = False, follower_op: RankOp | None = None
+        self,
+        txn: UpdateTransaction,
+        op: RankOp,
+        *,
+        cleanup: bool = False,
+        follower_op: RankOp | None = None,
+        lock_wait_s: float | None = None,
     ) -> StageResult[Any]:
         # A cleanup step runs even after the deadline (an update that timed out must still end).
         bound = max(txn.step_s(), CLEANUP_S) if cleanup else txn.step_s()
-        async with self._coord.admin_section(txn.action, bound):
+        # begin's steps wait for the admin lock no longer than the update's own timeout_s (the rule of
+        # worker.coordinator's lock order); the steps after its work may use the time granted after it.
+        wait_s = bound if lock_wait_s is None else min(bound, lock_wait_s)
+        async with self._coord.admin_section(txn.action, wait_s):
             return await self._coord.admin(txn.action, op, bound, follower_op)
 
     def _end(self, txn: UpdateTransaction) -> None:

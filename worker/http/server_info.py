@@ -54,7 +54,7 @@ async def server_info(request: web.Request) -> web.Response:
         {
             **config.public_dict(),
             "tp_size": coord.stage.tp_size,
-            "internal_states": [rank.internal_state() for rank in coord.stage.ranks],
+            "internal_states": [coord.stage.leader.internal_state()],
             "version": __version__,
             "weight_version": coord.worker.weight_version,
         }

@@ -1,13 +1,16 @@
 """Weight-sync routes: group lifecycle, SGLang's single-phase update, and the
 two-phase prepare/complete/abort protocol. Thin handlers over
-:class:`worker.transfer.controller.WeightSyncController`, one per row of the table
-at the bottom (its endpoint, the controller method, whether an empty body is allowed).
+:class:`worker.transfer.controller.WeightSyncController` (the groups) and its
+adapters (:mod:`worker.transfer.two_phase`, :mod:`worker.transfer.single_phase`),
+one per row of the table at the bottom (its endpoint, the call, whether an empty
+body is allowed).
 
 Status codes: 200 on success; 400 with the SGLang body (``success: false`` or
 ``status: "error"``, plus ``message``) and the project's ``error.message`` on
-any refusal or failure; 400 for a malformed body; 503 when the admin lock (or,
-for an abort, another weight-sync call) is busy; 504 when the scheduler thread
-did not answer in time.
+any refusal or failure; 400 for a malformed body; 503 when another weight-sync
+call or another update holds the worker past the call's lock wait (30 s, or the
+call's own ``timeout_s`` when shorter; 10 s for an abort: the lock order in
+:mod:`worker.coordinator`); 504 when the scheduler thread did not answer in time.
 
 ``/begin_weight_update`` and ``/end_weight_update`` are SGLang 0.5.23's
 bracket (:mod:`worker.transfer.bracket`): accepted, not required.
@@ -77,14 +80,14 @@ async def controller_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 _W = WeightSyncController
-#: (endpoint, controller method, whether an empty body is allowed)
+#: (endpoint, the call on the controller or its adapter, whether an empty body is allowed)
 _TABLE: list[tuple[ep.Endpoint[Any, Any], Call, bool]] = [
     (ep.INIT_WEIGHTS_UPDATE_GROUP, _W.init_group, False),
     (ep.DESTROY_WEIGHTS_UPDATE_GROUP, _W.destroy_group, True),
-    (ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, _W.update_from_distributed, False),
-    (ep.PREPARE_WEIGHTS_UPDATE, _W.prepare, False),
-    (ep.COMPLETE_WEIGHTS_UPDATE, _W.complete, False),
-    (ep.ABORT_WEIGHTS_UPDATE, _W.abort, True),
+    (ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, lambda sync, req: sync.single_phase.update(req), False),
+    (ep.PREPARE_WEIGHTS_UPDATE, lambda sync, req: sync.two_phase.prepare(req), False),
+    (ep.COMPLETE_WEIGHTS_UPDATE, lambda sync, req: sync.two_phase.complete(req), False),
+    (ep.ABORT_WEIGHTS_UPDATE, lambda sync, req: sync.two_phase.abort(req), True),
     (ep.BEGIN_WEIGHT_UPDATE, _begin, True),
     (ep.END_WEIGHT_UPDATE, _end, True),
 ]

@@ -28,6 +28,7 @@ from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
 from worker.tp.follower import STOP, Forward, RankSpec, RankState, RunOp, follower_main, join_group
+from worker.tp.ops import RankOp
 
 if TYPE_CHECKING:
     from worker.engine.results import OpResult
@@ -169,10 +170,10 @@ class TPPeers:
         for f in self.followers:
             self._guard(lambda f=f: f.receive(deadline, "a forward step"))
 
-    def send_op(self, action: str, op: Any) -> None:
+    def send_op(self, action: str, op: RankOp) -> None:
         self._send(RunOp(action, op), action)
 
-    def send_ops(self, action: str, ops: list[Any]) -> None:
+    def send_ops(self, action: str, ops: list[RankOp]) -> None:
         """One operation per follower, in rank order (each its own rank in a group, say)."""
         if len(ops) != len(self.followers):
             raise ValueError(f"{len(ops)} operations for {len(self.followers)} followers")

@@ -4,7 +4,7 @@ A :class:`ReceiveSession` is one update's receive: rank 0's :class:`BucketReceiv
 follower ranks' own receives (:mod:`worker.tp.transfer`), and the pipeline transaction the
 buckets are written in. :class:`Receives` plans (checks), starts and finishes sessions; the
 protocol adapters decide when, and own the transaction: two-phase and single-phase
-(:mod:`worker.transfer.controller`) begin one per receive, vLLM's
+(:mod:`worker.transfer.two_phase`, :mod:`worker.transfer.single_phase`) begin one per receive, vLLM's
 (:mod:`worker.transfer.vllm_engine`) writes several receives into the one it opened.
 
 Invariants:
@@ -56,6 +56,8 @@ RECEIVE_GRACE_S = 5.0
 SYNC_ACTION = "update_weights_from_distributed"
 #: How long the follower ranks get to drop their receive.
 CANCEL_WAIT_S = 10.0
+#: SGLang's words for a failed update that left the weights partial (both SGLang adapters say them).
+PARTIAL_NOTE = " The full weights of the ModelRunner are partially updated. Please discard the whole weights."
 
 
 @dataclass(eq=False)

@@ -24,7 +24,9 @@ The four calls are one transaction of the worker's update pipeline
 
 Calls out of order answer 409 and change nothing. An update nobody finishes ends
 by itself once its window has passed (``timeout_s`` of the start, else the
-receive default), failing as a receive would.
+receive default), failing as a receive would. Each call runs inside the
+controller's call lock (:meth:`~worker.transfer.controller.WeightSyncController.holding`);
+a start or an update with a ``timeout_s`` waits for it no longer than that.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class VllmWeightTransfer:
     # -- start / update / finish -----------------------------------------------------------------
 
     async def start(self, req: StartWeightUpdateRequest) -> Answer:
-        async with self.sync.holding("start_weight_update"):
+        async with self.sync.holding("start_weight_update", timeout_s=req.timeout_s):
             if self._held.current is not None:
                 return _conflict("a weight update is already started: call /finish_weight_update first")
             window = req.timeout_s or self.sync.receive_timeout_s
@@ -167,7 +169,7 @@ class VllmWeightTransfer:
 
     async def update(self, req: UpdateWeightsRequest) -> Answer:
         info = req.update_info
-        async with self.sync.holding("update_weights"):
+        async with self.sync.holding("update_weights", timeout_s=info.timeout_s):
             opened = self._held.current
             if opened is None:
                 return _conflict("no weight update is started: call /start_weight_update before /update_weights")
@@ -223,10 +225,10 @@ class VllmWeightTransfer:
             return _refused(str(exc))
         outcome = await self.sync.in_thread(partial(receive.receiver.wait, receive.wait_s()))
         if outcome.ok:
-            outcome = await self.sync.followers_received(receive, outcome)
+            outcome = await self.sync.receives.followers_received(receive, outcome)
         receive.receiver.release()
         if not outcome.ok:
-            await self.sync.cancel_followers(outcome.error or "the receive failed")
+            await self.sync.receives.cancel_followers(outcome.error or "the receive failed")
             if params.packed:
                 # Buffers of another size than announced also come in another number: the trainer
                 # and this worker no longer pair their broadcasts.
