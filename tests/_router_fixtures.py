@@ -98,6 +98,10 @@ def start_router(
         argv += ["--admin-api-key", admin_key]
     if state_dir is not None:
         argv += ["--state-dir", str(state_dir)]
+    if "--data-plane-processes" not in extra_args:
+        # One process unless a test asks for data planes (tests/test_router_processes.py): the policy
+        # tests read exact per-process state, and every extra process costs start-up on 2 cores.
+        argv += ["--data-plane-processes", "1"]
     argv += list(extra_args)
     proc = ManagedProcess(f"router-{port}", argv, env=env).start()
     url = f"http://127.0.0.1:{port}"

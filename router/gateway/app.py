@@ -156,7 +156,7 @@ async def metrics_middleware(request: web.Request, handler: Handler) -> web.Stre
         request.app[keys.METRICS].observe_request(route, request.method, status, time.perf_counter() - start)
 
 
-def _service_headers(config: RouterConfig) -> dict[str, str]:
+def service_headers(config: RouterConfig) -> dict[str, str]:
     headers = {"Content-Type": "application/json"}
     key = config.key_for_workers
     if key:
@@ -179,6 +179,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         prober=prober,
         groups=WeightGroups(app[keys.STATE].record(GROUPS_FILE)),
     )
+    hub = app.get(keys.DATA_PLANES)
+    if hub is not None:  # the control process of a router with data-plane processes
+        ctx.barrier = hub
     app[keys.ADMIN] = ctx
     app[keys.PROXY] = GenerateProxy(
         config=cfg,
@@ -296,7 +299,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app[keys.METRICS] = metrics
     app[keys.GATE] = UpdateGate(config.admin_lock_timeout_s, on_wait=metrics.observe_lock_wait)
     app[keys.TASKS] = TaskSet()
-    app[keys.SERVICE_HEADERS] = _service_headers(config)
+    app[keys.SERVICE_HEADERS] = service_headers(config)
     app.router.add_routes(route_defs(table))
     app.cleanup_ctx.append(state.retry_ctx)
     app.cleanup_ctx.append(upstream_ctx)

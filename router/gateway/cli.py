@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import logging
-import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from aiohttp import web
 
 from router import __version__
 from router.contract.errors import ApiError
@@ -21,7 +17,9 @@ from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
 from router.gateway.app import create_app
 from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, RouterConfig
 from router.gateway.discovery.k8s import require_client
-from router.gateway.shutdown import RequestDrain
+from router.gateway.processes.control import DEFAULT_ACK_TIMEOUT_S
+from router.gateway.processes.launch import data_plane_count, run_control, run_data_plane
+from router.gateway.serving import Hooks, serve, tcp
 
 log = logging.getLogger("router")
 
@@ -210,6 +208,23 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto: uvloop when it is installed, else asyncio's loop",
     )
+    p.add_argument(
+        "--data-plane-processes",
+        default="auto",
+        metavar="N|auto",
+        help="processes serving the generation routes on --port (SO_REUSEPORT) beside one control process that "
+        "owns the registry, health, admin lock and fences; auto: one per usable core (at most 8); 1: one process",
+    )
+    p.add_argument(
+        "--data-plane-ack-timeout-s",
+        type=float,
+        default=DEFAULT_ACK_TIMEOUT_S,
+        help="how long a fenced admin call waits for every data-plane process to apply the fence before it "
+        "fails closed (503, nothing sent) and the late process is restarted",
+    )
+    # Set by the control process when it starts a data plane: not for operators.
+    p.add_argument("--data-plane-of", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--data-plane-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     return p
@@ -242,70 +257,34 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-async def serve(app: web.Application, host: str, port: int, config: RouterConfig) -> None:
-    """Serve until SIGTERM or SIGINT, then stop gracefully: stop listening at once, let the requests in
-    flight (streams included) finish for up to ``config.shutdown_grace_s``, cancel what is left (the proxy
-    aborts a cancelled request on its worker), close the app's cleanup context, log what was drained."""
-    drain = RequestDrain(config.shutdown_grace_s)
-    app.middlewares.insert(0, drain.middleware)
-    # handler_cancellation: a caller that disconnects cancels its handler, which is how the proxy
-    # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop is the drain.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain.grace_s)
-    await runner.setup()
-    loop = asyncio.get_running_loop()
-    cutter: asyncio.Task[None] | None = None
-    try:
-        site = web.TCPSite(runner, host, port)
-        await site.start()
-        bound = [address[1] for address in runner.addresses]
-        log.info(
-            "omni-router ready on http://%s:%s workers=%d policy=%s admin_auth=%s state_dir=%s discovery=%s loop=%s",
-            host,
-            bound[0] if bound else port,
-            len(config.worker_urls),
-            config.policy,
-            "on" if config.admin_api_key else "off",
-            config.state_dir,
-            config.service_discovery,
-            type(loop).__module__.partition(".")[0],
-        )
-        # Start-up objects never die: keep them out of every later GC pass (shorter pauses).
-        gc.freeze()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, drain.signal, sig.name)
-        await drain.stopping.wait()
-        # Closing the listening socket first: from here a new connection is refused (a Kubernetes
-        # Service has already been told, or is being told, to send nothing more here).
-        for running_site in list(runner.sites):
-            await running_site.stop()
-        log.info(
-            "stopped accepting connections; %d request(s) in flight may finish within %gs",
-            drain.in_flight,
-            drain.grace_s,
-        )
-        cutter = loop.create_task(drain.cancel_at_grace(), name="shutdown-grace")
-    finally:
-        # Waits for the busy handlers (at most the grace: the cutter cancels the rest), then closes the
-        # cleanup context: the health task, the owned tasks (aborts sent for cancelled requests, an
-        # interrupted update settled or left journaled) and the upstream session.
-        await runner.cleanup()
-        if cutter is not None:
-            cutter.cancel()
-    log.info(
-        "shutdown: %d request(s) finished during the drain, %d cancelled (shutdown grace %gs)",
-        drain.finished,
-        drain.cancelled,
-        drain.grace_s,
-    )
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     setup_logging(args.log_level, args.log_format)
     config = config_from_args(args)
     if not config.shutdown_grace_s >= 0:
         log.error("cannot start: --shutdown-grace-s must be >= 0, got %s", config.shutdown_grace_s)
         return 2
+    try:
+        loop_factory = event_loop_factory(args.event_loop)
+        processes = data_plane_count(args.data_plane_processes)
+    except (RuntimeError, ValueError) as exc:
+        log.error("cannot start: %s", exc)
+        return 2
+    if args.data_plane_of is not None:  # started by a control process: serve its generation routes
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            runner.run(
+                run_data_plane(
+                    config, socket_path=args.data_plane_of, index=args.data_plane_index, host=args.host, port=args.port
+                )
+            )
+        return 0
+    if processes > 1 and args.port == 0:
+        if args.data_plane_processes == "auto":  # an OS-chosen port cannot be shared: one process
+            processes = 1
+        else:
+            log.error("cannot start: --data-plane-processes %d needs a fixed --port (every process binds it)", processes)
+            return 2
     try:
         app = create_app(config)
     except (ValueError, ApiError) as exc:  # bad flags or worker URLs: say which, exit non-zero
@@ -319,16 +298,40 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if config.state_dir is None:
         log.warning("no --state-dir: a router crash mid-update cannot keep its targets disabled across restarts")
-    try:
-        loop_factory = event_loop_factory(args.event_loop)
-    except RuntimeError as exc:
-        log.error("cannot start: %s", exc)
-        return 2
     started = time.monotonic()
     with asyncio.Runner(loop_factory=loop_factory) as runner:
-        runner.run(serve(app, args.host, args.port, config))
+        if processes > 1:
+            runner.run(
+                run_control(
+                    app,
+                    config,
+                    argv,
+                    count=processes,
+                    host=args.host,
+                    port=args.port,
+                    ack_timeout_s=args.data_plane_ack_timeout_s,
+                )
+            )
+        else:
+            runner.run(serve(app, tcp(args.host, args.port), config.shutdown_grace_s, Hooks(on_started=_ready(config))))
     log.info("omni-router stopped after %.0fs", time.monotonic() - started)
     return 0
+
+
+def _ready(config: RouterConfig) -> Callable[[list[str]], None]:
+    def say(addresses: list[str]) -> None:
+        log.info(
+            "omni-router ready on %s workers=%d policy=%s admin_auth=%s state_dir=%s discovery=%s loop=%s",
+            ", ".join(addresses),
+            len(config.worker_urls),
+            config.policy,
+            "on" if config.admin_api_key else "off",
+            config.state_dir,
+            config.service_discovery,
+            type(asyncio.get_running_loop()).__module__.partition(".")[0],
+        )
+
+    return say
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.health import HealthChecker
 from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.metrics import RouterMetrics
+from router.gateway.processes.hub import DataPlaneHub
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.state.durable import DurableState
 from router.gateway.tasks import TaskSet
@@ -29,6 +30,8 @@ REGISTRY = web.AppKey("registry", WorkerRegistry)
 GATE = web.AppKey("update_gate", UpdateGate)
 JOURNAL = web.AppKey("journal", UpdateJournal)
 STATE = web.AppKey("durable_state", DurableState)
+DATA_PLANES = web.AppKey("data_planes", DataPlaneHub)
+"""Only in the control process of a router with data-plane processes."""
 METRICS = web.AppKey("metrics", RouterMetrics)
 TASKS = web.AppKey("tasks", TaskSet)
 SERVICE_HEADERS = web.AppKey("service_headers", dict[str, str])

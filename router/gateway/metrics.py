@@ -55,7 +55,9 @@ class _FleetCollector(Collector):
 class RouterMetrics:
     """Every series the router exports, in one registry of its own."""
 
-    def __init__(self, workers: WorkerRegistry):
+    def __init__(self, workers: WorkerRegistry, *, fleet_gauges: bool = True):
+        """``fleet_gauges``: export the per-worker gauges (a data-plane process leaves them to its
+        control process, which owns the registry and sums every process's load)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -97,7 +99,8 @@ class RouterMetrics:
         self.client_aborts = Counter(
             "omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r
         )
-        r.register(_FleetCollector(workers))
+        if fleet_gauges:
+            r.register(_FleetCollector(workers))
         # Labelled children bound once per label set: ``labels()`` takes a lock and builds a key on every
         # call, and every request records two series.
         self._request_counts: dict[tuple[str, str, int], Counter] = {}

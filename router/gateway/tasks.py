@@ -43,6 +43,9 @@ class TaskSet:
         if isinstance(exc, ApiError) and exc.status < 500:
             # A refusal (a caller's mistake, a conflict): the caller gets it; it is no failure of the router.
             log.info("%s refused (%d): %s", task.get_name(), exc.status, exc.message)
+        elif isinstance(exc, ApiError) and exc.status == 503:
+            # Refused for now (a lock held, a fence not acknowledged): the caller gets it and may retry.
+            log.warning("%s refused (%d): %s", task.get_name(), exc.status, exc.message)
         else:
             log.error("background task %s failed: %r", task.get_name(), exc)
 

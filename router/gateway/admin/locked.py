@@ -27,8 +27,8 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 from router.contract.errors import Unavailable
 from router.contract.fleet import WorkerResult
@@ -45,6 +45,23 @@ from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 
 
+class FenceBarrier(Protocol):
+    async def confirm(self, why: str) -> None:
+        """Return once every process that routes requests has applied the registry's fences; raise
+        :class:`~router.contract.errors.Unavailable` (``why`` first) when one has not in time."""
+        ...
+
+
+class _OneProcess:
+    """One router process: the proxy reads the registry itself, so a fence holds once it is set."""
+
+    async def confirm(self, why: str) -> None:
+        return None
+
+
+ONE_PROCESS: FenceBarrier = _OneProcess()
+
+
 @dataclass(slots=True)
 class AdminContext:
     """What every admin operation works with (one per app)."""
@@ -56,6 +73,8 @@ class AdminContext:
     fanout: FanOut
     prober: WorkerProber
     groups: WeightGroups
+    barrier: FenceBarrier = field(default_factory=lambda: ONE_PROCESS)
+    """Every process that routes has applied a fence (the data planes' acknowledgement)."""
 
     def live_targets(self) -> list[Worker]:
         targets = self.registry.live()
@@ -136,9 +155,19 @@ class AdminRun:
             run.end()
 
     async def fence_targets(self, targets: Sequence[Worker]) -> Fence | None:
-        """Journal and disable ``targets`` if this operation is fenced (refuses with 409/503, changing nothing)."""
+        """Journal and disable ``targets`` if this operation is fenced (refuses with 409/503, changing nothing).
+
+        The fence holds once every process that routes requests has applied it (the barrier):
+        if one has not within its bound, the fence is lowered again and the call refused, before
+        anything is sent to a worker."""
         if self.op.fenced:
-            self.fence = await Fence.raise_around(targets, self.op.path, self.ctx.journal)
+            fence = await Fence.raise_around(targets, self.op.path, self.ctx.journal)
+            try:
+                await self.ctx.barrier.confirm(f"{self.op.path} refused")
+            except BaseException:
+                await fence.succeed()  # nothing was sent: every target back as it was, the journal cleared
+                raise
+            self.fence = fence
         return self.fence
 
     async def fan_out(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:

@@ -79,6 +79,8 @@ class Worker:
     health: HealthState = "unhealthy"
     disabled: bool = False
     inflight: int = 0
+    inflight_elsewhere: int = 0
+    """Requests on it through the router's other data-plane processes, as last reported (0 in one process)."""
     weight_version: str | None = None
     tp_size: int | None = None
     weight_state: str | None = None

@@ -17,6 +17,7 @@ from router.contract.fleet import (
 from router.contract.web.parsing import parse_body, parse_model
 from router.gateway import keys
 from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.processes.metrics_merge import SCRAPE_S, merge
 from router.gateway.routing.proxy import describe_fleet
 
 
@@ -26,6 +27,18 @@ def _guard_registry_change(request: web.Request) -> None:
         holder = gate.holder
         what = f" ({holder.operation})" if holder else ""
         raise Conflict(f"a weight update is in progress{what}; the worker registry cannot change until it ends")
+
+
+async def _take_out(request: web.Request, worker: Worker) -> None:
+    """Take ``worker`` out of routing and return once every routing process has applied it (with
+    data-plane processes, their acknowledgement); if one has not in time, put it back and 503."""
+    was = worker.disabled
+    worker.disabled = True
+    try:
+        await request.app[keys.ADMIN].barrier.confirm(f"taking {worker.id} out of routing refused")
+    except BaseException:
+        worker.disabled = was
+        raise
 
 
 async def _add(request: web.Request, url: str, disabled: bool) -> Worker:
@@ -60,15 +73,19 @@ async def update_worker(request: web.Request) -> web.Response:
     req = await parse_body(request, UpdateWorkerRequest, allow_empty=False)
     _guard_registry_change(request)
     worker = request.app[keys.REGISTRY].get(request.match_info["worker_id"])
-    worker.disabled = req.disabled
-    if not req.disabled:
+    if req.disabled:
+        await _take_out(request, worker)
+    else:
+        worker.disabled = False
         await request.app[keys.JOURNAL].discard_target(worker.id)
     return web.json_response(request.app[keys.REGISTRY].record(worker).model_dump())
 
 
 async def delete_worker(request: web.Request) -> web.Response:
     _guard_registry_change(request)
-    worker = request.app[keys.REGISTRY].remove(request.match_info["worker_id"])
+    registry = request.app[keys.REGISTRY]
+    await _take_out(request, registry.get(request.match_info["worker_id"]))
+    worker = registry.remove(request.match_info["worker_id"])
     return web.json_response({"removed": request.app[keys.REGISTRY].record(worker).model_dump()})
 
 
@@ -87,7 +104,9 @@ async def legacy_add_worker(request: web.Request) -> web.Response:
 async def legacy_remove_worker(request: web.Request) -> web.Response:
     query = parse_model(WorkerUrlQuery, dict(request.query))
     _guard_registry_change(request)
-    worker = request.app[keys.REGISTRY].remove(query.url)
+    registry = request.app[keys.REGISTRY]
+    await _take_out(request, registry.get(query.url))
+    worker = registry.remove(query.url)
     return web.json_response({"success": True, "message": f"removed {worker.url}"})
 
 
@@ -151,5 +170,9 @@ async def resolve_journal(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = request.app[keys.METRICS].render()
+    hub = request.app.get(keys.DATA_PLANES)
+    if hub is None:
+        body = request.app[keys.METRICS].render()
+    else:  # the whole router: this process's series and every data plane's, summed
+        body = merge(request.app[keys.METRICS].registry.collect(), await hub.scrape(SCRAPE_S))
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})

@@ -25,7 +25,11 @@ class Policy(Protocol):
 
 
 class LeastInflight:
-    """Fewest requests in flight through this router; ties rotate so idle workers share load."""
+    """Fewest requests in flight through this router; ties rotate so idle workers share load.
+
+    With several data-plane processes a worker's load is this process's count now plus the
+    others' as last reported (every 0.25 s): exact for this process, a fraction of a second
+    stale for the rest, which is what keeps the count off the hot path."""
 
     name = "least_inflight"
 
@@ -33,8 +37,8 @@ class LeastInflight:
         self._tick = itertools.count()
 
     def choose(self, candidates: Sequence[Worker]) -> Worker:
-        low = min(w.inflight for w in candidates)
-        tied = [w for w in candidates if w.inflight == low]
+        low = min(w.inflight + w.inflight_elsewhere for w in candidates)
+        tied = [w for w in candidates if w.inflight + w.inflight_elsewhere == low]
         return tied[next(self._tick) % len(tied)]
 
 

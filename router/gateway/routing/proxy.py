@@ -6,6 +6,10 @@
   or a 502/503/504 from the worker) is retried on another worker with
   exponential backoff and jitter. Once bytes have reached the caller nothing
   is retried.
+- The worker picked is checked again right before the request's first byte is
+  written (no await in between): one fenced or taken out of routing meanwhile
+  gets nothing, and the request goes to another worker. So once a fence is
+  in the registry, no new request reaches its targets.
 - If the caller goes away, the request is aborted on its worker
   (``POST /abort_request`` with the contract's ``AbortRequest``, waiting as long as that route's
   budget gives the router); a rid is assigned when the caller gave none. vLLM's
@@ -27,6 +31,7 @@ import logging
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -43,7 +48,7 @@ from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.policy import Policy
 from router.gateway.tasks import TaskSet
-from router.gateway.upstream import UpstreamError, UpstreamResponse, WorkerClient, mime_type
+from router.gateway.upstream import NotAdmitted, UpstreamError, UpstreamResponse, WorkerClient, mime_type
 
 log = logging.getLogger(__name__)
 
@@ -204,8 +209,11 @@ class GenerateProxy:
         metrics: RouterMetrics,
         tasks: TaskSet,
         service_headers: dict[str, str],
+        on_restarted: Callable[[Worker], None] | None = None,
     ):
         self._cfg = config
+        self._on_restarted = on_restarted
+        """Told when the instance check finds a worker restarted (a data plane tells its control process)."""
         self._registry = registry
         self._policy = policy
         self._workers = workers
@@ -310,8 +318,19 @@ class GenerateProxy:
         try:
             try:
                 upstream = await self._workers.stream(
-                    "POST", worker.url, path, body, headers, timeout_s=self._cfg.request_timeout_s
+                    "POST",
+                    worker.url,
+                    path,
+                    body,
+                    headers,
+                    timeout_s=self._cfg.request_timeout_s,
+                    admit=partial(self._registry.is_routable, worker),
                 )
+            except NotAdmitted:
+                # Fenced (or gone) between the pick and the first byte: nothing reached it; another worker may.
+                raise _Retryable(
+                    worker, f"worker {worker.id} left routing before the request was sent", "fenced"
+                ) from None
             except (OSError, UpstreamError) as exc:  # TimeoutError and ConnectionError are OSErrors
                 self._metrics.upstream_errors.labels(worker.id).inc()
                 if self._registry.observe_probe(worker, False):
@@ -329,6 +348,8 @@ class GenerateProxy:
                 # Another process than the last probe saw: it came back with its boot weights. Its answer is
                 # dropped, and the worker is pending until a weight update reaches the new process.
                 worker.instance_id = restarted
+                if self._on_restarted is not None:
+                    self._on_restarted(worker)
                 await self._read_before_relay(worker, upstream)
                 reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
                 raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())

@@ -8,6 +8,14 @@ model), ``transport`` (what both transports offer, and their errors), ``lean_htt
 
 from router.gateway.upstream.answer import WorkerAnswer, decode_answer
 from router.gateway.upstream.client import WorkerClient
-from router.gateway.upstream.transport import UpstreamError, UpstreamResponse, mime_type
+from router.gateway.upstream.transport import NotAdmitted, UpstreamError, UpstreamResponse, mime_type
 
-__all__ = ["UpstreamError", "UpstreamResponse", "WorkerAnswer", "WorkerClient", "decode_answer", "mime_type"]
+__all__ = [
+    "NotAdmitted",
+    "UpstreamError",
+    "UpstreamResponse",
+    "WorkerAnswer",
+    "WorkerClient",
+    "decode_answer",
+    "mime_type",
+]

@@ -27,7 +27,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from router.contract.base import WireRequest, WireResponse
@@ -60,16 +60,25 @@ class WorkerClient:
         return lean if base_url.startswith("http://") else self._tls
 
     def stream(
-        self, method: str, base_url: str, path: str, body: bytes, headers: dict[str, str], *, timeout_s: float
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        *,
+        timeout_s: float,
+        admit: Callable[[], bool] | None = None,
     ) -> Awaitable[UpstreamResponse]:
         """Send one request and wait for the answer's head; the body follows as it arrives.
 
         Raises ``OSError`` (``TimeoutError``, ``ConnectionError``) or :class:`UpstreamError` when no
         answer began; the response's ``read``/``chunks`` raise :class:`UpstreamError` or
-        ``TimeoutError``. ``timeout_s`` covers the whole exchange, the body included.
+        ``TimeoutError``. ``timeout_s`` covers the whole exchange, the body included. ``admit``: see
+        :class:`~router.gateway.upstream.transport.Transport` (:class:`NotAdmitted` when it says no).
         """
         return self._transport(base_url, self._streams).request(
-            method, base_url, path, body, headers, timeout_s=timeout_s
+            method, base_url, path, body, headers, timeout_s=timeout_s, admit=admit
         )
 
     async def fetch(

@@ -39,11 +39,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
 from router.gateway.upstream.lean_conn import LeanConnection
-from router.gateway.upstream.transport import MAX_BODY_BYTES, UpstreamError
+from router.gateway.upstream.transport import MAX_BODY_BYTES, NotAdmitted, UpstreamError
 
 __all__ = ["KEEPALIVE_S", "HttpUpstream", "LeanResponse"]
 
@@ -187,8 +187,12 @@ class HttpUpstream:
         headers: dict[str, str],
         *,
         timeout_s: float,
+        admit: Callable[[], bool] | None = None,
     ) -> LeanResponse:
         """Send the request and wait for the response head (not the body).
+
+        ``admit`` is asked after the connection is ready and before the request is written (no
+        await in between): when it says no, nothing is sent and :class:`NotAdmitted` is raised.
 
         ``body=None`` sends no body and no ``Content-Length`` (a plain GET). Raises ``OSError``
         (``TimeoutError`` and ``ConnectionError`` included) or :class:`UpstreamError` when no answer
@@ -219,6 +223,8 @@ class HttpUpstream:
                 busy = self._busy[key] = set()
             busy.add(conn)
             try:
+                if admit is not None and not admit():
+                    raise NotAdmitted(f"{base_url} left routing before the request was sent")
                 await conn.send(payload)
             except BaseException:
                 timer.cancel()

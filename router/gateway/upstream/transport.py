@@ -19,11 +19,15 @@ could apply twice).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
 #: The cap of a whole-body read (``fetch``): a larger answer fails and closes its connection.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class NotAdmitted(Exception):
+    """The request was not sent: its ``admit`` check said no right before the first byte."""
 
 
 class UpstreamError(Exception):
@@ -56,9 +60,20 @@ class Transport(Protocol):
     """One way to reach workers: a request whose answer streams, or a whole exchange."""
 
     def request(
-        self, method: str, base_url: str, path: str, body: bytes | None, headers: dict[str, str], *, timeout_s: float
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        *,
+        timeout_s: float,
+        admit: Callable[[], bool] | None = None,
     ) -> Awaitable[UpstreamResponse]:
-        """Send the request and wait for the answer's head; ``body=None`` sends none (a plain GET)."""
+        """Send the request and wait for the answer's head; ``body=None`` sends none (a plain GET).
+
+        ``admit``, when given, is asked right before the first byte is written; if it says no,
+        nothing is sent and :class:`NotAdmitted` is raised."""
         ...
 
     async def fetch(

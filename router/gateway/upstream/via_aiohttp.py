@@ -17,11 +17,11 @@ closed, and both raise :class:`~router.gateway.upstream.transport.UpstreamError`
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 
-from router.gateway.upstream.transport import MAX_BODY_BYTES, UpstreamError
+from router.gateway.upstream.transport import MAX_BODY_BYTES, NotAdmitted, UpstreamError
 
 __all__ = ["AiohttpUpstream"]
 
@@ -105,9 +105,22 @@ class AiohttpUpstream:
         return session
 
     async def request(
-        self, method: str, base_url: str, path: str, body: bytes | None, headers: dict[str, str], *, timeout_s: float
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        body: bytes | None,
+        headers: dict[str, str],
+        *,
+        timeout_s: float,
+        admit: Callable[[], bool] | None = None,
     ) -> _AiohttpResponse:
-        """Send the request and wait for the answer's head (the errors of the module docstring)."""
+        """Send the request and wait for the answer's head (the errors of the module docstring).
+
+        ``admit`` is asked before aiohttp takes the request; aiohttp may still wait for a
+        connection after that, so for ``https`` workers the check is a moment early."""
+        if admit is not None and not admit():
+            raise NotAdmitted(f"{base_url} left routing before the request was sent")
         timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=min(self._connect_timeout_s, timeout_s))
         signal = self._cut_signals.get(base_url)
         if signal is None:

@@ -1,0 +1,86 @@
+"""What the control process and the data-plane processes say to each other (one WebSocket each).
+
+Control → data plane: :class:`RoutingSnapshot` (versioned; acknowledged), :class:`LoadElsewhere`
+(the other processes' requests in flight per worker, for ``least_inflight``), :class:`ScrapeRequest`.
+Data plane → control: :class:`Ack`, :class:`LoadReport`, :class:`WorkerRestarted`, :class:`ScrapeAnswer`.
+Each is parsed once, at the socket, into one of these models.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
+
+from router.contract.fleet import HealthState
+from router.gateway.fleet.weights import FleetRecord
+
+
+class _Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class WorkerView(_Message):
+    """What routing needs to know of one worker (the fields ``WorkerRegistry.is_routable`` reads)."""
+
+    id: str
+    url: str
+    health: HealthState
+    disabled: bool
+    departed: str | None
+    weight_version: str | None
+    weight_state: str | None
+    instance_id: str | None
+    tp_size: int | None
+
+
+class RoutingSnapshot(_Message):
+    type: Literal["snapshot"] = "snapshot"
+    version: int
+    workers: list[WorkerView]
+    fleet: FleetRecord | None
+
+
+class LoadElsewhere(_Message):
+    type: Literal["load"] = "load"
+    inflight: dict[str, int]
+    """Worker id → requests in flight on it through the *other* data-plane processes."""
+
+
+class ScrapeRequest(_Message):
+    type: Literal["scrape"] = "scrape"
+    id: int
+
+
+class Ack(_Message):
+    type: Literal["ack"] = "ack"
+    version: int
+
+
+class LoadReport(_Message):
+    type: Literal["load_report"] = "load_report"
+    inflight: dict[str, int]
+    """Worker id → requests in flight on it through this process (only non-zero counts)."""
+
+
+class WorkerRestarted(_Message):
+    """A worker answered from another process than its last probe saw (the instance check):
+    the control process learns at once instead of at the next probe."""
+
+    type: Literal["restarted"] = "restarted"
+    worker: str
+    instance_id: str
+
+
+class ScrapeAnswer(_Message):
+    type: Literal["scrape_answer"] = "scrape_answer"
+    id: int
+    text: str
+    """This process's metrics in the Prometheus text format."""
+
+
+ToDataPlane = Annotated[RoutingSnapshot | LoadElsewhere | ScrapeRequest, Field(discriminator="type")]
+ToControl = Annotated[Ack | LoadReport | WorkerRestarted | ScrapeAnswer, Field(discriminator="type")]
+
+TO_DATA_PLANE: TypeAdapter[RoutingSnapshot | LoadElsewhere | ScrapeRequest] = TypeAdapter(ToDataPlane)
+TO_CONTROL: TypeAdapter[Ack | LoadReport | WorkerRestarted | ScrapeAnswer] = TypeAdapter(ToControl)

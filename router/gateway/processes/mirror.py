@@ -1,0 +1,59 @@
+"""A data plane's copy of the control process's routing state, and the view the control publishes.
+
+Both sides use the same :class:`~router.gateway.fleet.registry.WorkerRegistry` (and its
+:class:`~router.gateway.fleet.weights.FleetWeights` rule), so a data plane decides
+"routable" and "pending" exactly as the control process does: the snapshot carries the inputs
+of that rule, not its result. A data plane's own observations (a failed request, a restarted
+worker seen through the instance check) change its copy at once and are overwritten by the
+next snapshot, which the control process builds from its own probes and the reports.
+"""
+
+from __future__ import annotations
+
+from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.processes.messages import RoutingSnapshot, WorkerView
+
+
+def view_of(registry: WorkerRegistry, version: int) -> RoutingSnapshot:
+    """The control process's routing state as a snapshot (removed workers are left out)."""
+    workers = [
+        WorkerView(
+            id=w.id,
+            url=w.url,
+            health=w.health,
+            disabled=w.disabled,
+            departed=w.departed,
+            weight_version=w.weight_version,
+            weight_state=w.weight_state,
+            instance_id=w.instance_id,
+            tp_size=w.tp_size,
+        )
+        for w in registry
+        if not w.removed
+    ]
+    return RoutingSnapshot(version=version, workers=workers, fleet=registry.fleet.record)
+
+
+def same_routing(a: RoutingSnapshot, b: RoutingSnapshot) -> bool:
+    """Whether two snapshots say the same (their versions aside)."""
+    return a.workers == b.workers and a.fleet == b.fleet
+
+
+def apply(registry: WorkerRegistry, snapshot: RoutingSnapshot) -> list[Worker]:
+    """Make ``registry`` say what ``snapshot`` says; returns the workers that left it.
+
+    Synchronous: a request picked after this returns sees the new state, and one picked before
+    checks it again right before its first byte is written (the proxy's admission check)."""
+    wanted = {view.id: view for view in snapshot.workers}
+    gone = [registry.remove(w.id) for w in registry if w.id not in wanted]
+    for view in snapshot.workers:
+        worker = registry.find(view.id) or registry.add(view.url)
+        worker.health = view.health
+        worker.disabled = view.disabled
+        worker.departed = view.departed
+        worker.weight_version = view.weight_version
+        worker.weight_state = view.weight_state
+        worker.instance_id = view.instance_id
+        worker.tp_size = view.tp_size
+    registry.fleet.record = snapshot.fleet
+    return gone

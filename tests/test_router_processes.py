@@ -1,0 +1,256 @@
+"""A router with data-plane processes: one control process, two data planes on one port (SO_REUSEPORT).
+
+Real workers, a real router; the kernel spreads connections over the data planes, so every check
+that must hold "in every process" is made over many connections. Load is bounded in count and
+time and stops by itself.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import signal
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from router.gateway.fleet.registry import normalize_url, worker_id_for
+from tests._router_fixtures import (
+    ADMIN_KEY,
+    auth,
+    make_tiny_checkpoint,
+    start_router,
+    start_workers,
+    wait_for,
+    workers,
+)
+from tests.procs import ManagedProcess, http_json
+
+ACK_TIMEOUT_S = 2.0
+DATA_PLANES = ["--data-plane-processes", "2", "--data-plane-ack-timeout-s", str(ACK_TIMEOUT_S)]
+
+
+@dataclass
+class Fleet:
+    worker_urls: list[str]
+    router: ManagedProcess
+    url: str
+    ids: list[str] = field(default_factory=list)
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory) -> Iterator[Fleet]:
+    model = make_tiny_checkpoint(tmp_path_factory.mktemp("processes") / "model")
+    procs = start_workers(model, 2, extra_args=["--admin-api-key", ADMIN_KEY, "--step-delay-ms", "20"])
+    urls = [u for _, u in procs]
+    router, url = start_router(urls, admin_key=ADMIN_KEY, extra_args=DATA_PLANES)
+    try:
+        yield Fleet(urls, router, url, [worker_id_for(normalize_url(u)) for u in urls])
+    finally:
+        router.stop()
+        for proc, _ in procs:
+            proc.stop()
+
+
+def data_plane_pids(router: ManagedProcess) -> dict[int, int]:
+    """The latest pid of each data plane, from the control process's log."""
+    pids: dict[int, int] = {}
+    for index, pid in re.findall(r"data-plane process (\d+) started \(pid (\d+)\)", router.log_text(200_000)):
+        pids[int(index)] = int(pid)
+    return pids
+
+
+def generate(url: str, timeout: float = 60) -> tuple[int, str | None]:
+    """One /generate on a new connection (so the kernel picks a data plane for each)."""
+    host, port = url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    try:
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status, resp.getheader("X-Omni-Worker")
+    finally:
+        conn.close()
+
+
+def admin_call(url: str, path: str, body: Any, *, attempts: int = 6, timeout: float = 3 * ACK_TIMEOUT_S + 4) -> Any:
+    """An admin call on a new connection; one that lands on a stopped data plane times out and is
+    sent again (that process never read it, so it never reached the control process)."""
+    for _ in range(attempts):
+        try:
+            return http_json("POST", url + path, body, headers=auth(), timeout=timeout)
+        except TimeoutError:
+            continue
+    raise AssertionError(f"{path}: no data plane answered in {attempts} attempts")
+
+
+class Load:
+    """Client threads sending /generate, each on its own connections, until stopped (bounded)."""
+
+    def __init__(self, url: str, threads: int, limit_s: float):
+        self.url = url
+        self.records: list[tuple[float, int, str | None]] = []
+        self.errors: list[tuple[float, str]] = []
+        self._stop = threading.Event()
+        self._deadline = time.monotonic() + limit_s
+        self._threads = [threading.Thread(target=self._run, daemon=True) for _ in range(threads)]
+
+    def __enter__(self) -> Load:
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(60)
+
+    def _run(self) -> None:
+        while not self._stop.is_set() and time.monotonic() < self._deadline:
+            sent = time.monotonic()
+            try:
+                status, worker = generate(self.url, timeout=30)
+            except OSError as exc:
+                self.errors.append((sent, repr(exc)))
+                continue
+            self.records.append((sent, status, worker))
+
+
+def test_generation_admin_and_metrics_through_every_process(fleet):
+    served = {generate(fleet.url)[1] for _ in range(12)}
+    assert served == set(fleet.ids)
+    assert len(data_plane_pids(fleet.router)) == 2
+    # Admin routes reach the control process whichever process accepted the connection.
+    for _ in range(6):
+        status, body = http_json("GET", fleet.url + "/workers", headers=auth())
+        assert status == 200 and len(body["workers"]) == 2
+        status, body = http_json("GET", fleet.url + "/workers")
+        assert status == 401, body
+    status, body = http_json("POST", fleet.url + "/flush_cache", {}, headers=auth(), timeout=30)
+    assert status == 200, body
+    # The internal hub route is not reachable from outside.
+    status, _ = http_json("GET", fleet.url + "/_omni/data-plane?index=0", headers=auth())
+    assert status == 404
+    # One exposition for the whole router: the /generate count is the sum over both data planes.
+    before = _generate_count(fleet.url)
+    for _ in range(10):
+        assert generate(fleet.url)[0] == 200
+    assert _generate_count(fleet.url) - before == 10
+    text = urllib.request.urlopen(fleet.url + "/metrics", timeout=10).read().decode()
+    assert "/{tail}" not in text  # relayed requests are counted once, by the control process
+    assert "omni_router_worker_health" in text
+
+
+def _generate_count(url: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    pattern = r'omni_router_requests_total\{method="POST",route="/generate",status="200"\} ([0-9.e+]+)'
+    return sum(float(v) for v in re.findall(pattern, text))
+
+
+def test_a_worker_taken_out_gets_nothing_once_the_call_answered(fleet):
+    """0 requests to a disabled worker from any process once ``PUT /workers/{id}`` answered."""
+    target = fleet.ids[0]
+    with Load(fleet.url, threads=4, limit_s=20) as load:
+        wait_for(lambda: len(load.records) >= 8, 20, what="load running")
+        status, body = http_json("PUT", f"{fleet.url}/workers/{target}", {"disabled": True}, headers=auth(), timeout=30)
+        answered = time.monotonic()
+        assert status == 200 and body["disabled"], body
+        wait_for(lambda: sum(1 for r in load.records if r[0] > answered) >= 40, 20, what="load after the fence")
+    try:
+        after = [r for r in load.records if r[0] > answered]
+        assert all(status == 200 for _, status, _ in after)
+        assert [r for r in after if r[2] == target] == []
+        assert not load.errors
+    finally:
+        status, body = http_json("PUT", f"{fleet.url}/workers/{target}", {"disabled": False}, headers=auth())
+        assert status == 200, body
+
+
+def test_an_unacknowledged_fence_fails_closed_and_the_process_is_restarted(fleet):
+    pids = data_plane_pids(fleet.router)
+    stopped = pids[0]
+    os.kill(stopped, signal.SIGSTOP)
+    try:
+        status, body = admin_call(fleet.url, "/pause_generation", {"mode": "abort"})
+        assert status == 503, body
+        assert "did not acknowledge" in body["error"]["message"] and "nothing was sent" in body["error"]["message"]
+        # Nothing reached the workers, nothing stays fenced or journaled.
+        for worker_url in fleet.worker_urls:
+            _, info = http_json("GET", worker_url + "/model_info", headers=auth())
+            assert info["is_paused"] is False
+        assert not any(w["disabled"] for w in workers(fleet.url, ADMIN_KEY))
+        _, journal = http_json("GET", fleet.url + "/weight_update_journal", headers=auth())
+        assert journal["pending"] is None
+    finally:
+        try:
+            os.kill(stopped, signal.SIGCONT)
+        except ProcessLookupError:
+            pass  # killed by the supervisor, as it should be
+    wait_for(lambda: data_plane_pids(fleet.router).get(0) not in (None, stopped), 30, fleet.router, "a restart")
+    wait_for(lambda: _both_serve(fleet), 30, fleet.router, "the new data plane serving")
+    status, body = admin_call(fleet.url, "/pause_generation", {"mode": "abort"})
+    assert status == 200, body
+    status, body = admin_call(fleet.url, "/continue_generation", {})
+    assert status == 200, body
+
+
+def _both_serve(fleet: Fleet) -> bool:
+    return all(generate(fleet.url, timeout=5)[0] == 200 for _ in range(6))
+
+
+def test_a_killed_data_plane_loses_only_its_own_requests(fleet):
+    with Load(fleet.url, threads=4, limit_s=25) as load:
+        wait_for(lambda: len(load.records) >= 8, 20, what="load running")
+        victim = data_plane_pids(fleet.router)[1]
+        os.kill(victim, signal.SIGKILL)
+        killed = time.monotonic()
+        wait_for(lambda: data_plane_pids(fleet.router).get(1) != victim, 30, fleet.router, "a restart")
+        wait_for(lambda: sum(1 for r in load.records if r[0] > killed + 2) >= 20, 25, what="load after the restart")
+    # At most the requests in flight at the kill (one per client thread) failed, and none after.
+    failed = load.errors + [(sent, str(status)) for sent, status, _ in load.records if status != 200]
+    assert len(failed) <= 4, failed
+    assert all(sent <= killed + 0.5 for sent, _ in failed), failed
+
+
+def test_sigterm_drains_every_process_and_stops_them_all(tmp_path):
+    model = make_tiny_checkpoint(tmp_path / "model")
+    procs = start_workers(model, 1, extra_args=["--step-delay-ms", "20"])
+    router, url = start_router([procs[0][1]], extra_args=[*DATA_PLANES, "--shutdown-grace-s", "20"])
+    try:
+        pids = data_plane_pids(router)
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        body = {"text": "hello", "stream": True, "sampling_params": {"max_new_tokens": 60, "temperature": 0.0}}
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        assert router.proc is not None
+        router.proc.send_signal(signal.SIGTERM)
+        # The stream in flight runs to its end on whichever data plane serves it.
+        events = [line for line in resp.read().split(b"\n") if line.startswith(b"data: ")]
+        assert events[-1] == b"data: [DONE]"
+        last = json.loads(events[-2].removeprefix(b"data: "))
+        assert last["meta_info"]["finish_reason"]["type"] == "length"
+        assert router.proc.wait(timeout=60) == 0
+        for pid in pids.values():
+            wait_for(lambda pid=pid: not _alive(pid), 10, what=f"data plane {pid} gone")
+    finally:
+        router.stop()
+        for proc, _ in procs:
+            proc.stop()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
