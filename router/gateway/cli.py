@@ -283,7 +283,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.data_plane_processes == "auto":  # an OS-chosen port cannot be shared: one process
             processes = 1
         else:
-            log.error("cannot start: --data-plane-processes %d needs a fixed --port (every process binds it)", processes)
+            log.error(
+                "cannot start: --data-plane-processes %d needs a fixed --port (every process binds it)", processes
+            )
             return 2
     try:
         app = create_app(config)
