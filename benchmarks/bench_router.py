@@ -112,12 +112,14 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def start_router(urls: list[str], state_dir: str) -> tuple[ManagedProcess, str]:
+def start_router(urls: list[str], state_dir: str, processes: str = "auto") -> tuple[ManagedProcess, str]:
     port = free_ports(1)[0]
     argv = [
         cli("omni-router"),
         "--port",
         str(port),
+        "--data-plane-processes",
+        processes,
         "--health-check-interval-s",
         "3600",
         "--log-level",
@@ -189,7 +191,7 @@ async def bench(args: argparse.Namespace) -> None:
             print(f"{'workers':>8} {'route':<20} {'p50':>8} {'p99':>8} {'mean':>8}")
             for n in args.workers:
                 with tempfile.TemporaryDirectory() as state:
-                    router, rurl = start_router(all_urls[:n], state)
+                    router, rurl = start_router(all_urls[:n], state, args.data_plane_processes)
                     try:
                         for route, body in (("/flush_cache", b"{}"), ("/pause_generation", b'{"mode": "retract"}')):
                             xs = await timed_posts(session, rurl + route, body, args.iters)
@@ -201,7 +203,7 @@ async def bench(args: argparse.Namespace) -> None:
 
             print("\n## /generate proxy overhead (sequential, ms)")
             with tempfile.TemporaryDirectory() as state:
-                router, rurl = start_router(all_urls[:1], state)
+                router, rurl = start_router(all_urls[:1], state, args.data_plane_processes)
                 try:
                     body = b'{"text": "hello", "sampling_params": {"max_new_tokens": 3}}'
                     direct = await timed_posts(session, all_urls[0] + "/generate", body, args.proxy_iters, warmup=50)
@@ -229,6 +231,7 @@ def main() -> None:
     p.add_argument("--proxy-iters", type=int, default=1000)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seconds", type=float, default=3.0)
+    p.add_argument("--data-plane-processes", default="auto", help="omni-router --data-plane-processes (1: one process)")
     p.add_argument("--serve-standins", type=int, nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_standins:
