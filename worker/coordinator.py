@@ -38,7 +38,6 @@ from router.contract.admin import (
     MemoryOccupationRequest,
     ModelInfo,
     PauseRequest,
-    RankResult,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromTensorRequest,
     WeightStateName,
@@ -324,7 +323,7 @@ class Coordinator:
             weight_state=self.weight_state,
             instance_id=self.instance_id,
             token_step=worker.token_step,
-            rank_results=[RankResult.model_validate(r) for r in ranks.rank_results],
+            rank_results=ranks.rank_results,
         )
 
 

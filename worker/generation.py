@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from worker.engine.request import OutputChannel, Request, RequestEvent
+from worker.engine.request import FinishReason, OutputChannel, Request, RequestEvent
 from worker.engine.sampling import trim_stop_string
 
 
@@ -28,7 +28,7 @@ class GenerationHandle:
         self.output_ids: list[int] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[list[tuple[float, int]]] = []
-        self.finish_reason: dict[str, Any] | None = None
+        self.finish_reason: FinishReason | None = None
         self.retractions = 0
         self.created = time.monotonic()
         self.finished_at: float | None = None
@@ -83,7 +83,7 @@ class GenerationHandle:
         text = trim_stop_string(decode(self.output_ids), self.finish_reason, self.params.no_stop_trim)
         meta: dict[str, Any] = {
             "id": self.rid,
-            "finish_reason": self.finish_reason,
+            "finish_reason": self.finish_reason.to_wire() if self.finish_reason is not None else None,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.output_ids),
             "cached_tokens": 0,

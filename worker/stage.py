@@ -5,8 +5,8 @@ ranks in their own processes (:mod:`worker.tp`). An admin operation runs on
 every rank (rank 0's scheduler thread sends it to the followers, runs it, and
 waits for theirs, bounded) and the per-rank outcomes are folded into one
 :class:`StageResult` that always carries every rank's typed outcome: one entry
-per rank, a lost or late rank named in a failed one. Outcomes become JSON
-(``rank_results``, :meth:`StageResult.body`) only at the HTTP edge.
+per rank, a lost or late rank named in a failed one. Outcomes become the route's
+response model (:meth:`StageResult.response`, with its ``rank_results``) only at the HTTP edge.
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
+from router.contract.admin import RankResult
+from router.contract.base import WireResponse
 from worker.engine.results import OpResult, wire_fields
 from worker.engine.scheduler import Scheduler
 from worker.tp.follower import RankState
@@ -27,6 +29,7 @@ from worker.tp.peers import TPPeers, TPRankLost
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+R = TypeVar("R", bound=WireResponse)
 
 RankOp = Callable[[Scheduler], OpResult[Any]]
 
@@ -76,35 +79,40 @@ class StageResult(Generic[T]):
     outcomes: list[OpResult[T]] = field(default_factory=list)
 
     @property
-    def rank_results(self) -> list[dict[str, Any]]:
-        """The JSON edge: one ``rank_results`` entry per rank, with its payload's scalar fields."""
+    def rank_results(self) -> list[RankResult]:
+        """One ``rank_results`` entry per rank, with its payload's scalar fields."""
         size = len(self.outcomes)
         return [_rank_result(i, size, r) for i, r in enumerate(self.outcomes)]
 
-    def body(self, **extra: Any) -> dict[str, Any]:
-        """The JSON response body: ``{success, message, <leader's data>, rank_results}``."""
-        return {
-            "success": self.success,
-            "message": self.message,
-            **wire_fields(self.data),
-            **extra,
-            "rank_results": self.rank_results,
-        }
+    def response(self, model: type[R], **extra: Any) -> R:
+        """The JSON edge: the route's response ``model``, ``{success, message, <leader's data>,
+        rank_results}`` plus the caller's ``extra`` fields."""
+        return model.model_validate(
+            {
+                "success": self.success,
+                "message": self.message,
+                **wire_fields(self.data),
+                **extra,
+                "rank_results": self.rank_results,
+            }
+        )
 
 
-def _rank_result(rank: int, tp_size: int, result: OpResult[Any]) -> dict[str, Any]:
+def _rank_result(rank: int, tp_size: int, result: OpResult[Any]) -> RankResult:
     # Scalars only: bulky per-rank payloads (a checker's digests) are reported once, by the caller.
     fields = wire_fields(result.data)
     scalars = {k: v for k, v in fields.items() if isinstance(v, (str, int, float, bool)) or v is None}
-    return {
-        "rank": rank,
-        "role": "tp",
-        "tp_rank": rank,
-        "tp_size": tp_size,
-        "success": result.success,
-        "message": result.message,
-        **scalars,
-    }
+    return RankResult.model_validate(
+        {
+            "rank": rank,
+            "role": "tp",
+            "tp_rank": rank,
+            "tp_size": tp_size,
+            "success": result.success,
+            "message": result.message,
+            **scalars,
+        }
+    )
 
 
 def aggregate(action: str, results: list[OpResult[T]]) -> StageResult[T]:
@@ -206,7 +214,7 @@ class Stage:
             functools.partial(_with_followers, action, local, follower_op, self.peers, timeout_s)
         )
 
-    async def _on_leader(self, action: str, fn: Callable[[], Any], timeout_s: float) -> Any:
+    async def _on_leader(self, action: str, fn: Callable[[], T], timeout_s: float) -> T:
         fut = self.leader.submit_admin(fn)
         try:
             return await asyncio.wait_for(asyncio.wrap_future(fut), timeout_s + TP_MARGIN_S)

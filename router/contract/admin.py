@@ -4,7 +4,8 @@ version, update from disk, memory occupation and the weights checker.
 Field names and defaults follow SGLang (``io_struct.py``) and sglang-omni's RL
 admin control. Every answer of a route that can fail is an :class:`AdminResult`
 (``success``, ``message``, ``rank_results`` with one entry per TP rank) plus its
-action's own fields; a failure also carries ``error.message`` and answers 400.
+action's own fields; a failure also carries ``error.message``
+(:class:`~router.contract.base.OutcomeResponse`) and answers 400.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from router.contract.base import MAX_ITEMS, Label, PathText, Text, WireRequest, WireResponse
+from router.contract.base import MAX_ITEMS, Label, OutcomeResponse, PathText, Text, WireRequest, WireResponse
 from router.contract.tensor_handles import HandleMessage
 from router.contract.vllm_server import VllmConfigView
 
@@ -158,7 +159,7 @@ class RankResult(WireResponse):
     message: str = ""
 
 
-class AdminResult(WireResponse):
+class AdminResult(OutcomeResponse):
     """The generic admin answer: ``{success, message, rank_results}`` plus the action's fields.
 
     ``weights`` says what the call did to the worker's weights, success or not: ``intact``

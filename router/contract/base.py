@@ -4,15 +4,16 @@ A request is parsed once at each process edge into its model and passed on
 typed; a process that forwards it (the router) serializes the model again with
 :meth:`WireRequest.to_json`, which sends exactly the fields the caller set plus
 any fields this version does not know, so newer trainers keep working unchanged.
-A response model says, through :attr:`WireResponse.ok`, whether it reports success.
+A response model says, through :attr:`WireResponse.ok`, whether it reports success; one that
+can report a failure (:class:`OutcomeResponse`) is sent failed with ``error.message`` beside its fields.
 """
 
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated
+from typing import Annotated, Self
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 # -- bounds of caller-supplied values: a 2 MB label or a 5 MB path is a 400, never copied around.
 
@@ -97,3 +98,36 @@ class WireResponse(BaseModel):
     def ok(self) -> bool:
         """Whether the answer reports success (a response with no success field always does)."""
         return True
+
+
+class FailureDetail(BaseModel):
+    """``error`` of a failed answer: ``{"message"}`` (other keys a peer sends are kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    message: str = ""
+
+
+class OutcomeResponse(WireResponse):
+    """A response that reports success or failure (:attr:`ok`, by its own fields).
+
+    A failed one is answered with ``error: {"message"}`` beside its fields (:meth:`failed`): the
+    admin shape SGLang's clients read and the project's error shape at once. ``error`` is left
+    out while it is None and sent last, after any fields this version does not know."""
+
+    error: FailureDetail | None = None
+
+    def failed(self, message: str) -> Self:
+        """This answer as sent when it fails: with ``error.message`` set to ``message``."""
+        return self.model_copy(update={"error": FailureDetail(message=message)})
+
+    # No return annotation on purpose: pydantic then documents the model's own fields as what it
+    # serializes to (an annotated wrap serializer replaces them with its return type's schema).
+    @model_serializer(mode="wrap")
+    def _error_last(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
+        data = handler(self)
+        if isinstance(data, dict):
+            error = data.pop("error", None)
+            if error is not None:
+                data["error"] = error
+        return data

@@ -24,7 +24,16 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from router.contract.admin import AdminResult, RankResult, WeightsEffect
-from router.contract.base import MAX_ITEMS, MAX_WORLD_SIZE, HostText, Label, WireRequest, WireResponse, check_host
+from router.contract.base import (
+    MAX_ITEMS,
+    MAX_WORLD_SIZE,
+    HostText,
+    Label,
+    OutcomeResponse,
+    WireRequest,
+    WireResponse,
+    check_host,
+)
 from router.contract.bucket_layout import BucketLayout, LayoutError
 from router.contract.budget import MAX_TIMEOUT_S
 
@@ -222,7 +231,7 @@ class PrepareWeightsUpdateRequest(WireRequest):
         return self
 
 
-class PrepareWeightsUpdateResponse(WireResponse):
+class PrepareWeightsUpdateResponse(OutcomeResponse):
     """``ready`` once the receive loop runs; ``error`` (with the reason) when nothing was started."""
 
     status: Literal["ready", "error"]

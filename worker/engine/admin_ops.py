@@ -17,7 +17,7 @@ from router.contract.admin import (
     WeightsCheckerRequest,
 )
 from router.contract.vllm_dev import AbortRequestsRequest
-from worker.engine.checker import CheckerError, compare_ok
+from worker.engine.checker import CheckerError
 from worker.engine.model_worker import MEMORY_TAGS, WeightUpdateError
 from worker.engine.results import (
     Aborted,
@@ -102,14 +102,13 @@ def update_weight_version(s: Scheduler, req: UpdateWeightVersionRequest) -> OpRe
 
 def weights_checker(s: Scheduler, req: WeightsCheckerRequest) -> OpResult[CheckerReport]:
     try:
-        summary = s.worker.run_checker(req.action, req.skip_tensor_list or ())
+        report = s.worker.run_checker(req.action, req.skip_tensor_list or ())
     except (CheckerError, WeightUpdateError) as exc:
-        return OpResult(False, str(exc), CheckerReport({"action": req.action}))
-    if req.action == "compare" and not compare_ok(summary):
-        n = len(summary["changed"]) + len(summary["missing"]) + len(summary["unexpected"])
-        message = f"check tensor equality failed: {n} tensor(s) differ from the snapshot"
-        return OpResult(False, message, CheckerReport(summary))
-    return OpResult(True, f"{req.action} done over {summary['tensor_count']} tensors", CheckerReport(summary))
+        return OpResult(False, str(exc), CheckerReport(req.action))
+    if report.diff is not None and report.diff.differing:
+        message = f"check tensor equality failed: {report.diff.differing} tensor(s) differ from the snapshot"
+        return OpResult(False, message, report)
+    return OpResult(True, f"{req.action} done over {report.tensor_count} tensors", report)
 
 
 def _tags(req: MemoryOccupationRequest) -> list[str]:

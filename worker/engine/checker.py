@@ -24,12 +24,16 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 import torch
 
+from router.contract.admin import CheckerRank
+from worker.engine.results import CheckerDiff, CheckerReport, TensorMeta
 from worker.model import rank_checksum, tensor_digest
+
+ACTIONS = ("checksum", "snapshot", "reset_tensors", "compare")
 
 
 class CheckerError(ValueError):
@@ -42,34 +46,35 @@ class WeightsChecker:
     def __init__(self) -> None:
         self._snapshot: dict[str, str] | None = None
 
-    def run(self, action: str, tensors: Iterable[tuple[str, torch.Tensor]], skip: Iterable[str] = ()) -> dict[str, Any]:
-        """Execute ``action`` over ``tensors``; returns the summary fields."""
-        if action not in ("checksum", "snapshot", "reset_tensors", "compare"):
+    def run(self, action: str, tensors: Iterable[tuple[str, torch.Tensor]], skip: Iterable[str] = ()) -> CheckerReport:
+        """Execute ``action`` over ``tensors``; returns this rank's summary."""
+        if action not in ACTIONS:
             raise CheckerError(f"unknown weights_checker action {action!r}")
         if action == "compare" and self._snapshot is None:
             raise CheckerError("compare requires snapshot first")
         start = time.perf_counter()
         skipped = set(skip)
         digests: dict[str, str] = {}
-        metadata: dict[str, dict[str, Any]] = {}
+        metadata: dict[str, TensorMeta] = {}
         for name, tensor in _named(tensors, skipped):
             digests[name] = tensor_digest(name, tensor)
-            metadata[name] = {"dtype": str(tensor.dtype).removeprefix("torch."), "shape": list(tensor.shape)}
-        summary: dict[str, Any] = {
-            "action": action,
-            "tensor_count": len(digests),
-            "checksums": digests,
-            "tensor_metadata": metadata,
-            "per_gpu_checksum": rank_checksum(digests),
-        }
+            metadata[name] = TensorMeta(str(tensor.dtype).removeprefix("torch."), tuple(tensor.shape))
+        checksum = rank_checksum(digests)
+        diff = None
         if action in ("snapshot", "reset_tensors"):
             self._snapshot = dict(digests)
         elif action == "compare":
             assert self._snapshot is not None
             # Skipped tensors are left out on both sides, not reported missing.
-            summary.update(_diff({n: d for n, d in self._snapshot.items() if n not in skipped}, digests))
-        summary["elapsed_s"] = time.perf_counter() - start
-        return summary
+            diff = _diff({n: d for n, d in self._snapshot.items() if n not in skipped}, digests)
+        return CheckerReport(
+            action,
+            checksums=digests,
+            tensor_metadata=metadata,
+            per_gpu_checksum=checksum,
+            diff=diff,
+            elapsed_s=time.perf_counter() - start,
+        )
 
 
 def _named(tensors: Iterable[tuple[str, torch.Tensor]], skipped: set[str]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -78,36 +83,41 @@ def _named(tensors: Iterable[tuple[str, torch.Tensor]], skipped: set[str]) -> It
             yield name, tensor
 
 
-def _diff(before: dict[str, str], after: dict[str, str]) -> dict[str, Any]:
-    matched = sorted(n for n in after if n in before and before[n] == after[n])
-    changed = sorted(n for n in after if n in before and before[n] != after[n])
-    missing = sorted(n for n in before if n not in after)
-    unexpected = sorted(n for n in after if n not in before)
-    return {"matched": matched, "missing": missing, "unexpected": unexpected, "changed": changed}
+def _diff(before: dict[str, str], after: dict[str, str]) -> CheckerDiff:
+    return CheckerDiff(
+        matched=sorted(n for n in after if n in before and before[n] == after[n]),
+        missing=sorted(n for n in before if n not in after),
+        unexpected=sorted(n for n in after if n not in before),
+        changed=sorted(n for n in after if n in before and before[n] != after[n]),
+    )
 
 
-def compare_ok(summary: dict[str, Any]) -> bool:
-    return not (summary.get("changed") or summary.get("missing") or summary.get("unexpected"))
+@dataclass(frozen=True, slots=True)
+class EngineReport:
+    """SGLang's engine-level checker fields over every rank's summary, in rank order."""
+
+    per_engine_checksum: str
+    """SHA256 over the per-rank checksums."""
+    ranks: list[CheckerRank]
+    """Each rank's digests and its place in the parallel layout."""
 
 
-def engine_report(rank_data: list[dict[str, Any]]) -> dict[str, Any]:
-    """SGLang's engine-level checker fields over every rank's summary, in rank order:
-    ``per_engine_checksum`` (SHA256 over the per-rank checksums) and ``ranks`` (each
-    rank's digests and its place in the parallel layout). Empty unless every rank
-    produced a checksum (a failed action has none to combine)."""
-    rank_sums = [d.get("per_gpu_checksum") for d in rank_data]
+def engine_report(reports: Sequence[CheckerReport | None]) -> EngineReport | None:
+    """The engine-level report over every rank's summary; None unless every rank produced a
+    checksum (a failed action has none to combine)."""
+    rank_sums = [r.per_gpu_checksum if r is not None else None for r in reports]
     if not rank_sums or not all(rank_sums):
-        return {}
+        return None
     engine = hashlib.sha256()
     for checksum in rank_sums:
         engine.update(str(checksum).encode())
-    size = len(rank_data)
+    size = len(reports)
     ranks = [
-        {
-            "checksums": d.get("checksums", {}),
-            "per_gpu_checksum": rank_sums[i],
-            "full_checksum": d.get("full_checksum"),
-            "parallelism_info": [
+        CheckerRank(
+            checksums=dict(r.checksums),
+            per_gpu_checksum=r.per_gpu_checksum,
+            full_checksum=r.full_checksum,
+            parallelism_info=[
                 {
                     "role": "tp",
                     "tp_rank": i,
@@ -120,7 +130,8 @@ def engine_report(rank_data: list[dict[str, Any]]) -> dict[str, Any]:
                     "size": size,
                 }
             ],
-        }
-        for i, d in enumerate(rank_data)
+        )
+        for i, r in enumerate(reports)
+        if r is not None and r.per_gpu_checksum is not None
     ]
-    return {"per_engine_checksum": engine.hexdigest(), "ranks": ranks}
+    return EngineReport(engine.hexdigest(), ranks)

@@ -14,18 +14,20 @@ copy restores the previous weights bit for bit.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 
 from router.dataplane.buckets import NamedTensors
 from worker.engine.checker import WeightsChecker
+from worker.engine.results import CheckerReport
 from worker.engine.weight_state import WeightLedger, WeightState
 from worker.model import (
     CausalLM,
@@ -339,15 +341,16 @@ class ModelWorker:
         return done
 
     # -- checker ------------------------------------------------------------------------
-    def run_checker(self, action: str, skip: Iterable[str] = ()) -> dict[str, Any]:
+    def run_checker(self, action: str, skip: Iterable[str] = ()) -> CheckerReport:
         """The checker over this rank's tensors (its shards at TP > 1); with tensor parallelism also
         ``full_checksum``, over the full checkpoint tensors (every rank runs this together)."""
         if self.weights_released:
             raise WeightUpdateError("weights are released; call /resume_memory_occupation first")
-        summary = self.checker.run(action, self.model.iter_checkpoint_tensors(), skip)
+        skipped = set(skip)
+        report = self.checker.run(action, self.model.iter_checkpoint_tensors(), skipped)
         if self.tp is not None and self.tp.size > 1:
-            summary["full_checksum"] = self._full_checksum(set(skip))
-        return summary
+            report = dataclasses.replace(report, full_checksum=self._full_checksum(skipped))
+        return report
 
     def weights_checksum(self) -> str:
         """The checksum of the full checkpoint tensors this rank serves, in the trainer's scheme

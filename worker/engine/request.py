@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import enum
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
@@ -23,6 +22,54 @@ class ReqState(enum.Enum):
     WAITING = "waiting"  # no KV: not admitted yet, or retracted
     RUNNING = "running"  # holds KV computed with the current weights
     FINISHED = "finished"
+
+
+class FinishKind(enum.Enum):
+    """Why a request ended: SGLang's ``finish_reason.type``, and OpenAI's ``finish_reason``."""
+
+    STOP = "stop"  # a stop token, EOS or a stop string
+    LENGTH = "length"  # max_new_tokens, or the context length
+    ABORT = "abort"  # an abort, a pause in abort mode, an error, shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class FinishReason:
+    """Why a request ended; built with :meth:`stopped`, :meth:`at_length` or :meth:`aborted`, so exactly the
+    field of its kind is set (``matched``, ``length`` or ``message``)."""
+
+    kind: FinishKind
+    matched: int | str | None = None
+    """``stop``: the stop token (or EOS) id, or the stop string."""
+    length: int | None = None
+    """``length``: the token count it ended at."""
+    message: str | None = None
+    """``abort``: why."""
+
+    @classmethod
+    def stopped(cls, matched: int | str) -> FinishReason:
+        return cls(FinishKind.STOP, matched=matched)
+
+    @classmethod
+    def at_length(cls, length: int) -> FinishReason:
+        return cls(FinishKind.LENGTH, length=length)
+
+    @classmethod
+    def aborted(cls, message: str = "Aborted") -> FinishReason:
+        return cls(FinishKind.ABORT, message=message)
+
+    @property
+    def stop_string(self) -> str | None:
+        """The stop string it matched, if it stopped on one (the text is cut before it)."""
+        return self.matched if self.kind is FinishKind.STOP and isinstance(self.matched, str) else None
+
+    def to_wire(self) -> dict[str, int | str | None]:
+        """The JSON edge: SGLang's ``{"type": "stop", "matched": ...}`` | ``{"type": "length", "length": N}``
+        | ``{"type": "abort", "message": ...}``."""
+        if self.kind is FinishKind.STOP:
+            return {"type": "stop", "matched": self.matched}
+        if self.kind is FinishKind.LENGTH:
+            return {"type": "length", "length": self.length}
+        return {"type": "abort", "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -56,7 +103,7 @@ class RequestEvent:
     new_ids: list[int]
     new_logprobs: list[float]
     new_top_logprobs: list[list[tuple[float, int]]]
-    finish_reason: dict[str, Any] | None
+    finish_reason: FinishReason | None
     retractions: int
 
 
@@ -99,7 +146,7 @@ class Request:
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
     state: ReqState = ReqState.WAITING
     kv: KVCache | None = None
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     retractions: int = 0
     generator: torch.Generator | None = None
     _sent: int = 0  # output tokens already delivered to the channel
@@ -144,15 +191,3 @@ class Request:
                 retractions=self.retractions,
             )
         )
-
-
-def abort_reason(message: str = "Aborted") -> dict[str, Any]:
-    return {"type": "abort", "message": message}
-
-
-def length_reason(length: int) -> dict[str, Any]:
-    return {"type": "length", "length": length}
-
-
-def stop_reason(matched: int | str) -> dict[str, Any]:
-    return {"type": "stop", "matched": matched}

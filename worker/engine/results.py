@@ -10,7 +10,8 @@ Invariants:
 
 - A payload's field is read by attribute, never by a string key; the one place a
   payload becomes a ``dict`` is :func:`wire_fields`, at the JSON edge (a field's
-  ``wire`` name, ``weights`` for an ``effect``, is the key it has in the answer).
+  ``wire`` name, ``weights`` for an ``effect``, is the key it has in the answer; a
+  payload with a ``to_wire`` method, such as :class:`CheckerReport`, shapes its own).
 - **A missing effect is ``partial``** (:func:`effect_of`): a rank that answered
   without saying what it did to the weights (it raised, or was lost) may have
   written some of them. This is the contract's own rule (a worker that does not say
@@ -44,16 +45,16 @@ class OpResult(Generic[T]):
 def wire_fields(payload: object) -> dict[str, Any]:
     """The JSON edge: a payload's fields under their wire names (``{}`` for ``None``).
 
-    A field marked ``omit_none`` is left out while it is ``None``; a ``spread`` field (a
-    report whose keys are its own) is merged in."""
+    A field marked ``omit_none`` is left out while it is ``None``; a payload with its own
+    ``to_wire`` (a report whose keys depend on what it holds) is asked for them."""
     if payload is None:
         return {}
+    if isinstance(payload, CheckerReport):
+        return payload.to_wire()
     out: dict[str, Any] = {}
     for f in dataclasses.fields(payload):  # type: ignore[arg-type]
         value = getattr(payload, f.name)
-        if f.metadata.get("spread"):
-            out.update(value)
-        elif value is not None or not f.metadata.get("omit_none"):
+        if value is not None or not f.metadata.get("omit_none"):
             out[f.metadata.get("wire", f.name)] = value
     return out
 
@@ -159,15 +160,73 @@ class VersionSet:
 
 
 @dataclass(frozen=True, slots=True)
-class CheckerReport:
-    """``weights_checker``: the checker's summary, a JSON report whose keys are its own."""
+class TensorMeta:
+    """A checked tensor's dtype (``float32``: without ``torch.``) and shape."""
 
-    summary: dict[str, Any] = field(metadata={"spread": True})
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class CheckerDiff:
+    """``compare``: the tensors whose digests match the snapshot, differ from it, or are on one side only."""
+
+    matched: list[str]
+    missing: list[str]
+    unexpected: list[str]
+    changed: list[str]
 
     @property
-    def rank_checksum(self) -> str | None:
-        value = self.summary.get("per_gpu_checksum")
-        return value if isinstance(value, str) else None
+    def differing(self) -> int:
+        """Tensors that are not as snapshotted (changed, missing or unexpected)."""
+        return len(self.changed) + len(self.missing) + len(self.unexpected)
+
+
+@dataclass(frozen=True, slots=True)
+class CheckerReport:
+    """``weights_checker``: one rank's summary (sglang-omni ``StrictWeightChecker``).
+
+    ``per_gpu_checksum`` is None when the action failed before digesting anything: the
+    report then says only which action it was."""
+
+    action: str
+    checksums: dict[str, str] = field(default_factory=dict)
+    """Tensor name to its digest (over this rank's shard at TP > 1)."""
+    tensor_metadata: dict[str, TensorMeta] = field(default_factory=dict)
+    per_gpu_checksum: str | None = None
+    """The checksum over ``checksums``."""
+    diff: CheckerDiff | None = None
+    """``compare`` only."""
+    elapsed_s: float = 0.0
+    full_checksum: str | None = None
+    """TP > 1: the checksum of the full checkpoint tensors, rebuilt from every rank's shard."""
+
+    @property
+    def tensor_count(self) -> int:
+        return len(self.checksums)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The JSON edge: the summary's fields, in the checker's order (``{"action"}`` alone for a failure)."""
+        if self.per_gpu_checksum is None:
+            return {"action": self.action}
+        out: dict[str, Any] = {
+            "action": self.action,
+            "tensor_count": self.tensor_count,
+            "checksums": dict(self.checksums),
+            "tensor_metadata": {n: {"dtype": m.dtype, "shape": list(m.shape)} for n, m in self.tensor_metadata.items()},
+            "per_gpu_checksum": self.per_gpu_checksum,
+        }
+        if self.diff is not None:
+            out.update(
+                matched=self.diff.matched,
+                missing=self.diff.missing,
+                unexpected=self.diff.unexpected,
+                changed=self.diff.changed,
+            )
+        out["elapsed_s"] = self.elapsed_s
+        if self.full_checksum is not None:
+            out["full_checksum"] = self.full_checksum
+        return out
 
 
 @dataclass(frozen=True, slots=True)

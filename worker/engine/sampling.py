@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from worker.engine.request import GenerationParams, Request, length_reason, stop_reason
+from worker.engine.request import FinishReason, GenerationParams, Request
 
 
 def make_generator(device: torch.device, seed: int | None) -> torch.Generator:
@@ -86,7 +86,7 @@ def sample_batch(
 
 def check_finish(
     req: Request, token: int, eos_token_ids: frozenset[int], decode: Callable[[list[int]], str], context_len: int
-) -> dict | None:
+) -> FinishReason | None:
     """The finish reason after ``token`` was appended to ``req``, or None to go on.
 
     Order follows SGLang: stop tokens / EOS, then stop strings, then length.
@@ -96,26 +96,23 @@ def check_finish(
     produced = len(req.output_ids)
     if produced >= params.min_new_tokens:
         if token in params.stop_token_ids or (not params.ignore_eos and token in eos_token_ids):
-            return stop_reason(token)
+            return FinishReason.stopped(token)
         if params.stop_strings:
             text = decode(req.output_ids)
             for stop in params.stop_strings:
                 if stop in text:
-                    return stop_reason(stop)
+                    return FinishReason.stopped(stop)
     if produced >= params.max_new_tokens:
-        return length_reason(params.max_new_tokens)
+        return FinishReason.at_length(params.max_new_tokens)
     if req.total_len >= context_len:
-        return length_reason(produced)
+        return FinishReason.at_length(produced)
     return None
 
 
-def trim_stop_string(text: str, finish_reason: dict | None, no_stop_trim: bool) -> str:
+def trim_stop_string(text: str, finish_reason: FinishReason | None, no_stop_trim: bool) -> str:
     """Cut the output text before the matched stop string, as SGLang does by default."""
-    if no_stop_trim or not finish_reason or finish_reason.get("type") != "stop":
+    matched = finish_reason.stop_string if finish_reason is not None else None
+    if no_stop_trim or matched is None:
         return text
-    matched = finish_reason.get("matched")
-    if isinstance(matched, str):
-        index = text.find(matched)
-        if index >= 0:
-            return text[:index]
-    return text
+    index = text.find(matched)
+    return text[:index] if index >= 0 else text

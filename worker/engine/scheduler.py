@@ -10,7 +10,7 @@ forward; callers get a ``concurrent.futures.Future``.
 Pause states (SGLang semantics):
 
 * ``abort`` — every request held at pause time finishes with
-  ``finish_reason.type == "abort"`` and its partial output;
+  ``finish_reason`` ``abort`` and its partial output;
 * ``retract`` — running requests drop their KV and go back to the front of the
   waiting queue; after continue they recompute prompt + generated tokens and
   complete normally;
@@ -30,17 +30,18 @@ Methods documented "scheduler thread" must only be called from admin callables.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from worker.engine.model_worker import ModelWorker
-from worker.engine.request import ReqState, Request, abort_reason, length_reason
+from worker.engine.request import FinishReason, ReqState, Request
 from worker.engine.results import Paused
 from worker.engine.sampling import check_finish, make_generator, sample_batch
 from worker.model import SeqInput
@@ -48,6 +49,8 @@ from worker.model import SeqInput
 log = logging.getLogger(__name__)
 
 PAUSE_MODES = ("abort", "retract", "in_place", "drain")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -62,6 +65,37 @@ class SchedulerStats:
     finished_requests: int = 0
     aborted_requests: int = 0
     retracted_requests: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerState:
+    """One rank's scheduler as ``/server_info`` reports it (an ``internal_states`` entry)."""
+
+    rank: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    is_paused: bool
+    pause_mode: str | None
+    effective_max_running_requests_per_dp: int
+    memory_usage: dict[str, float]
+    """GiB per kind of memory (``weight``)."""
+    released_memory: list[str]
+    stats: SchedulerStats
+    """A copy of the counters, taken with the rest."""
+
+    def to_wire(self) -> dict[str, object]:
+        """The JSON edge: SGLang's flat ``internal_states`` entry, the counters beside the rest."""
+        return {
+            "rank": self.rank,
+            "num_running_reqs": self.num_running_reqs,
+            "num_waiting_reqs": self.num_waiting_reqs,
+            "is_paused": self.is_paused,
+            "pause_mode": self.pause_mode,
+            "effective_max_running_requests_per_dp": self.effective_max_running_requests_per_dp,
+            "memory_usage": self.memory_usage,
+            "released_memory": self.released_memory,
+            **{f.name: getattr(self.stats, f.name) for f in dataclasses.fields(self.stats)},
+        }
 
 
 class Scheduler:
@@ -109,16 +143,16 @@ class Scheduler:
     def submit_request(self, req: Request) -> None:
         self._commands.put(("add", req))
 
-    def submit_admin(self, fn: Callable[[], Any]) -> Future:
+    def submit_admin(self, fn: Callable[[], T]) -> Future[T]:
         """Run ``fn()`` on the scheduler thread between steps; its result lands in the Future."""
-        fut: Future = Future()
+        fut: Future[T] = Future()
         if not self.alive:
             fut.set_exception(RuntimeError("the scheduler thread is not running"))
             return fut
         self._commands.put(("admin", (fn, fut)))
         return fut
 
-    def submit_abort(self, rid: str | None, *, abort_all: bool = False, message: str = "Aborted") -> Future:
+    def submit_abort(self, rid: str | None, *, abort_all: bool = False, message: str = "Aborted") -> Future[list[str]]:
         return self.submit_admin(lambda: self.abort_matching(rid, abort_all=abort_all, message=message))
 
     # -- read-only views (any thread; a consistent-enough snapshot for reporting) ---------
@@ -130,18 +164,18 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self._waiting)
 
-    def internal_state(self) -> dict[str, Any]:
-        return {
-            "rank": self.rank,
-            "num_running_reqs": self.num_running,
-            "num_waiting_reqs": self.num_waiting,
-            "is_paused": self.is_paused,
-            "pause_mode": self.pause_mode,
-            "effective_max_running_requests_per_dp": self.max_running_requests,
-            "memory_usage": self.worker.memory_usage(),
-            "released_memory": sorted(self.worker.released_tags),
-            **asdict(self.stats),
-        }
+    def internal_state(self) -> SchedulerState:
+        return SchedulerState(
+            rank=self.rank,
+            num_running_reqs=self.num_running,
+            num_waiting_reqs=self.num_waiting,
+            is_paused=self.is_paused,
+            pause_mode=self.pause_mode,
+            effective_max_running_requests_per_dp=self.max_running_requests,
+            memory_usage=self.worker.memory_usage(),
+            released_memory=sorted(self.worker.released_tags),
+            stats=dataclasses.replace(self.stats),
+        )
 
     # -- state operations (scheduler thread) ----------------------------------------------
     @property
@@ -165,7 +199,7 @@ class Scheduler:
         # Counted first: a state snapshot taken from another thread never shows the requests gone but not counted.
         self.stats.aborted_requests += len(victims)
         for req in victims:
-            self._finish(req, abort_reason(message))
+            self._finish(req, FinishReason.aborted(message))
         return [r.rid for r in victims]
 
     def abort_all(self, message: str = "Aborted") -> list[str]:
@@ -271,7 +305,7 @@ class Scheduler:
             req = self._waiting.popleft()
             remaining = req.params.max_new_tokens - len(req.output_ids)
             if remaining <= 0:
-                self._finish(req, length_reason(req.params.max_new_tokens))
+                self._finish(req, FinishReason.at_length(req.params.max_new_tokens))
                 continue
             try:
                 req.kv = self.worker.new_kv_cache(min(req.total_len + remaining, self.worker.context_len))
@@ -279,7 +313,7 @@ class Scheduler:
                     req.generator = make_generator(self.worker.device, req.params.seed)
             except Exception as exc:
                 log.exception("cannot admit request %s", req.rid)
-                self._finish(req, abort_reason(f"cannot allocate KV cache: {type(exc).__name__}"))
+                self._finish(req, FinishReason.aborted(f"cannot allocate KV cache: {type(exc).__name__}"))
                 continue
             req.state = ReqState.RUNNING
             self._running.append(req)
@@ -296,7 +330,7 @@ class Scheduler:
         except Exception as exc:
             log.exception("forward step failed; aborting %d request(s)", len(batch))
             for req in batch:
-                self._finish(req, abort_reason(f"internal error during generation: {type(exc).__name__}"))
+                self._finish(req, FinishReason.aborted(f"internal error during generation: {type(exc).__name__}"))
             return
         worker = self.worker
         for req, (token, logprob, top) in zip(batch, picks, strict=True):
@@ -316,7 +350,7 @@ class Scheduler:
         if self.step_delay_s:
             time.sleep(self.step_delay_s)
 
-    def _finish(self, req: Request, reason: dict[str, Any]) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         if req.state == ReqState.RUNNING:
             self._running.remove(req)
         elif req.state == ReqState.WAITING:

@@ -38,7 +38,7 @@ from router.contract.web.parsing import parse_body
 from router.contract.weight_sync import PrepareWeightsUpdateResponse
 from worker.engine import admin_ops
 from worker.engine.checker import engine_report
-from worker.engine.results import CheckerReport
+from worker.engine.results import CheckerReport, wire_fields
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.http.server_info import server_info
 from worker.stage import AdminBusy, AdminTimeout, StageResult
@@ -82,18 +82,16 @@ def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], model: WireRes
             said = "intact"
         partial = bool(request.app[COORDINATOR].worker.weights_partial or model.weights_partial)
         model = model.model_copy(update={"weights": said, "weights_partial": partial})
-    payload = model.model_dump(mode="json")
-    if model.ok:
-        return web.json_response(payload)
-    payload["error"] = {"message": payload.get("message", "")}
-    return web.json_response(payload, status=400)
+        if not model.ok:  # only these answers can report a failure: 400, with ``error.message``
+            model = model.failed(model.message)
+    return web.json_response(model.model_dump(mode="json"), status=200 if model.ok else 400)
 
 
 def stage_answer(
     request: web.Request, endpoint: ep.Endpoint[Any, Any], result: StageResult[Any], **extra: Any
 ) -> web.Response:
     """A stage's aggregate as the route's response model (the JSON edge of a typed result)."""
-    return answer(request, endpoint, endpoint.response.model_validate(result.body(**extra)))
+    return answer(request, endpoint, result.response(endpoint.response, **extra))
 
 
 async def _exclusive(
@@ -199,8 +197,8 @@ async def weights_checker(request: web.Request) -> web.Response:
     result: StageResult[CheckerReport] = await request.app[COORDINATOR].admin(
         "weights_checker", functools.partial(admin_ops.weights_checker, req=req), bound
     )
-    summaries = [o.data.summary if o.data is not None else {} for o in result.outcomes]
-    return stage_answer(request, ep.WEIGHTS_CHECKER, result, **engine_report(summaries))
+    engine = engine_report([o.data for o in result.outcomes])
+    return stage_answer(request, ep.WEIGHTS_CHECKER, result, **wire_fields(engine))
 
 
 @admin_handler

@@ -14,9 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from router.contract.openai import LOGPROB_FLOOR
+from router.contract.openai import LOGPROB_FLOOR, FinishReasonName
 from worker.engine.model_worker import ModelWorker
-from worker.engine.request import GenerationParams
+from worker.engine.request import FinishKind, GenerationParams
 from worker.engine.sampling import trim_stop_string
 from worker.generation import GenerationHandle
 
@@ -72,20 +72,19 @@ def _logprob(value: float) -> float:
     return LOGPROB_FLOOR if math.isnan(value) else max(value, LOGPROB_FLOOR)
 
 
-def _finish(choice: Choice) -> tuple[str | None, int | str | None]:
+def _finish(choice: Choice) -> tuple[FinishReasonName | None, int | str | None]:
     """OpenAI's ``finish_reason`` and vLLM's ``stop_reason`` (the stop string or stop token; None for EOS)."""
     h = choice.handle
     assert h is not None
     reason = h.finish_reason
     if reason is None:
         return None, None
-    kind = reason.get("type")
-    if kind == "stop":
-        matched = reason.get("matched")
+    if reason.kind is FinishKind.STOP:
+        matched = reason.matched
         if isinstance(matched, int) and matched not in choice.params.stop_token_ids:
-            matched = None
+            matched = None  # EOS: vLLM reports no stop_reason
         return "stop", matched
-    if kind == "length":
+    if reason.kind is FinishKind.LENGTH:
         return "length", None
     return "abort", None
 

@@ -54,7 +54,7 @@ async def server_info(request: web.Request) -> web.Response:
         {
             **config.public_dict(),
             "tp_size": coord.stage.tp_size,
-            "internal_states": [coord.stage.leader.internal_state()],
+            "internal_states": [coord.stage.leader.internal_state().to_wire()],
             "version": __version__,
             "weight_version": coord.worker.weight_version,
         }

@@ -159,12 +159,12 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
                 self._ended[held.group_name] = reason
                 await self._end_by_router(held)
                 message += "; no worker is left in the update, so the router ended it"
-            fields: dict[str, Any] = {"update_open": open_still, "fenced": sorted(held.failed)}
+            answer = fleet_answer(UPDATE, results, message, update_open=open_still, fenced=sorted(held.failed))
             if verdict.all_refused:
                 # Every worker refused it: their own 4xx (the trainer's broadcast found no receiver).
-                fields["error"] = {"message": message}
-                return Outcome(verdict.refusal_status, fleet_answer(UPDATE, results, message, **fields))
-            return Outcome(502, fleet_answer(UPDATE, results, message, **fields))
+                assert isinstance(answer, WeightTransferFleetAnswer)
+                return Outcome(verdict.refusal_status, answer.failed(message))
+            return Outcome(502, answer)
 
     async def finish(self, req: FinishWeightUpdateRequest, headers: dict[str, str]) -> Outcome:
         held = self._open_update(FINISH.path)
