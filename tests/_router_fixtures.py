@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tests._polling import wait_for
 from tests.procs import ManagedProcess, cli, free_port, http_json, start_worker
 
 ADMIN_KEY = "router-test-admin-key"
@@ -34,6 +35,18 @@ def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
         capture_output=True,
     )
     return out_dir
+
+
+@dataclass
+class Fleet:
+    """``omni-worker`` processes started by the ``worker_fleet`` fixture (tests/conftest.py), in start order."""
+
+    urls: list[str]
+    procs: list[ManagedProcess]
+    model: Path
+    """The checkpoint every worker serves."""
+    others: list[Path]
+    """Checkpoints made beside it (``seeds[1:]``), for updates to load."""
 
 
 def start_workers(
@@ -145,18 +158,6 @@ def escaped(url: str) -> str:
     return urllib.parse.quote(url, safe="")
 
 
-def wait_for(
-    cond: Callable[[], bool], timeout: float, proc: ManagedProcess | None = None, what: str = "condition"
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    log = proc.log_text() if proc is not None else ""
-    raise TimeoutError(f"{what} not reached within {timeout}s\n{log}")
-
-
 def generate_via(
     router_url: str, text: str = "hello", max_new_tokens: int = 4, timeout: float = 60
 ) -> tuple[int, Any, str | None]:
@@ -181,6 +182,7 @@ def generate(url: str, text: str = "hello", max_new_tokens: int = 4, **extra: An
 
 __all__ = [
     "ADMIN_KEY",
+    "Fleet",
     "auth",
     "by_url",
     "escaped",

@@ -8,15 +8,16 @@ state in ways others would notice starts its own through ``worker_factory``.
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests._router_fixtures import Fleet, make_tiny_checkpoint, start_workers
 from tests._weight_sync_fixtures import LAYERS, WORKER_ARGS
 from tests._worker_helpers import Worker
-from tests.procs import start_worker
+from tests.procs import ManagedProcess, start_worker
 
 #: The client-compatibility tier (``make test-clients``) runs in its own virtualenv, where the
 #: released RL clients are installed; the main suite's environment has none of them.
@@ -100,3 +101,39 @@ def sync_workers(sync_ckpts: dict[str, str]) -> Iterator[list[str]]:
     finally:
         for proc, _ in procs:
             proc.stop()
+
+
+@pytest.fixture(scope="module")
+def worker_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Fleet]]:
+    """Start ``n`` real workers for this module: ``worker_fleet(n, extra_args=..., seeds=..., hosts=..., model=...)``.
+
+    Tiny checkpoints are made (``omni-worker make-tiny``) once per seed for the module; the workers
+    serve ``seeds[0]``'s, or ``model`` when given. ``hosts`` puts worker ``i`` on ``hosts[i]`` (a
+    loopback address standing in for a pod IP). Every process started is stopped at module teardown,
+    whatever the tests did to it (a killed and restarted ``ManagedProcess`` is still the same one)."""
+    root = tmp_path_factory.mktemp("fleet")
+    made: dict[int, Path] = {}
+    started: list[ManagedProcess] = []
+
+    def checkpoint(seed: int) -> Path:
+        if seed not in made:
+            made[seed] = make_tiny_checkpoint(root / f"seed-{seed}", seed=seed)
+        return made[seed]
+
+    def start(
+        n: int,
+        *,
+        extra_args: Sequence[str] = (),
+        seeds: Sequence[int] = (0,),
+        hosts: Sequence[str] = (),
+        model: Path | None = None,
+    ) -> Fleet:
+        served = model if model is not None else checkpoint(seeds[0])
+        others = [checkpoint(seed) for seed in seeds[1:]]
+        pairs = start_workers(served, n, extra_args=extra_args, hosts=hosts)
+        started.extend(proc for proc, _ in pairs)
+        return Fleet([url for _, url in pairs], [proc for proc, _ in pairs], served, others)
+
+    yield start
+    for proc in started:
+        proc.stop()

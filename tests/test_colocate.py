@@ -21,7 +21,7 @@ import torch
 
 from router.trainer.sender import sent_checksum
 from router.trainer.tensor_handles import build_cpu_handles
-from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
+from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, workers
 from tests.procs import http_json
 from worker.engine.model_worker import ModelWorker, RollbackFailed
 from worker.engine.weight_state import WeightLedger, WeightState
@@ -76,15 +76,11 @@ def test_slimes_colocate_sequence_without_a_host_copy(worker_factory, checkpoint
 
 
 @pytest.fixture(scope="module")
-def fleet(checkpoints, tmp_path_factory):
-    procs = start_workers(checkpoints["llama"], 2, extra_args=["--admin-api-key", ADMIN_KEY])
-    router, url = start_router(
-        [u for _, u in procs], admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("colocate-state")
-    )
+def fleet(worker_fleet, checkpoints, tmp_path_factory):
+    workers_ = worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY], model=checkpoints["llama"])
+    router, url = start_router(workers_.urls, admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("colocate-state"))
     yield url
     router.stop()
-    for p, _ in procs:
-        p.stop()
 
 
 def _call(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:

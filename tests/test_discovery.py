@@ -13,9 +13,8 @@ the admin lock is registered when the update ends.
 
 from __future__ import annotations
 
-import asyncio
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -26,7 +25,8 @@ from router.gateway import keys
 from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
 from tests._k8s_standin import StandInApiServer
-from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, wait_for, workers
+from tests._polling import until
+from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, wait_for, workers
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import ManagedProcess, http_json
 
@@ -37,16 +37,9 @@ SETTLE_S = 30
 
 
 @pytest.fixture(scope="module")
-def pod_workers(checkpoints) -> Iterator[list[str]]:
-    procs = start_workers(
-        checkpoints["llama"],
-        2,
-        extra_args=["--admin-api-key", ADMIN_KEY, *WORKER_ARGS],
-        hosts=["127.0.0.2", "127.0.0.3"],
-    )
-    yield [url for _, url in procs]
-    for proc, _ in procs:
-        proc.stop()
+def pod_workers(worker_fleet, checkpoints) -> list[str]:
+    args = ["--admin-api-key", ADMIN_KEY, *WORKER_ARGS]
+    return worker_fleet(2, extra_args=args, hosts=["127.0.0.2", "127.0.0.3"], model=checkpoints["llama"]).urls
 
 
 def as_pod(url: str) -> dict[str, Any]:
@@ -202,30 +195,33 @@ async def test_a_pod_that_appears_during_an_update_is_registered_when_it_ends(
         monkeypatch.setenv(name, value)
     a, b = pod_workers
     api.add_pod("worker-a", namespace=NS, labels=LABELS, **as_pod(a))
+    # A short lock wait: the discovery loop's attempts at the lock end (and are counted) while it is held.
     config = RouterConfig(
-        admin_api_key=ADMIN_KEY, service_discovery="k8s", selector=LABELS, health_check_interval_s=0.5
+        admin_api_key=ADMIN_KEY,
+        service_discovery="k8s",
+        selector=LABELS,
+        health_check_interval_s=0.5,
+        admin_lock_timeout_s=0.2,
     )
     app = create_app(config)
     await aiohttp_client(app)
-    registry, gate = app[keys.REGISTRY], app[keys.GATE]
+    registry, gate, metrics = app[keys.REGISTRY], app[keys.GATE], app[keys.METRICS]
 
-    async def until(cond: Callable[[], bool], what: str) -> None:
-        for _ in range(int(SETTLE_S / 0.05)):
-            if cond():
-                return
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+    def lock_refusals() -> float:
+        labels = {"operation": "service_discovery", "acquired": "false"}
+        return metrics.registry.get_sample_value("omni_router_update_lock_wait_seconds_count", labels) or 0.0
 
     async def registered(n: int) -> None:
-        await until(lambda: len(registry) == n, f"{n} registered worker(s)")
+        await until(lambda: len(registry) == n, SETTLE_S, f"{n} registered worker(s)")
 
     await registered(1)
     await gate.acquire("prepare_weights_update")  # an update holds the lock
     try:
         api.add_pod("worker-b", namespace=NS, labels=LABELS, **as_pod(b))
         status = app[keys.DISCOVERY_STATUS]
-        await until(lambda: status.candidates == 2, "the watch to deliver the new pod")
-        await asyncio.sleep(0.5)
+        await until(lambda: status.candidates == 2, SETTLE_S, "the watch to deliver the new pod")
+        refused = lock_refusals()
+        await until(lambda: lock_refusals() > refused, SETTLE_S, "discovery to try for the lock and wait it out")
         assert [w.url for w in registry] == [a]  # ... and the registry waits for the lock
     finally:
         gate.release()

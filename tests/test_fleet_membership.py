@@ -129,7 +129,14 @@ async def test_a_target_whose_pod_departs_mid_update_fails_it_closed(ctx: AdminC
 
 
 async def test_discovery_changes_wait_for_the_update_lock(ctx: AdminContext) -> None:
-    registry, gate = ctx.registry, ctx.gate
+    registry = ctx.registry
+    refused = asyncio.Event()  # set when discovery's wait for the lock ran out (it then waits again)
+
+    def on_wait(operation: str, _waited_s: float, acquired: bool) -> None:
+        if operation == "service_discovery" and not acquired:
+            refused.set()
+
+    gate = UpdateGate(0.2, on_wait=on_wait)
     health = HealthChecker(registry, ctx.prober, interval_s=3600)
     discovered = DiscoveredFleet(registry, gate, ctx.journal, health)
     runner = asyncio.create_task(discovered.run())
@@ -144,7 +151,7 @@ async def test_discovery_changes_wait_for_the_update_lock(ctx: AdminContext) -> 
         discovered.offer({pod_b.url: pod_b})
         # Departure is immediate (no traffic, the update fails it) but the registry waits.
         assert added.departed is not None and not registry.is_routable(added)
-        await asyncio.sleep(0.5)
+        await asyncio.wait_for(refused.wait(), 5)  # discovery tried for the lock and was kept out
         assert registry.find(pod_a.url) is added and registry.find(pod_b.url) is None
         assert not discovered.applied.is_set()
         hold.release()

@@ -24,7 +24,7 @@ from schemathesis import GenerationMode
 
 from router.gateway.admin.operations import OPERATIONS
 from tests import _fuzz
-from tests._router_fixtures import ADMIN_KEY, auth, start_router, start_workers, workers
+from tests._router_fixtures import ADMIN_KEY, auth, start_router, workers
 from tests.procs import http_json
 
 pytestmark = pytest.mark.timeout(900)
@@ -38,20 +38,18 @@ NOT_IMPLEMENTED: tuple[str, ...] = ()
 
 
 @pytest.fixture(scope="module")
-def servers(checkpoints, tmp_path_factory):
-    procs = start_workers(checkpoints["llama"], 2, extra_args=["--admin-api-key", ADMIN_KEY])
-    (_, behind), (_, direct) = procs
+def servers(worker_fleet, checkpoints, tmp_path_factory):
+    fleet = worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY], model=checkpoints["llama"])
+    behind, direct = fleet.urls
     router, url = start_router([behind], admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("fuzz-state"))
     yield {
         "router": url,
         "behind": behind,
         "worker": direct,
         "model": str(checkpoints["llama"]),
-        "procs": [router] + [p for p, _ in procs],
+        "procs": [router, *fleet.procs],
     }
     router.stop()
-    for p, _ in procs:
-        p.stop()
 
 
 def _doc(url: str) -> dict[str, Any]:

@@ -18,6 +18,9 @@ from tests.procs import free_port
 
 # Far beyond the moment each call is expected to return: reaching it would mean the bound did not work.
 JOIN_TIMEOUT_S = 120.0
+#: Not a speed check: a join the cancel did not end would wait JOIN_TIMEOUT_S for a rank that never
+#: comes; it is expected to end within a second of the cancel, 0.3 s in.
+ENDED_WITHIN_S = JOIN_TIMEOUT_S / 4
 
 
 def host_alone(cancel: threading.Event | None, port: int, name: str) -> None:
@@ -36,11 +39,11 @@ def host_alone(cancel: threading.Event | None, port: int, name: str) -> None:
 @pytest.mark.timeout(60)
 def test_a_cancelled_join_gives_up_at_once() -> None:
     cancel = threading.Event()
-    threading.Timer(0.3, cancel.set).start()
+    threading.Timer(0.3, cancel.set).start()  # a cancel that comes while the join waits
     started = time.monotonic()
     with pytest.raises(GroupError, match="cancelled"):
         host_alone(cancel, free_port(), "cancelled-join")
-    assert time.monotonic() - started < JOIN_TIMEOUT_S / 2
+    assert time.monotonic() - started < ENDED_WITHIN_S
 
 
 @pytest.mark.timeout(60)
@@ -51,7 +54,7 @@ def test_a_refused_remote_init_ends_the_local_join_with_the_refusal() -> None:
     port = free_port()
 
     def refused_by_router() -> None:
-        time.sleep(0.3)
+        time.sleep(0.3)  # not synchronisation: the router's answer comes while the join waits (either order ends it)
         raise RuntimeError("init_weights_update_group refused: 2 of 2 worker(s) not ready")
 
     started = time.monotonic()
@@ -64,4 +67,4 @@ def test_a_refused_remote_init_ends_the_local_join_with_the_refusal() -> None:
             remote_failed=cancel,
         )
     assert cancel.is_set()
-    assert time.monotonic() - started < JOIN_TIMEOUT_S / 2
+    assert time.monotonic() - started < ENDED_WITHIN_S

@@ -22,11 +22,8 @@ WORKER_ARGS = ["--admin-api-key", ADMIN_KEY, "--served-model-name", MODEL, "--st
 
 
 @pytest.fixture(scope="module")
-def fleet(chat_checkpoint):
-    pair = start_workers(chat_checkpoint, 2, extra_args=WORKER_ARGS)
-    yield [url for _, url in pair]
-    for proc, _ in pair:
-        proc.stop()
+def fleet(worker_fleet, chat_checkpoint) -> list[str]:
+    return worker_fleet(2, extra_args=WORKER_ARGS, model=chat_checkpoint).urls
 
 
 @pytest.fixture(scope="module")

@@ -8,27 +8,13 @@ import threading
 
 import pytest
 
-from tests._router_fixtures import (
-    ADMIN_KEY,
-    auth,
-    by_url,
-    generate_via,
-    make_tiny_checkpoint,
-    start_router,
-    start_workers,
-    wait_for,
-    workers,
-)
+from tests._router_fixtures import ADMIN_KEY, Fleet, auth, by_url, generate_via, start_router, wait_for, workers
 from tests.procs import free_port, http_json
 
 
 @pytest.fixture(scope="module")
-def trio(tmp_path_factory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("fail") / "model")
-    procs = start_workers(model, 3, extra_args=["--admin-api-key", ADMIN_KEY])
-    yield procs
-    for proc, _ in procs:
-        proc.stop()
+def trio(worker_fleet) -> Fleet:
+    return worker_fleet(3, extra_args=["--admin-api-key", ADMIN_KEY])
 
 
 def hanging_init(router_url: str, answer: dict, timeout_s: float = 6.0) -> threading.Thread:
@@ -54,7 +40,7 @@ def hanging_init(router_url: str, answer: dict, timeout_s: float = 6.0) -> threa
 
 
 def test_router_killed_mid_update_restarts_with_targets_disabled(trio, tmp_path):
-    urls = [trio[0][1], trio[1][1]]
+    urls = trio.urls[:2]
     state = tmp_path / "state"
     proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=state)
     port = int(url.rsplit(":", 1)[1])
@@ -89,7 +75,7 @@ def test_router_killed_mid_update_restarts_with_targets_disabled(trio, tmp_path)
 
 
 def test_worker_killed_mid_broadcast_is_502_with_every_result_and_fenced(trio, tmp_path):
-    (_, survivor_url), (victim, victim_url) = trio[1], trio[2]
+    survivor_url, (victim, victim_url) = trio.urls[1], (trio.procs[2], trio.urls[2])
     proc, url = start_router(
         [survivor_url, victim_url],
         admin_key=ADMIN_KEY,
@@ -113,7 +99,7 @@ def test_worker_killed_mid_broadcast_is_502_with_every_result_and_fenced(trio, t
         assert (
             results[ids[survivor_url]]["status_code"] == 400 and results[ids[survivor_url]]["body"]["success"] is False
         )
-        assert all(r["elapsed_ms"] > 0 for r in body["results"])
+        assert all(r["elapsed_ms"] > 0 for r in body["results"])  # each result reports its own duration
         # Fail closed: both stay disabled; the dead one is eventually marked dead.
         wait_for(lambda: by_url(url, ADMIN_KEY)[victim_url]["health"] == "dead", 20, proc, "victim dead")
         assert all(w["disabled"] for w in workers(url, ADMIN_KEY))

@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,12 @@ import pytest
 from router.contract.weight_sync import DEFAULT_GROUP_NAME
 from tests._router_fixtures import (
     ADMIN_KEY,
+    Fleet,
     auth,
     by_url,
     generate_via,
     make_tiny_checkpoint,
     start_router,
-    start_workers,
     wait_for,
     workers,
 )
@@ -42,19 +41,18 @@ from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import free_port, http_json
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-#: The sync's receive window: the prepared update would live this long plus a margin if
-#: nothing ended it; every wait below is far shorter, so passing shows it ended early.
-SYNC_TIMEOUT_S = 60
+#: The sync's receive window (tests/_router_trainer.py asks for 60 s): the prepared update would live
+#: this long plus a margin if nothing ended it. The waits for its end are bounded by ENDED_WITHIN_S,
+#: far shorter, so reaching their end at all shows the router ended it early.
 ENDED_WITHIN_S = 25
+#: Far above the moment a 503 takes; a router that held the request for a routable worker would
+#: hold it until the next sync, so its caller's read would time out instead.
+ANSWERED_WITHIN_S = 20
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("faults") / "model")
-    procs = start_workers(model, 2, extra_args=["--admin-api-key", ADMIN_KEY, *WORKER_ARGS])
-    yield model, procs
-    for proc, _ in procs:
-        proc.stop()
+def pair(worker_fleet) -> Fleet:
+    return worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY, *WORKER_ARGS])
 
 
 def run_trainer(router_url: str, model: Path, out: Path, steps: list[Any]) -> subprocess.CompletedProcess[str]:
@@ -90,9 +88,9 @@ def call(url: str, path: str, body: dict[str, Any]) -> tuple[int, Any]:
 
 
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "streaming"])
-def test_trainer_killed_mid_sync(pair, tmp_path: Path, atomic: bool) -> None:
-    model, procs = pair
-    router, url = start_router([u for _, u in procs], admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
+def test_trainer_killed_mid_sync(pair: Fleet, tmp_path: Path, atomic: bool) -> None:
+    model = pair.model
+    router, url = start_router(pair.urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     try:
         before = checksums(url)
         killed = run_trainer(
@@ -102,13 +100,11 @@ def test_trainer_killed_mid_sync(pair, tmp_path: Path, atomic: bool) -> None:
             [["two_phase", "flattened_bucket", {"atomic": atomic, "die_at_bucket": 2}]],
         )
         assert killed.returncode == DIED, killed.stderr[-3000:]
-        died_at = time.monotonic()
         # The trainer's sockets closed with it: every receive fails, and the router ends the update
         # at once (its admin lock free again) rather than at its expiry (receive window + margin).
         if atomic:
             wait_for(lambda: not any(w["disabled"] for w in workers(url, ADMIN_KEY)), ENDED_WITHIN_S, router, "ended")
             assert journal_pending(url) is None
-            assert time.monotonic() - died_at < SYNC_TIMEOUT_S
             # Nothing was applied: the old weights, served at once.
             assert checksums(url) == before
             # The dead trainer had paused generation; resuming it is the caller's call, not the router's.
@@ -117,7 +113,6 @@ def test_trainer_killed_mid_sync(pair, tmp_path: Path, atomic: bool) -> None:
         else:
             # In flight while prepared; failed (closed) once the router ended it.
             wait_for(lambda: (journal_pending(url) or {}).get("state") == "failed", ENDED_WITHIN_S, router, "ended")
-            assert time.monotonic() - died_at < SYNC_TIMEOUT_S
             assert all(w["disabled"] for w in workers(url, ADMIN_KEY))
             # The operator vouches for the fleet as the 409s suggest: the workers are enabled but still
             # pending (partial weights), so nothing is routed to them and /generate is 503 at once.
@@ -127,14 +122,12 @@ def test_trainer_killed_mid_sync(pair, tmp_path: Path, atomic: bool) -> None:
             assert not any(w["disabled"] for w in fleet)
             assert all(w["pending"] for w in fleet), json.dumps(fleet)
             # What each worker says of itself reaches the router with its next health probe.
-            for _, worker_url in procs:
+            for worker_url in pair.urls:
                 assert http_json("GET", worker_url + "/health")[1]["weight_state"] == "partial"
             partial = lambda: all("partial" in (w["pending"] or "") for w in workers(url, ADMIN_KEY))  # noqa: E731
             wait_for(partial, 30, router, "pending: partial")
-            started = time.monotonic()
-            status, body, served = generate_via(url, timeout=30)
+            status, body, served = generate_via(url, timeout=ANSWERED_WITHIN_S)
             assert status == 503 and served is None, body
-            assert time.monotonic() - started < 10
             # The router reports the fleet as it is: partial.
             status, info = http_json("GET", url + "/model_info", headers=auth())
             assert status == 409 and "does not hold whole weights" in info["error"]["message"], info
@@ -159,12 +152,12 @@ def test_trainer_killed_mid_sync(pair, tmp_path: Path, atomic: bool) -> None:
         router.stop()
 
 
-def test_broadcasts_of_other_sizes_than_announced_fail_through_the_router(pair, tmp_path: Path) -> None:
+def test_broadcasts_of_other_sizes_than_announced_fail_through_the_router(pair: Fleet, tmp_path: Path) -> None:
     """A buggy trainer (no checksums sent): fewer or more bytes than announced, in both formats. Every
     sync fails, no process is lost, the old weights stay (atomic), nothing stays fenced; the next
     correct sync on the same client succeeds."""
-    model, procs = pair
-    router, url = start_router([u for _, u in procs], admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
+    model = pair.model
+    router, url = start_router(pair.urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     try:
         before = checksums(url)
         cases = [
@@ -189,7 +182,7 @@ def test_broadcasts_of_other_sizes_than_announced_fail_through_the_router(pair, 
             seen = step["after_failure"]
             kept = [c for per in seen["checksums"].values() for c in per]
             assert kept == before and seen["disabled"] == [] and seen["journal_pending"] is None, seen
-        assert all(p.alive for p, _ in procs)
+        assert all(p.alive for p in pair.procs)
         good = report["steps"][-1]
         assert good["matches_expected"] is True and good["fleet_identical"] is True
     finally:
@@ -198,13 +191,13 @@ def test_broadcasts_of_other_sizes_than_announced_fail_through_the_router(pair, 
 
 @pytest.mark.parametrize("probe_interval_s", [0.5, 60.0], ids=["seen-by-a-probe", "seen-by-the-proxy"])
 def test_worker_restarted_between_syncs_is_pending_until_the_next_update(
-    pair, tmp_path: Path, probe_interval_s: float
+    pair: Fleet, tmp_path: Path, probe_interval_s: float
 ) -> None:
     """With frequent probes the router sees the new process before any request does; with
     rare ones the first answer from it (a header names its instance) is dropped and retried
     on another worker. Either way no rollout comes from the boot checkpoint."""
-    _, procs = pair
-    (_, stay_url), (restarted, restarted_url) = procs
+    stay_url, restarted_url = pair.urls
+    restarted = pair.procs[1]
     other = make_tiny_checkpoint(tmp_path / "other", seed=7)
     router, url = start_router(
         [stay_url, restarted_url],

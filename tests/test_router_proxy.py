@@ -21,6 +21,7 @@ from router.contract.generate import INSTANCE_HEADER
 from router.gateway import keys
 from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
+from tests._polling import until
 
 REPLY = b'{"text": " ok", "output_ids": [1], "meta_info": {"id": "x", "weight_version": "default"}}'
 
@@ -35,6 +36,9 @@ class StandIn:
         self.aborts: list[Any] = []
         self.mode = "ok"  # ok | unavailable | restarted | stream | broken_stream | slow_stream | not_http | trailing
         self.aborted = asyncio.Event()
+        self.raw_answers = 0
+        self.hangups = 0
+        """Raw answers (``not_http``, ``trailing``) after which the router closed the connection."""
 
     def app(self) -> web.Application:
         async def health(_: web.Request) -> web.Response:
@@ -63,12 +67,18 @@ class StandIn:
             if self.mode in ("not_http", "trailing"):  # raw bytes on the wire, then the connection closes
                 raw = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n" % len(REPLY)
                 raw += b"%s: %s\r\n\r\n%s" % (INSTANCE_HEADER.encode(), self.instance.encode(), REPLY)
-                assert request.transport is not None
-                request.transport.write(
-                    raw.replace(b"HTTP/1.1", b"HTPT/1.1") if self.mode == "not_http" else raw + b"junk"
-                )
-                await asyncio.sleep(0.05)  # the router reads the answer before the close
-                request.transport.close()
+                transport = request.transport
+                assert transport is not None
+                transport.write(raw.replace(b"HTTP/1.1", b"HTPT/1.1") if self.mode == "not_http" else raw + b"junk")
+                self.raw_answers += 1
+                # The router reads the answer, then gives up on the connection (it is not HTTP, or bytes
+                # trail it): wait for that hang-up (aiohttp then cancels this handler) rather than close
+                # first and race the router's read.
+                try:
+                    await until(lambda: request.transport is None, 5, "the router to close the connection")
+                finally:
+                    self.hangups += request.transport is None
+                    transport.close()
                 raise ConnectionResetError("answered on the raw transport")
             if self.mode == "restarted":
                 headers[INSTANCE_HEADER] = f"{self.name}-new"
@@ -82,7 +92,7 @@ class StandIn:
                     request.transport.close()
                     return resp
                 if self.mode == "slow_stream":
-                    await asyncio.sleep(30)
+                    await asyncio.sleep(30)  # the behaviour under test: a stream that stalls (its caller leaves)
                 await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return resp
@@ -113,11 +123,7 @@ async def fleet(aiohttp_client: Any, tmp_path: Path) -> AsyncIterator[tuple[Test
     )
     client = await aiohttp_client(create_app(config))
     registry = client.app[keys.REGISTRY]
-    for _ in range(200):
-        if len(registry.routable()) == 2:
-            break
-        await asyncio.sleep(0.02)
-    assert len(registry.routable()) == 2
+    await until(lambda: len(registry.routable()) == 2, 4, "the first probes to find both workers")
     yield client, standins
     await client.close()
     for server in servers:
@@ -170,6 +176,9 @@ async def test_an_answer_that_is_not_http_is_retried_and_trailing_bytes_do_not_s
     for _ in range(4):  # each answer is whole; its connection is not reused
         status, answer, _ = await generate(client, b'{"text": "hi"}')
         assert status == 200 and answer == REPLY
+    # The router closes every connection that carried a raw answer (once it has relayed the answer).
+    assert b.raw_answers > 0
+    await until(lambda: (a.hangups, b.hangups) == (a.raw_answers, b.raw_answers), 5, "every raw answer's hang-up")
 
 
 async def test_an_answer_from_a_restarted_worker_is_dropped_and_served_elsewhere(fleet) -> None:

@@ -22,9 +22,7 @@ from tests._router_fixtures import (
     ADMIN_KEY,
     auth,
     generate_via,
-    make_tiny_checkpoint,
     start_router,
-    start_workers,
     wait_for,
 )
 from tests.procs import http_json
@@ -85,12 +83,8 @@ class TestDurableRecord:
 
 
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("storage") / "model")
-    procs = start_workers(model, 2, extra_args=["--admin-api-key", ADMIN_KEY])
-    yield [url for _, url in procs]
-    for proc, _ in procs:
-        proc.stop()
+def pair(worker_fleet) -> list[str]:
+    return worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY]).urls
 
 
 def test_router_starts_on_a_crash_journal_it_cannot_rewrite(pair, tmp_path):

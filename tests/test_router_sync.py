@@ -13,6 +13,7 @@ import pytest
 
 from tests._router_fixtures import (
     ADMIN_KEY,
+    Fleet,
     auth,
     generate_via,
     make_tiny_checkpoint,
@@ -27,16 +28,12 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("sync") / "model")
-    pair = start_workers(model, 2, extra_args=["--admin-api-key", ADMIN_KEY])
-    yield [url for _, url in pair], model
-    for proc, _ in pair:
-        proc.stop()
+def fleet(worker_fleet) -> Fleet:
+    return worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY])
 
 
-def test_full_sync_cycle_through_one_url(fleet, tmp_path):
-    urls, model = fleet
+def test_full_sync_cycle_through_one_url(fleet: Fleet, tmp_path):
+    urls, model = fleet.urls, fleet.model
     proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     try:
         steps = [

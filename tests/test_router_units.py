@@ -182,9 +182,10 @@ class TestUpdateGate:
             await gate.acquire("second")
         assert err.value.status == 503 and "first" in err.value.message
         waiter = asyncio.ensure_future(gate.acquire("third", timeout_s=5))
-        await asyncio.sleep(0.05)
-        assert gate.is_busy
+        # One turn of the loop (a yield, not a timed wait): the waiter's first step queues it on the lock.
+        await asyncio.sleep(0)
         gate.release()
+        assert gate.is_busy  # the lock is free, but a waiter is about to take it
         await waiter
         assert gate.holder.operation == "third"
         gate.release()

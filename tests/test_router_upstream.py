@@ -20,6 +20,7 @@ from router.contract.admin import AbortRequest, HealthStatus, ModelInfo
 from router.gateway.upstream import UpstreamError, WorkerClient, lean_conn, lean_http
 from router.gateway.upstream.lean_http import HttpUpstream
 from router.gateway.upstream.transport import MAX_BODY_BYTES
+from tests._polling import until
 
 Reply = Callable[[asyncio.StreamWriter, bytes], Awaitable[None]]
 
@@ -165,17 +166,21 @@ async def test_answers_that_end_the_connection_are_not_reused():
 
 
 async def test_bytes_that_arrive_while_a_connection_is_pooled_close_it():
+    pooled_now = asyncio.Event()
+
     async def reply(writer: asyncio.StreamWriter, _: bytes) -> None:
         writer.write(OK)
         await writer.drain()
-        await asyncio.sleep(0.05)
+        await pooled_now.wait()  # the client has taken the answer and pooled the connection
         writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")  # nobody asked
 
     async with serving(reply) as server:
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         await post(client, server.url)
         (pooled,) = client.idle_connections(server.url)
-        await until(lambda: not pooled.reusable, "the unasked-for answer closed the pooled connection")
+        assert pooled.reusable
+        pooled_now.set()
+        await until(lambda: not pooled.reusable, 5, "the unasked-for answer closed the pooled connection")
         assert await post(client, server.url) == b'{"ok":true}'
         assert server.connections == 2
         client.close()
@@ -220,7 +225,7 @@ async def test_a_pooled_connection_the_worker_closed_is_not_reused():
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         await post(client, server.url)
         (pooled,) = client.idle_connections(server.url)
-        await until(lambda: not pooled.reusable, "the worker's close reached the client")
+        await until(lambda: not pooled.reusable, 5, "the worker's close reached the client")
         assert await post(client, server.url) == b'{"ok":true}'
         assert server.connections == 2
         client.close()
@@ -293,12 +298,12 @@ async def test_malformed_heads_and_upgrades_fail_before_the_answer():
 
 async def test_the_deadline_covers_the_head_and_the_body():
     async def silent(writer: asyncio.StreamWriter, _: bytes) -> None:
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # the behaviour under test: a worker that never answers (past the 0.2 s deadline)
 
     async def half(writer: asyncio.StreamWriter, _: bytes) -> None:
         writer.write(OK[:-4])
         await writer.drain()
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # the behaviour under test: an answer whose body never ends
 
     client = HttpUpstream(limit=8, connect_timeout_s=5)
     async with serving(silent) as server:
@@ -326,15 +331,6 @@ def holding() -> tuple[Reply, asyncio.Event, asyncio.Event]:
     return reply, arrived, release
 
 
-async def until(condition: Callable[[], bool], what: str) -> None:
-    """Poll ``condition`` on the event loop for at most 5 s."""
-    for _ in range(500):
-        if condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"not within 5s: {what}")
-
-
 async def test_the_limit_queues_requests_and_cancellation_frees_the_slot():
     reply, arrived, release = holding()
     async with serving(reply) as server:
@@ -342,7 +338,7 @@ async def test_the_limit_queues_requests_and_cancellation_frees_the_slot():
         first = asyncio.ensure_future(post(client, server.url, b"hold"))
         await arrived.wait()  # the first request holds the only slot
         second = asyncio.ensure_future(post(client, server.url))
-        await until(lambda: client.waiting == 1, "the second request waits for a slot")
+        await until(lambda: client.waiting == 1, 5, "the second request waits for a slot")
         assert not second.done() and len(server.requests) == 1
         first.cancel()  # the caller went away: its connection is closed and its slot freed
         with pytest.raises(asyncio.CancelledError):
@@ -369,7 +365,7 @@ async def test_a_slow_caller_pauses_reading_and_a_large_body_read_whole_is_not_s
         assert await post(client, server.url) == big
         resp = await client.request("POST", server.url, "/generate", b"{}", {}, timeout_s=10)
         # A caller that reads nothing yet: the client stops reading at the high water.
-        await until(lambda: resp.reading_paused, "reading paused")
+        await until(lambda: resp.reading_paused, 5, "reading paused")
         assert not resp.complete
         got = bytearray()
         async for chunk in resp.chunks():  # reading resumes as the caller takes
@@ -401,7 +397,7 @@ async def test_idle_connections_of_workers_that_get_no_more_requests_are_closed(
         client = HttpUpstream(limit=8, connect_timeout_s=5)
         await post(client, gone.url)
         assert len(client.idle_connections(gone.url)) == 1
-        await asyncio.sleep(0.1)  # past the (shortened) keep-alive
+        await asyncio.sleep(0.1)  # not a wait for an event: the pooled connection must outlive its keep-alive
         assert len(client.idle_connections(gone.url)) == 1  # still pooled until a sweep
         await post(client, stays.url)  # a later request sweeps the pool
         assert client.idle_connections(gone.url) == []
@@ -522,7 +518,7 @@ async def test_fetch_decodes_into_the_model_and_classifies_every_failure():
         assert (got.status, got.body, got.error) == (401, None, "needs key")
 
     async def silent(writer: asyncio.StreamWriter, _: bytes) -> None:
-        await asyncio.sleep(30)
+        await asyncio.sleep(30)  # the behaviour under test: a worker that never answers (past the 0.2 s deadline)
 
     async with serving(silent) as server:
         got = await workers.fetch(server.url, "/health", HealthStatus, headers={}, timeout_s=0.2)

@@ -30,7 +30,9 @@ from router.contract.fleet import JournalView, WorkerList
 from router.gateway import keys
 from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
+from tests._polling import until
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
+from tests._router_fixtures import Fleet as WorkerFleet
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import free_port, http_json
 
@@ -382,11 +384,8 @@ async def test_a_start_one_worker_refuses_is_closed_on_the_others(fleet: Fleet) 
 async def test_an_update_nobody_finishes_expires_and_fails_closed(make_fleet: Callable[..., Awaitable[Fleet]]) -> None:
     fleet = await make_fleet([StandIn(), StandIn()], update_session_timeout_s=0.5)
     assert (await fleet.call("POST", "/start_weight_update", {}))[0] == 200
-    for _ in range(200):  # bounded: the expiry runs within about a second
-        if not fleet.lock_held:
-            break
-        await asyncio.sleep(0.05)
-    assert not fleet.lock_held and await fleet.disabled() == [True, True]
+    await until(lambda: not fleet.lock_held, 10, "the expiry (about a second) to end the update")
+    assert await fleet.disabled() == [True, True]
     pending = await fleet.journal()
     assert pending.state == "failed" and "expired" in pending.reason
     status, body = await fleet.call("POST", "/update_weights", CHUNK)
@@ -400,11 +399,8 @@ async def test_an_update_every_worker_ended_by_itself_is_ended_at_once(
     assert (await fleet.call("POST", "/start_weight_update", {"timeout_s": 600}))[0] == 200
     for s in fleet.workers:
         s.update_open = False  # each worker's own window passed: its /health no longer shows the update
-    for _ in range(200):  # bounded: the router reads /health every second
-        if not fleet.lock_held:
-            break
-        await asyncio.sleep(0.05)
-    assert not fleet.lock_held and await fleet.disabled() == [True, True]
+    await until(lambda: not fleet.lock_held, 10, "the router's next /health read (every second) to end it")
+    assert await fleet.disabled() == [True, True]
     pending = await fleet.journal()
     assert pending.state == "failed" and "holds no open weight update" in pending.reason
 
@@ -459,7 +455,9 @@ async def test_the_routes_are_described(fleet: Fleet) -> None:
 
 
 @pytest.fixture(scope="module")
-def e2e(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
+def e2e(
+    checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory, worker_fleet: Callable[..., WorkerFleet]
+) -> Iterator[dict[str, Any]]:
     """Two workers serving ``llama`` behind a router, and the checksum of a worker loaded from ``llama_b``."""
     ((ref, ref_url),) = start_workers(checkpoints["llama_b"], 1, extra_args=WORKER_ARGS)
     try:
@@ -468,19 +466,10 @@ def e2e(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) 
         reference = body["per_gpu_checksum"]
     finally:
         ref.stop()
-    procs = start_workers(checkpoints["llama"], 2, extra_args=[*WORKER_ARGS, "--admin-api-key", ADMIN_KEY])
-    router, url = start_router(
-        [u for _, u in procs], admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("vllm-router-state")
-    )
-    yield {
-        "router": url,
-        "workers": [u for _, u in procs],
-        "reference": reference,
-        "procs": [router, *(p for p, _ in procs)],
-    }
+    fleet = worker_fleet(2, extra_args=[*WORKER_ARGS, "--admin-api-key", ADMIN_KEY], model=checkpoints["llama"])
+    router, url = start_router(fleet.urls, admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("vllm-router-state"))
+    yield {"router": url, "workers": fleet.urls, "reference": reference, "procs": [router, *fleet.procs]}
     router.stop()
-    for p, _ in procs:
-        p.stop()
 
 
 def run_vllm_trainer(router_url: str, model: Path, out_dir: Path, scenario: str, **extra: Any) -> dict[str, Any]:

@@ -11,7 +11,6 @@ list. Bad parameters are 400s that change nothing.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -90,15 +89,12 @@ def _in_flight(base: str, out: list[Any], tokens: int = 60) -> threading.Thread:
     return thread
 
 
-def _running(worker: str) -> int:
-    return int(http_json("GET", worker + "/server_info")[1]["internal_states"][0]["num_running_reqs"])
+def _state(worker: str, counter: str) -> int:
+    return int(http_json("GET", worker + "/server_info")[1]["internal_states"][0][counter])
 
 
 def _wait_running(worker: str) -> None:
-    deadline = time.monotonic() + 30
-    while not _running(worker):
-        assert time.monotonic() < deadline, "the request never ran"
-        time.sleep(0.02)
+    wait_for(lambda: _state(worker, "num_running_reqs") > 0, 30, what="the request running")
 
 
 def test_keep_mode_retracts_a_request_that_finishes_after_the_wake(fleet: tuple[list[str], str]) -> None:
@@ -153,7 +149,11 @@ def test_router_sleep_and_wake_are_fenced_broadcasts(fleet: tuple[list[str], str
     assert all(_get(w, "/health")["weight_state"] == "serving" for w in workers_)
     waiting: list[Any] = []
     thread = _in_flight(router, waiting, 8)
-    time.sleep(0.5)
+    wait_for(
+        lambda: sum(_state(w, "num_waiting_reqs") for w in workers_) == 1,
+        30,
+        what="the request queued on a paused worker",
+    )
     assert not waiting
     assert _post(router, "/wake_up?tags=scheduling")[0] == 200
     thread.join(60)

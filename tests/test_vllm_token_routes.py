@@ -12,7 +12,6 @@ with ``error.message`` that changes nothing.
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -236,13 +235,10 @@ def _in_flight(base: str, request_id: str, out: list[Any], tokens: int = 300) ->
 
 
 def _wait_running(urls: list[str], count: int) -> None:
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        running = sum(http_json("GET", u + "/server_info")[1]["internal_states"][0]["num_running_reqs"] for u in urls)
-        if running >= count:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{count} request(s) never ran")
+    def running() -> int:
+        return sum(http_json("GET", u + "/server_info")[1]["internal_states"][0]["num_running_reqs"] for u in urls)
+
+    wait_for(lambda: running() >= count, 30, what=f"{count} request(s) running")
 
 
 def test_abort_requests_by_id_and_all(fleet: tuple[list[str], str]) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests._router_fixtures import make_tiny_checkpoint, start_router, start_workers, workers
+from tests._router_fixtures import start_router, workers
 from tests.procs import http_json
 
 
@@ -13,12 +13,8 @@ def _post(url, path, body=None):
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory):
-    model = make_tiny_checkpoint(tmp_path_factory.mktemp("bracket") / "m")
-    procs = start_workers(model, 2)
-    yield [u for _, u in procs]
-    for proc, _ in procs:
-        proc.stop()
+def fleet(worker_fleet) -> list[str]:
+    return worker_fleet(2).urls
 
 
 def test_bracket_on_one_worker(fleet):

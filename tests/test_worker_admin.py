@@ -1,14 +1,12 @@
-"""Admin surface of a real worker: model/server info, the weights checker,
-memory release/resume, health, and the routes that are not implemented."""
+"""Admin surface of a real worker: model/server info, the weights checker, health,
+and the routes that are not implemented. Memory release/resume and the update policy
+are checked in-process, test_worker_policy_inprocess.py."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
 from router.contract.admin import ModelInfo, WeightsCheckerResult
-from tests._worker_helpers import result
 from worker.model import digest_named_tensors, load_model
 
 
@@ -81,44 +79,6 @@ def test_server_info_hides_secrets(aw):
         assert "gen-secret" not in str(info)
         assert info["internal_states"][0]["num_running_reqs"] == 0
         assert info["version"]
-
-
-def test_release_and_resume_memory_restore_weights(aw, pool, expected):
-    headers = {"Authorization": "Bearer gen-secret"}
-    before = aw.generate("memory", 12, headers=headers)["output_ids"]
-
-    fut = pool.submit(aw.generate, "busy", 400, headers=headers)
-    aw.wait_running(1)
-    status, body = aw.post("/release_memory_occupation", {"tags": ["weights"]})
-    assert status == 400 and "active request" in body["error"]["message"]
-    aw.ok("POST", "/abort_request", {"abort_all": True})
-    assert result(fut)["meta_info"]["finish_reason"]["type"] == "abort"
-
-    body = aw.ok("POST", "/release_memory_occupation", {})
-    assert sorted(body["released"]) == ["kv_cache", "weights"]
-    info = aw.info()
-    assert info["weights_released"] is True
-    status, body = aw.post("/weights_checker", {"action": "checksum"})
-    assert status == 400 and "released" in body["message"]
-    status, _ = aw.post("/update_weights_from_disk", {"model_path": str(aw.model_dir)})
-    assert status == 400
-    assert "memory is released" in aw.ok("GET", "/health_generate")["message"]
-
-    # Released weights cannot serve: a request is refused at once (503) rather than left waiting.
-    started = time.monotonic()
-    status, body = aw.post("/generate", {"text": "memory", "sampling_params": {"max_new_tokens": 4}}, headers=headers)
-    assert status == 503 and "released" in body["error"]["message"] and time.monotonic() - started < 5
-    assert aw.info()["weight_state"] == "released"
-    assert sorted(aw.ok("POST", "/resume_memory_occupation", {"tags": ["weights", "kv_cache"]})["resumed"]) == [
-        "kv_cache",
-        "weights",
-    ]
-    assert aw.checksum() == expected[1]
-    assert aw.generate("memory", 12, headers=headers)["output_ids"] == before
-    assert aw.info()["weights_released"] is False
-
-    status, body = aw.post("/release_memory_occupation", {"tags": ["gpu_magic"]})
-    assert status == 400 and "tags" in body["error"]["message"]
 
 
 def test_health_and_unimplemented_routes(aw):

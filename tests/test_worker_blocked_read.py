@@ -19,7 +19,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from router.contract.admin import UpdateWeightsFromDiskRequest
+from tests._polling import until, wait_for
 from tests.procs import ManagedProcess, free_port, http_json
 from worker.coordinator import Coordinator
 from worker.engine.daemon_thread import Abandoned, abandon_pending, run_on_daemon_thread
@@ -222,7 +222,8 @@ def test_daemon_thread_answers_at_its_bound_and_is_abandoned():
             await run_on_daemon_thread(lambda stop: {}["missing"], 10, name="test-raises")
         # At shutdown every call still awaited is given up at once.
         waiting = asyncio.ensure_future(run_on_daemon_thread(blocked, 60, name="test-shutdown"))
-        await asyncio.sleep(0.05)
+        # Its thread runs once the call is registered as pending (both happen in the call's first step).
+        await until(lambda: len(seen_stop) == 2, 10, "the second blocked call to start")
         assert abandon_pending("shutting down") == 1
         with pytest.raises(Abandoned, match="shutting down"):
             await asyncio.wait_for(waiting, 10)
@@ -281,11 +282,14 @@ def stuck_open(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stuc
     stuck = StuckOpen(fifo)
     monkeypatch.setattr(shard_io, "open_checked", stuck)
     yield stuck
-    deadline = time.monotonic() + 10
-    while any(t.name == "checkpoint-read" and t.is_alive() for t in threading.enumerate()):
-        assert time.monotonic() < deadline, "the abandoned read did not end once released"
+
+    def read_ended() -> bool:
+        if not any(t.name == "checkpoint-read" and t.is_alive() for t in threading.enumerate()):
+            return True
         _release_fifo_reader(fifo)
-        time.sleep(0.05)
+        return False
+
+    wait_for(read_ended, 10, what="the abandoned read to end once released")
 
 
 def _with_coordinator(model_dir: Path, body: Callable[[Coordinator], Coroutine[Any, Any, None]]) -> None:
@@ -306,19 +310,19 @@ def test_stuck_read_is_abandoned_at_its_bound_and_changes_nothing(checkpoints, s
     req = UpdateWeightsFromDiskRequest(model_path=str(checkpoints["llama_b"]))
 
     async def body(coord: Coordinator) -> None:
-        before = coord.worker.run_checker("checksum")["per_gpu_checksum"]
+        before = coord.worker.run_checker("checksum").per_gpu_checksum
         with pytest.raises(TimeoutError):
-            await asyncio.wait_for(coord._read_checkpoint(req, 1.0), 30)
+            await asyncio.wait_for(coord.one_step._read_checkpoint(req, 1.0), 30)
         assert stuck_open.blocked.is_set()
         # The whole update with a short bound ends too (504 is pinned by the next test), leaves the
         # weights alone and frees the worker for the next update.
         with pytest.raises((AdminTimeout, AdminBusy)):
             await asyncio.wait_for(coord.update_weights_from_disk(req, timeout_s=1.0), 30)
-        assert coord.worker.run_checker("checksum")["per_gpu_checksum"] == before
+        assert coord.worker.run_checker("checksum").per_gpu_checksum == before
         stuck_open.stuck = False  # the mount answers again
         result = await asyncio.wait_for(coord.update_weights_from_disk(req, timeout_s=60.0), 90)
         assert result.success, result.message
-        assert coord.worker.run_checker("checksum")["per_gpu_checksum"] != before
+        assert coord.worker.run_checker("checksum").per_gpu_checksum != before
 
     _with_coordinator(checkpoints["llama"], body)
 
@@ -427,10 +431,7 @@ def test_stuck_read_keeps_worker_live_and_sigterm_still_exits(tmp_path, checkpoi
 
         updater = threading.Thread(target=post_update, daemon=True)
         updater.start()
-        deadline = time.monotonic() + 30
-        while not mark.exists():
-            assert time.monotonic() < deadline, proc.log_text()
-            time.sleep(0.05)
+        wait_for(mark.exists, 30, proc, "the update's read to block")
 
         with HealthWatch(url) as health:
             status, out = http_json(

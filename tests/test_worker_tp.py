@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -27,6 +26,7 @@ from router.trainer import sent_checksum, vllm_sender
 from router.trainer.rendezvous import alongside
 from router.trainer.sender import TrainerWeightSender
 from router.trainer.tensor_handles import build_cpu_handles
+from tests._polling import wait_for
 from tests._router_fixtures import ADMIN_KEY, auth, start_router
 from tests._router_trainer import run_trainer
 from tests._worker_helpers import Worker
@@ -181,10 +181,7 @@ def test_a_killed_follower_fails_the_worker_without_a_hang(checkpoints, worker_f
         status, answer = None, None
     if status is not None:
         assert status != 200 or not answer.get("success"), answer
-    deadline = time.monotonic() + 60
-    while worker.proc.alive and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not worker.proc.alive, worker.proc.log_text()
+    wait_for(lambda: not worker.proc.alive, 60, worker.proc, "the worker to exit")
     assert "tensor-parallel rank 1 is lost" in worker.proc.log_text()
 
 

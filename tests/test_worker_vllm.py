@@ -12,7 +12,6 @@ from __future__ import annotations
 import base64
 import os
 import pickle
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -26,6 +25,7 @@ from router.trainer import vllm_sender
 from router.trainer.rendezvous import alongside
 from router.trainer.sender import TrainerWeightSender
 from router.trainer.tensor_handles import build_cpu_handles
+from tests._polling import wait_for
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests._worker_helpers import Worker
 from tests.procs import free_port, start_worker
@@ -183,10 +183,8 @@ class TestOrderAndInput:
     def test_an_update_nobody_finishes_ends_by_itself(self, worker: Worker) -> None:
         worker.ok("POST", "/start_weight_update", {"timeout_s": 1.0})
         assert worker.post("/start_weight_update")[0] == 409
-        deadline = time.monotonic() + 30
-        while worker.post("/start_weight_update")[0] != 200:  # 409 while the abandoned one is open
-            assert time.monotonic() < deadline, "the abandoned update never ended"
-            time.sleep(0.5)
+        # 409 while the abandoned one is open; the first 200 starts the next update.
+        wait_for(lambda: worker.post("/start_weight_update")[0] == 200, 30, worker.proc, "the abandoned update to end")
         worker.ok("POST", "/finish_weight_update")
         assert worker.get("/is_paused")[1]["is_paused"] is False
 

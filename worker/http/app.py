@@ -133,7 +133,10 @@ async def _name_the_instance(request: web.Request, response: web.StreamResponse)
 
 
 def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> web.Application:
-    """The worker app; pass ``coordinator`` to reuse an already loaded pipeline."""
+    """The worker app. Without ``coordinator`` it loads the model and runs the pipeline's threads for as
+    long as it serves; a ``coordinator`` passed in is one already loaded whose threads its caller
+    starts and stops (one pipeline serving several apps in turn, as the in-process tests do)."""
+    owned = coordinator is None
     coord = coordinator or build_coordinator(config)
     table = route_table()
     app = web.Application(
@@ -152,7 +155,9 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
     app[COORDINATOR] = coord
     app.add_routes(route_defs(table))
     # Cleanup runs in reverse: the controller cancels a receive in flight before the scheduler stops.
-    app.cleanup_ctx.extend([_engine_ctx, weight_sync_routes.controller_ctx, vllm_routes.vllm_transfer_ctx])
+    if owned:
+        app.cleanup_ctx.append(_engine_ctx)
+    app.cleanup_ctx.extend([weight_sync_routes.controller_ctx, vllm_routes.vllm_transfer_ctx])
     app.on_response_prepare.append(_name_the_instance)
     app.on_shutdown.extend([_abandon_blocked_reads, _abort_on_shutdown])
     return app
