@@ -46,23 +46,26 @@ def require_bearer(request: web.Request, expected: str | None, what: str) -> Non
         raise ApiError(401, f"{what} requires 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
 
 
-def auth_middleware(
+AccessCheck = Callable[[web.Request], None]
+
+
+def access_check(
     *,
     admin_key: str | None,
     api_key: str | None,
     open_paths: Iterable[str],
     generation_paths: Iterable[str],
-) -> Middleware:
-    """Build a middleware: open paths pass, generation paths need ``api_key``
-    (the admin key is accepted too), every other route needs ``admin_key``."""
+) -> AccessCheck:
+    """Build the check every request passes before its handler: open paths pass, generation paths
+    need ``api_key`` (the admin key is accepted too), every other route needs ``admin_key``.
+    It raises :class:`~router.contract.errors.ApiError` (401) and returns nothing otherwise."""
     open_set = frozenset(open_paths)
     gen_set = frozenset(generation_paths)
 
-    @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    def check(request: web.Request) -> None:
         path = request.path
         if path in open_set:
-            return await handler(request)
+            return
         if path in gen_set:
             if api_key is not None:
                 token = bearer_token(request)
@@ -72,8 +75,25 @@ def auth_middleware(
                         "generation requires 'Authorization: Bearer <api key>'",
                         headers={"WWW-Authenticate": "Bearer"},
                     )
-            return await handler(request)
+            return
         require_bearer(request, admin_key, "admin route")
+
+    return check
+
+
+def auth_middleware(
+    *,
+    admin_key: str | None,
+    api_key: str | None,
+    open_paths: Iterable[str],
+    generation_paths: Iterable[str],
+) -> Middleware:
+    """:func:`access_check` as a middleware of its own."""
+    check = access_check(admin_key=admin_key, api_key=api_key, open_paths=open_paths, generation_paths=generation_paths)
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        check(request)
         return await handler(request)
 
     return middleware

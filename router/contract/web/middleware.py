@@ -26,18 +26,24 @@ def json_error(status: int, message: str, *, headers: dict[str, str] | None = No
     return web.json_response(error_body(message, **extra), status=status, headers=headers)
 
 
+def error_response(request: web.Request, exc: Exception) -> web.Response:
+    """The answer for an exception a handler raised (see the module docstring); re-raises a
+    redirect or other non-error ``HTTPException``."""
+    if isinstance(exc, ApiError):
+        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
+    if isinstance(exc, web.HTTPException):
+        if exc.status < 400:
+            raise exc
+        # Router-level errors (404 unknown route, 405 wrong method) get the same body shape.
+        allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
+        return json_error(exc.status, exc.reason or "error", headers=allow)
+    log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+    return json_error(500, f"internal error: {type(exc).__name__}")
+
+
 @web.middleware
 async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
-    except ApiError as exc:
-        return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        # Router-level errors (404 unknown route, 405 wrong method) get the same body shape.
-        allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
-        return json_error(exc.status, exc.reason or "error", headers=allow)
     except Exception as exc:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_error(500, f"internal error: {type(exc).__name__}")
+        return error_response(request, exc)

@@ -26,13 +26,13 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.contract.web.auth import auth_middleware
-from router.contract.web.middleware import Handler, error_middleware
+from router.contract.web.auth import access_check
 from router.contract.web.openapi import paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
-from router.gateway.app import metrics_middleware, routes, service_headers
+from router.gateway.app import routes, service_headers
 from router.gateway.config import RouterConfig
+from router.gateway.edge import edge_middleware, route_label
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.processes.forward import ControlForwarder
@@ -159,13 +159,9 @@ CONTROL_LINK = web.AppKey("control_link", ControlLink)
 RELAYED = "/{tail:.*}"
 
 
-@web.middleware
-async def _count_served(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """The metrics of what this process serves; a relayed request is counted once, by the control process."""
-    resource = request.match_info.route.resource
-    if resource is not None and resource.canonical == "/{tail}":
-        return await handler(request)
-    return await metrics_middleware(request, handler)
+def _served_here(request: web.Request) -> bool:
+    """A relayed request is counted once, by the control process; what this process serves, here."""
+    return route_label(request) != "/{tail}"
 
 
 async def liveness(_request: web.Request) -> web.Response:
@@ -188,14 +184,16 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
     table = routes()
     app = web.Application(
         middlewares=[
-            _count_served,
-            error_middleware,
-            auth_middleware(
-                admin_key=config.admin_api_key,
-                api_key=config.api_key,
-                open_paths=paths_with_access(table, "open"),
-                generation_paths=paths_with_access(table, "generation"),
-            ),
+            edge_middleware(
+                access_check(
+                    admin_key=config.admin_api_key,
+                    api_key=config.api_key,
+                    open_paths=paths_with_access(table, "open"),
+                    generation_paths=paths_with_access(table, "generation"),
+                ),
+                metrics,
+                counted=_served_here,
+            )
         ],
         client_max_size=MAX_BODY_BYTES,
     )
