@@ -1,14 +1,21 @@
-"""A stand-in Kubernetes API server for tests: pods only, list and watch, over plain HTTP on loopback.
+"""A stand-in Kubernetes API server for tests: pods (list and watch), Leases and ConfigMaps, over plain HTTP
+on loopback.
 
-This is NOT a Kubernetes API server. It imitates the slice of the core/v1 pod API that a discovery loop
-built on ``lightkube.AsyncClient`` uses (list, then watch from the list's resourceVersion, relist on 410),
-closely enough that the real client library runs unmodified against it. It only ever binds 127.0.0.0/8.
+This is NOT a Kubernetes API server. It imitates the slice of the API that the router's lightkube clients use:
+the core/v1 pod API of a discovery loop built on ``lightkube.AsyncClient`` (list, then watch from the list's
+resourceVersion, relist on 410), and the compare-and-swap get/create/replace/delete of coordination.k8s.io/v1
+Leases (leader election) and core/v1 ConfigMaps (the router's state store), closely enough that the real client
+library runs unmodified against it. It only ever binds 127.0.0.0/8.
 
 Served endpoints (anything else answers a 404 ``Status``)::
 
     GET /api/v1/namespaces/{ns}/pods           list, or watch with ?watch=true|1
     GET /api/v1/pods                           the same across all namespaces
     GET /api/v1/namespaces/{ns}/pods/{name}    one pod, or a 404 Status
+    POST /apis/coordination.k8s.io/v1/namespaces/{ns}/leases               create
+    GET|PUT|DELETE /apis/coordination.k8s.io/v1/namespaces/{ns}/leases/{name}   get, replace, delete
+    POST /api/v1/namespaces/{ns}/configmaps                                 create
+    GET|PUT|DELETE /api/v1/namespaces/{ns}/configmaps/{name}                get, replace, delete
 
 Protocol behaviour, as a real API server (with its watch cache) does it:
 
@@ -36,8 +43,18 @@ Protocol behaviour, as a real API server (with its watch cache) does it:
   final state and a fresh resourceVersion.
 * Errors are ``Status`` objects with ``Content-Type: application/json`` (exactly that: lightkube only turns
   HTTP errors into ``ApiError`` when the header matches it).
+* Leases and ConfigMaps (:mod:`tests._k8s_standin_objects`): every create, replace and delete takes the next
+  global resourceVersion too. create: 409 AlreadyExists when the name is taken. replace: 404 when absent, 409
+  Conflict when the body's ``metadata.resourceVersion`` is not the stored one (no version: unconditional).
+  delete: 404 when absent, 409 Conflict when the ``DeleteOptions`` body's ``preconditions.resourceVersion``
+  (or ``uid``) does not match. These objects are not in the pod watch history.
 * Authentication: when ``token`` is set (the default), requests without ``Authorization: Bearer <token>``
-  get a 401 Unauthorized Status, as an API server without anonymous access does.
+  (or another token given to ``add_token`` / ``write_kubeconfig(token=...)``) get a 401 Unauthorized Status,
+  as an API server without anonymous access does.
+* Partition: ``block_token(token, hang_s=...)`` makes every request presenting that token hang (it is still
+  recorded) for up to ``hang_s`` seconds, after which its connection is cut without an answer; ``hang_s=0``
+  cuts at once. ``unblock_token`` lets later requests through; one still hanging is cut then, never answered
+  late. One client (one router replica with its own kubeconfig) is thus cut off while the others are not.
 
 Control API, callable from any thread (mutations take a lock and hand events to the server loop with
 ``call_soon_threadsafe``, so order is preserved). Everything is synchronous. start/stop/suspend/resume/
@@ -48,7 +65,11 @@ through ``asyncio.to_thread``::
     srv = StandInApiServer()                  # host must be in 127.0.0.0/8
     srv.start() / srv.stop()                  # or `with StandInApiServer() as srv:`; serves on a thread
     srv.url, srv.port, srv.suspended          # "http://127.0.0.1:PORT" (port chosen by the OS at start)
-    srv.write_kubeconfig(path, namespace=...) # kubeconfig for KubeConfig.from_file / KUBECONFIG
+    srv.write_kubeconfig(path, namespace=..., token=None)  # kubeconfig for KubeConfig.from_file / KUBECONFIG
+                                              # (token: a client of its own, accepted from then on)
+    srv.add_token(token)                      # accept another bearer token
+    srv.block_token(token, hang_s=30.0)       # partition that token's client (see above)
+    srv.unblock_token(token)
     srv.suspend() / srv.resume()              # stop listening + cut every connection / listen on the same port
     srv.add_pod(name, ip=..., port=..., labels=..., ready=..., phase=...)  -> pod dict (ADDED)
     srv.set_ready / set_phase / set_labels / mark_terminating(name)        -> pod dict (MODIFIED)
@@ -57,6 +78,8 @@ through ``asyncio.to_thread``::
     srv.drop_watches(graceful=False)          # cut every open watch (graceful=True: end them cleanly)
     srv.send_bookmark()                       # BOOKMARK to streams that asked for allowWatchBookmarks
     srv.pods(namespace) / srv.pod(name)       # snapshots (deep copies)
+    srv.lease(name, namespace) / srv.config_map(name, namespace)   # snapshots, or None
+    srv.config_maps(namespace)                # names of the ConfigMaps in namespace
     srv.resource_version                      # current global resourceVersion (str)
     srv.requests                              # [RecordedRequest(method, path, query, authorization), ...]
     srv.list_count / srv.watch_count          # pod list / watch requests received so far
@@ -96,6 +119,8 @@ from typing import Any, NamedTuple
 
 import yaml
 from aiohttp import web
+
+from tests._k8s_standin_objects import CONFIGMAPS, LEASES, Kind, NamedObjects, Refusal
 
 __all__ = [
     "LabelRequirement",
@@ -527,6 +552,9 @@ class StandInApiServer:
         self._requests: list[RecordedRequest] = []
         self._list_count = 0
         self._watch_count = 0
+        self._tokens: set[str] = set() if token is None else {token}
+        self._blocked: dict[str, float] = {}  # token -> how long its requests hang before being cut
+        self._objects = NamedObjects(self._next_rv)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
@@ -597,12 +625,18 @@ class StandInApiServer:
     def suspended(self) -> bool:
         return self._loop is not None and self._runner is None
 
-    def write_kubeconfig(self, path: str | Path, namespace: str = "default") -> Path:
-        """Write a kubeconfig whose current context reaches this server over HTTP; a directory gets ``kubeconfig``."""
+    def write_kubeconfig(self, path: str | Path, namespace: str = "default", *, token: str | None = None) -> Path:
+        """Write a kubeconfig whose current context reaches this server over HTTP; a directory gets ``kubeconfig``.
+
+        ``token``: the client authenticates with a token of its own (accepted from now on), so that
+        ``block_token`` can cut that client off alone; by default it presents ``self.token``."""
         target = Path(path)
         if target.is_dir():
             target = target / "kubeconfig"
-        user: dict[str, Any] = {"token": self.token} if self.token is not None else {"username": "stand-in"}
+        if token is not None:
+            self.add_token(token)
+        token = token if token is not None else self.token
+        user: dict[str, Any] = {"token": token} if token is not None else {"username": "stand-in"}
         config = {
             "apiVersion": "v1",
             "kind": "Config",
@@ -626,6 +660,13 @@ class StandInApiServer:
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._collection)
         app.router.add_get("/api/v1/pods", self._collection)
         app.router.add_get("/api/v1/namespaces/{namespace}/pods/{name}", self._get_one)
+        for kind, collection in (
+            (LEASES, "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"),
+            (CONFIGMAPS, "/api/v1/namespaces/{namespace}/configmaps"),
+        ):
+            app.router.add_post(collection, self._object_handler(kind, "create"))
+            for method in ("GET", "PUT", "DELETE"):
+                app.router.add_route(method, collection + "/{name}", self._object_handler(kind, method))
         # handler_cancellation: a client that goes away ends its watch at once, so active_watches stays true.
         runner = web.AppRunner(app, handler_cancellation=True, shutdown_timeout=1.0, access_log=None)
         await runner.setup()
@@ -766,7 +807,34 @@ class StandInApiServer:
                     raise TimeoutError(f"no {what} within {timeout}s")
                 self._changed.wait(left)
 
+    def add_token(self, token: str) -> None:
+        """Accept ``token`` as well (each router replica presents its own, so one can be partitioned alone)."""
+        with self._lock:
+            self._tokens.add(token)
+
+    def block_token(self, token: str, *, hang_s: float = 30.0) -> None:
+        """Partition the client presenting ``token``: its requests hang up to ``hang_s``, then are cut unanswered."""
+        with self._lock:
+            self._blocked[token] = hang_s
+
+    def unblock_token(self, token: str) -> None:
+        """End the partition: later requests pass; any still hanging is cut, never answered late."""
+        with self._lock:
+            self._blocked.pop(token, None)
+
     # -- observation -------------------------------------------------------------------------------------------
+
+    def lease(self, name: str, namespace: str = "default") -> dict[str, Any] | None:
+        with self._lock:
+            return self._objects.snapshot(LEASES, namespace, name)
+
+    def config_map(self, name: str, namespace: str = "default") -> dict[str, Any] | None:
+        with self._lock:
+            return self._objects.snapshot(CONFIGMAPS, namespace, name)
+
+    def config_maps(self, namespace: str = "default") -> list[str]:
+        with self._lock:
+            return self._objects.names(CONFIGMAPS, namespace)
 
     def pods(self, namespace: str = "default") -> list[dict[str, Any]]:
         """Current pods of ``namespace`` by name, as the API server would serve them."""
@@ -827,6 +895,11 @@ class StandInApiServer:
         self._changed.notify_all()
         return copy.deepcopy(pod.obj)
 
+    def _next_rv(self) -> int:
+        self._rv += 1
+        self._changed.notify_all()
+        return self._rv
+
     def _send_all(self, watches: Iterable[_Watch], item: Any) -> None:
         # Under the lock, so every queue receives events in resourceVersion order.
         loop = self._loop
@@ -846,14 +919,54 @@ class StandInApiServer:
         with self._lock:
             self._requests.append(RecordedRequest(request.method, request.path, dict(request.query), auth))
             self._changed.notify_all()
-        if self.token is not None and auth != f"Bearer {self.token}":
+        token = auth[len("Bearer ") :] if auth is not None and auth.startswith("Bearer ") else None
+        if self.token is not None and token not in self._tokens:
             return _error(401, "Unauthorized", "Unauthorized")
+        if token is not None and token in self._blocked:
+            return await self._partitioned(request, token)
         try:
             return await handler(request)
         except web.HTTPNotFound:
             return _error(404, "NotFound", "the server could not find the requested resource")
         except web.HTTPMethodNotAllowed:
             return _error(405, "MethodNotAllowed", "the server does not allow this method on the requested resource")
+
+    async def _partitioned(self, request: web.Request, token: str) -> web.StreamResponse:
+        """Hang while ``token`` is blocked (at most its ``hang_s``), then cut the connection without an answer."""
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            deadline = loop.time() + self._blocked.get(token, 0.0)
+        while loop.time() < deadline:
+            with self._lock:
+                if token not in self._blocked:
+                    break
+            await asyncio.sleep(0.02)
+        if request.transport is not None:
+            request.transport.close()
+        return web.Response(status=503)  # never reaches the client: its connection is closed
+
+    def _object_handler(self, kind: Kind, action: str) -> Callable[[web.Request], Any]:
+        async def handle(request: web.Request) -> web.StreamResponse:
+            namespace, name = request.match_info["namespace"], request.match_info.get("name", "")
+            body: Any = None
+            if request.can_read_body:
+                try:
+                    body = json.loads(await request.read())
+                except ValueError as e:
+                    return _error(400, "BadRequest", f"the body of the request was in an unknown format: {e}")
+            try:
+                with self._lock:
+                    if action == "create":
+                        return _json_response(self._objects.create(kind, namespace, body), status=201)
+                    if action == "GET":
+                        return _json_response(self._objects.get(kind, namespace, name))
+                    if action == "PUT":
+                        return _json_response(self._objects.replace(kind, namespace, name, body))
+                    return _json_response(self._objects.delete(kind, namespace, name, body))
+            except Refusal as r:
+                return _error(r.code, r.reason, r.message, r.details)
+
+        return handle
 
     async def _get_one(self, request: web.Request) -> web.StreamResponse:
         namespace, name = request.match_info["namespace"], request.match_info["name"]

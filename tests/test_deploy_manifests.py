@@ -147,7 +147,7 @@ def test_every_object_validates_against_the_kubernetes_schema(objs: tuple[Obj, .
             invalid.append(f"{o['kind']}/{o['metadata']['name']}: {where}: {exc.message}")
         kinds.add(o["kind"])
     assert not invalid, f"invalid for Kubernetes {version}:\n" + "\n".join(invalid)
-    expected = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "Service", "PersistentVolumeClaim"}
+    expected = {"Namespace", "ServiceAccount", "Role", "RoleBinding", "Service"}
     assert expected | {"Deployment", "PodDisruptionBudget"} <= kinds, f"rendered only {sorted(kinds)}"
 
 
@@ -172,19 +172,36 @@ def test_images_are_set_by_the_overlay_with_a_tag(objs: tuple[Obj, ...]) -> None
 # --- RBAC and secrets ------------------------------------------------------------------------
 
 
-def test_rbac_reads_pods_in_its_own_namespace_only(objs: tuple[Obj, ...]) -> None:
+def _grants(role: Obj) -> set[tuple[str, str, str, str | None]]:
+    """Every (apiGroup, resource, verb, resourceName or None) the Role allows."""
+    out = set()
+    for rule in role["rules"]:
+        for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+            assert "*" not in rule.get(field, []), f"wildcard in the Role's {field}"
+        assert not rule.get("nonResourceURLs")
+        names = rule.get("resourceNames") or [None]
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                out |= {(group, resource, verb, name) for verb in rule["verbs"] for name in names}
+    return out
+
+
+def test_rbac_grants_exactly_discovery_the_lease_and_the_state_configmaps(objs: tuple[Obj, ...]) -> None:
+    from router.gateway.leader.takeover import RECORDS
+    from router.gateway.state.k8s_store import configmap_name
+
     assert not _of_kind(objs, "ClusterRole")
     assert not _of_kind(objs, "ClusterRoleBinding")
     role = _one(objs, "Role", ROUTER)
     namespace = role["metadata"]["namespace"]
-    assert role["rules"], "the router's Role grants nothing"
-    for rule in role["rules"]:
-        for field in ("apiGroups", "resources", "verbs"):
-            assert "*" not in rule.get(field, []), f"wildcard in the Role's {field}"
-        assert rule["apiGroups"] == [""]
-        assert rule["resources"] == ["pods"]
-        assert set(rule["verbs"]) <= {"get", "list", "watch"}
-        assert not rule.get("resourceNames") and not rule.get("nonResourceURLs")
+    args = _parse(ROUTER, _main(_one(objs, "Deployment", ROUTER))["args"])
+    records = {configmap_name(args.state_configmap_prefix, r) for r in RECORDS}
+    expected = {("", "pods", verb, None) for verb in ("get", "list", "watch")}
+    # resourceNames wherever Kubernetes honours them; a create's name is not known when it is authorized.
+    expected |= {("coordination.k8s.io", "leases", verb, args.leader_lease_name) for verb in ("get", "update")}
+    expected |= {("coordination.k8s.io", "leases", "create", None), ("", "configmaps", "create", None)}
+    expected |= {("", "configmaps", verb, name) for verb in ("get", "update", "delete") for name in records}
+    assert _grants(role) == expected
     (binding,) = _of_kind(objs, "RoleBinding")
     assert binding["metadata"]["namespace"] == namespace
     assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": ROUTER}
@@ -304,7 +321,9 @@ def test_router_readiness_does_not_wait_for_routable_workers(objs: tuple[Obj, ..
     # With every worker pending (restarted on its boot checkpoint) the trainer must still reach
     # the router's admin routes to push the update that makes them routable again.
     router = _main(_one(objs, "Deployment", ROUTER))
-    assert router["readinessProbe"]["httpGet"]["path"] == "/health"
+    # `/leader` answers 200 on the leader whatever the workers' state (503 on a standby: the Service
+    # sends it nothing).
+    assert router["readinessProbe"]["httpGet"]["path"] == "/leader"
     assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
     assert "startupProbe" not in router or router["startupProbe"]["httpGet"]["path"] != "/readiness"
 
@@ -337,23 +356,29 @@ def test_termination_grace_outlasts_the_shutdown_grace(objs: tuple[Obj, ...]) ->
 # --- router ownership and worker disruption --------------------------------------------------
 
 
-def test_router_is_one_replica_replaced_by_recreate(objs: tuple[Obj, ...]) -> None:
+def test_router_is_a_leader_and_a_standby_on_different_nodes(objs: tuple[Obj, ...]) -> None:
     router = _one(objs, "Deployment", ROUTER)
-    assert router["spec"]["replicas"] == 1
-    assert router["spec"]["strategy"] == {"type": "Recreate"}
+    assert router["spec"]["replicas"] == 2
+    # Only the leader is Ready: a rollout must be allowed to stop it, or it would wait forever.
+    assert router["spec"]["strategy"] == {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "100%"},
+    }
     assert not _of_kind(objs, "HorizontalPodAutoscaler")
+    args = _parse(ROUTER, _main(router)["args"])
+    assert args.leader_election and args.state_store == "k8s" and args.state_dir is None
+    assert args.data_plane_processes in ("auto", "1"), "a standby's gate covers one process"
+    env = {e["name"]: e for e in _main(router).get("env", [])}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     labels = router["spec"]["template"]["metadata"]["labels"]
+    (spread,) = _pod_spec(router)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
     for pdb in _of_kind(objs, "PodDisruptionBudget"):
         selected = pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        assert not selected, "a disruption budget on the single router would block node drains"
-    # The journal and the fleet weights record live on a claim, not in the pod.
-    args = _parse(ROUTER, _main(router)["args"])
-    mounts = {m["mountPath"]: m["name"] for m in _main(router)["volumeMounts"]}
-    assert str(args.state_dir) in mounts
-    volumes = {v["name"]: v for v in _pod_spec(router)["volumes"]}
-    claim = volumes[mounts[str(args.state_dir)]]["persistentVolumeClaim"]["claimName"]
-    pvc = _one(objs, "PersistentVolumeClaim", claim)
-    assert pvc["spec"]["accessModes"] == ["ReadWriteOnce"]
+        assert not selected, "only the leader is Ready: a budget on the router would forbid evicting it at all"
+    # The state lives in ConfigMaps: no claim ties a replica to a node.
+    assert not any("persistentVolumeClaim" in v for v in _pod_spec(router).get("volumes", []))
 
 
 def test_workers_are_evicted_one_at_a_time(objs: tuple[Obj, ...]) -> None:

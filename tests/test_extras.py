@@ -90,6 +90,24 @@ def test_omni_router_k8s_discovery_without_the_k8s_extra_refuses_to_start() -> N
     assert not {m for m in loaded(done) if m.startswith("lightkube")}
 
 
+@pytest.mark.parametrize(
+    ("argv", "flag"),
+    [
+        (["--state-store", "k8s"], "--state-store k8s"),
+        (["--state-store", "k8s", "--leader-election"], "--leader-election"),
+    ],
+    ids=["state-store", "leader-election"],
+)
+def test_omni_router_k8s_state_or_election_without_the_k8s_extra_refuses_to_start(argv: list[str], flag: str) -> None:
+    done = run_script("omni-router", [*argv, "--port", "0"], {"lightkube"})
+    assert done.returncode == 2, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1, done.stderr
+    assert f"cannot start: {flag} needs the k8s extra: pip install 'omni-router[k8s]'" in lines[0]
+    assert not {m for m in loaded(done) if m.startswith("lightkube")}
+
+
 def test_omni_router_without_the_k8s_extra_needs_it_only_for_k8s_discovery() -> None:
     done = run_script("omni-router", ["--version"], {"lightkube", "httpx2", "torch"})
     assert done.returncode == 0, done.stderr

@@ -8,7 +8,7 @@ import json
 import os
 import threading
 from collections.abc import AsyncIterator, Callable, Iterator
-from datetime import datetime
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,10 @@ import httpx2
 import msgspec
 import pytest
 from lightkube import ApiError, AsyncClient, KubeConfig, operators
-from lightkube.resources.core_v1 import Pod
+from lightkube.models.coordination_v1 import LeaseSpec
+from lightkube.models.meta_v1 import ObjectMeta
+from lightkube.resources.coordination_v1 import Lease
+from lightkube.resources.core_v1 import ConfigMap, Pod
 from lightkube.types import on_error_retry
 
 from tests._k8s_standin import LabelRequirement, StandInApiServer, parse_label_selector
@@ -458,6 +461,67 @@ async def test_bookmarks_only_reach_streams_that_asked(standin: StandInApiServer
             assert json.loads(await anext(plain_lines))["type"] == "ADDED"
         # lightkube decodes every watch object as the watched kind; a bookmark must survive that.
         assert Pod.from_dict(bookmark["object"]).metadata.resourceVersion == rv
+
+
+async def test_leases_are_replaced_by_compare_and_swap(standin: StandInApiServer, client: AsyncClient) -> None:
+    spec = LeaseSpec(holderIdentity="a", leaseDurationSeconds=15, renewTime=datetime.now(UTC))
+    created = await client.create(Lease(metadata=ObjectMeta(name="leader", namespace=NS), spec=spec))
+    assert created.metadata.resourceVersion == standin.resource_version
+    with pytest.raises(ApiError) as taken:
+        await client.create(Lease(metadata=ObjectMeta(name="leader", namespace=NS), spec=spec))
+    assert taken.value.status.code == 409 and taken.value.status.reason == "AlreadyExists"
+    mine, theirs = await client.get(Lease, "leader", namespace=NS), await client.get(Lease, "leader", namespace=NS)
+    mine.spec.holderIdentity = "b"
+    renewed = await client.replace(mine)
+    assert renewed.spec.holderIdentity == "b" and renewed.metadata.uid == created.metadata.uid
+    assert int(renewed.metadata.resourceVersion) > int(created.metadata.resourceVersion)
+    theirs.spec.holderIdentity = "c"  # carries the version read before b's write
+    with pytest.raises(ApiError) as stale:
+        await client.replace(theirs)
+    assert stale.value.status.code == 409 and stale.value.status.reason == "Conflict"
+    assert "the object has been modified" in stale.value.status.message
+    assert standin.lease("leader", NS)["spec"]["holderIdentity"] == "b"
+    with pytest.raises(ApiError) as absent:
+        await client.get(Lease, "nobody", namespace=NS)
+    assert absent.value.status.code == 404
+
+
+async def test_config_maps_are_deleted_only_at_the_version_given(
+    standin: StandInApiServer, client: AsyncClient, raw: httpx2.AsyncClient
+) -> None:
+    await client.create(ConfigMap(metadata=ObjectMeta(name="state", namespace=NS), data={"r.json": "{}"}))
+    version = (await client.get(ConfigMap, "state", namespace=NS)).metadata.resourceVersion
+    path = f"/api/v1/namespaces/{NS}/configmaps/state"
+
+    def delete_at(rv: str) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "DeleteOptions", "preconditions": {"resourceVersion": rv}}
+
+    stale = await raw.request("DELETE", path, json=delete_at(str(int(version) - 1)))
+    assert stale.status_code == 409 and "Precondition failed" in stale.json()["message"]
+    assert standin.config_maps(NS) == ["state"]
+    done = await raw.request("DELETE", path, json=delete_at(version))
+    assert done.status_code == 200 and done.json()["status"] == "Success"
+    assert standin.config_maps(NS) == [] and (await raw.request("DELETE", path)).status_code == 404
+
+
+async def test_a_blocked_token_hangs_then_is_cut_while_others_pass(standin: StandInApiServer, tmp_path: Path) -> None:
+    cut_off = AsyncClient(config=KubeConfig.from_file(standin.write_kubeconfig(tmp_path / "cut", NS, token="cut")))
+    other = AsyncClient(config=KubeConfig.from_file(standin.write_kubeconfig(tmp_path / "other", NS, token="other")))
+    try:
+        standin.block_token("cut", hang_s=0.5)
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(httpx2.TransportError):
+            await cut_off.get(Lease, "leader", namespace=NS)
+        assert loop.time() - started >= 0.5
+        with pytest.raises(ApiError):  # the other client is not partitioned: an answer (404)
+            await other.get(Lease, "leader", namespace=NS)
+        standin.unblock_token("cut")
+        with pytest.raises(ApiError):
+            await cut_off.get(Lease, "leader", namespace=NS)
+    finally:
+        await cut_off.close()
+        await other.close()
 
 
 def test_only_loopback_addresses() -> None:

@@ -327,6 +327,28 @@ class JournalState(WireResponse):
     reason: str = ""
 
 
+#: On every refusal by a router replica that is not the leader (``--leader-election``), with the value
+#: :data:`STANDBY_ROLE`: nothing ran there, so a client may send the same call again (to the leader).
+ROUTER_ROLE_HEADER = "X-Omni-Router-Role"
+STANDBY_ROLE = "standby"
+
+LeaderRole = Literal["single", "standby", "taking_over", "leader", "stepped_down"]
+
+
+class LeaderView(WireResponse):
+    """Which router replica serves the admin routes (``GET /leader``, and ``leader`` in ``/health``).
+
+    ``single``: no leader election, this replica serves; ``standby``: another replica holds the lease;
+    ``taking_over``: this one holds it and is re-reading the durable state; ``leader``: it serves;
+    ``stepped_down``: it lost the lease and is exiting."""
+
+    role: LeaderRole
+    holder: str | None = None
+    """The lease holder as this replica last saw it (``None``: none seen, or no leader election)."""
+    identity: str | None = None
+    """This replica's identity in the election (its pod name)."""
+
+
 class StorageView(WireResponse):
     """Whether the store of the router's durable records holds what memory holds.
 

@@ -22,6 +22,7 @@ from router.contract.fleet import (
     JournalResolved,
     JournalResolveRequest,
     JournalView,
+    LeaderView,
     RemovedWorker,
     UpdateWorkerRequest,
     WorkerList,
@@ -37,7 +38,7 @@ from router.gateway import keys
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
 from router.gateway.admin.groups import GROUPS_FILE, WeightGroups
-from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal
+from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal, keep_fenced
 from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.ranks import GroupInitializer
 from router.gateway.admin.two_phase import TwoPhaseCoordinator
@@ -49,6 +50,7 @@ from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
+from router.gateway.leader.takeover import Leadership
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routes import admin, fleet, openai, tokens
 from router.gateway.routing.policy import make_policy
@@ -81,6 +83,14 @@ def routes() -> list[Route]:
         Route("GET", "/health", fleet.health, "The router process serves", access="open"),
         Route("GET", "/liveness", fleet.liveness, "The router process serves", access="open"),
         Route("GET", "/readiness", fleet.readiness, "At least one worker takes generation traffic", access="open"),
+        Route(
+            "GET",
+            "/leader",
+            fleet.leader,
+            "This replica serves the admin routes (503 on a standby of --leader-election)",
+            access="open",
+            answer=LeaderView,
+        ),
         Route("GET", "/metrics", fleet.metrics, "Prometheus metrics", access="open", media_type="text/plain"),
         Route("GET", "/workers", fleet.list_workers, "The worker registry", answer=WorkerList),
         Route(
@@ -177,7 +187,8 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics=app[keys.METRICS],
         fanout=FanOut(workers),
         prober=prober,
-        groups=WeightGroups(app[keys.STATE].record(GROUPS_FILE)),
+        # Read off the event loop: the store may be the Kubernetes API.
+        groups=await asyncio.to_thread(WeightGroups, app[keys.STATE].record(GROUPS_FILE)),
     )
     hub = app.get(keys.DATA_PLANES)
     if hub is not None:  # the control process of a router with data-plane processes
@@ -248,19 +259,16 @@ def _report_crash(task: asyncio.Task[None]) -> None:
 
 def _restore_journal(registry: WorkerRegistry, journal: UpdateJournal) -> None:
     """A previous run left an unresolved update: keep its targets out of routing."""
-    pending = journal.load_or_unreadable([(w.id, w.url) for w in registry])
-    if pending is None:
-        return
-    for target in pending.targets:
-        worker = registry.find(target.id)
-        if worker is not None:
-            worker.disabled = True
-    log.warning(
-        "unresolved update journal (%s: %s); keeping %d worker(s) disabled until an operator resolves it",
-        pending.path,
-        pending.reason,
-        len(pending.targets),
-    )
+    keep_fenced(registry, journal.load_or_unreadable([(w.id, w.url) for w in registry]))
+
+
+def durable_state(config: RouterConfig) -> DurableState:
+    """The records' store: ConfigMaps (``--state-store k8s``: every replica reads them), a directory, or memory."""
+    if config.effective_state_store == "k8s":
+        from router.gateway.state.k8s_store import KubernetesStore  # the k8s extra, only when asked for
+
+        return DurableState(KubernetesStore(prefix=config.state_configmap_prefix))
+    return DurableState.in_directory(config.state_dir)
 
 
 def create_app(config: RouterConfig) -> web.Application:
@@ -269,29 +277,32 @@ def create_app(config: RouterConfig) -> web.Application:
     thresholds = HealthThresholds(
         failure=config.health_failure_threshold, dead=config.dead_threshold, success=config.health_success_threshold
     )
-    state = DurableState.in_directory(config.state_dir)
+    state = durable_state(config)
     registry = WorkerRegistry(thresholds=thresholds, fleet=FleetWeights(state.record(FLEET_FILE)))
     for url in config.worker_urls:
         registry.add(url)
     journal = UpdateJournal(state.record(JOURNAL_FILE))
-    _restore_journal(registry, journal)
+    # With leader election the journal is read by the replica that takes the lease (a standby writes nothing).
+    leader = Leadership.for_config(config) if config.leader_election else None
+    if leader is None:
+        _restore_journal(registry, journal)
     metrics = RouterMetrics(registry)
     table = routes()
     table.append(openapi_route("omni-router", __version__, table, description=API_DESCRIPTION))
 
-    app = web.Application(
-        middlewares=[
-            metrics_middleware,
-            error_middleware,
-            auth_middleware(
-                admin_key=config.admin_api_key,
-                api_key=config.api_key,
-                open_paths=paths_with_access(table, "open"),
-                generation_paths=paths_with_access(table, "generation"),
-            ),
-        ],
-        client_max_size=MAX_BODY_BYTES,
-    )
+    middlewares = [
+        metrics_middleware,
+        error_middleware,
+        auth_middleware(
+            admin_key=config.admin_api_key,
+            api_key=config.api_key,
+            open_paths=paths_with_access(table, "open"),
+            generation_paths=paths_with_access(table, "generation"),
+        ),
+    ]
+    if leader is not None:  # a standby answers before the key is checked: nothing runs there either way
+        middlewares.insert(1, leader.gate.middleware)
+    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
     app[keys.JOURNAL] = journal
@@ -304,4 +315,6 @@ def create_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(state.retry_ctx)
     app.cleanup_ctx.append(upstream_ctx)
     app.cleanup_ctx.append(discovery_ctx)
+    if leader is not None:
+        leader.install(app)  # last: its takeover needs everything above
     return app

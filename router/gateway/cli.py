@@ -15,7 +15,7 @@ from router import __version__
 from router.contract.errors import ApiError
 from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
 from router.gateway.app import create_app
-from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, RouterConfig
+from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, STATE_STORE_NAMES, RouterConfig
 from router.gateway.discovery.k8s import require_client
 from router.gateway.processes.control import DEFAULT_ACK_TIMEOUT_S
 from router.gateway.processes.launch import data_plane_count, run_control, run_data_plane
@@ -222,12 +222,63 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long a fenced admin call waits for every data-plane process to apply the fence before it "
         "fails closed (503, nothing sent) and the late process is restarted",
     )
+    _add_high_availability_flags(p, d)
     # Set by the control process when it starts a data plane: not for operators.
     p.add_argument("--data-plane-of", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data-plane-index", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log verbosity")
     p.add_argument("--log-format", default="text", choices=["text", "json"], help="log line format")
     return p
+
+
+def _add_high_availability_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """State in the Kubernetes API and leader election (docs/router.md, "High availability on Kubernetes")."""
+    p.add_argument(
+        "--state-store",
+        choices=STATE_STORE_NAMES,
+        default=None,
+        help="where the durable records live: dir (files under --state-dir; the default when it is given) or k8s "
+        "(one ConfigMap per record in the router's namespace, read by every replica; needs omni-router[k8s])",
+    )
+    p.add_argument(
+        "--state-configmap-prefix",
+        default=d.state_configmap_prefix,
+        help="name prefix of the ConfigMaps of --state-store k8s",
+    )
+    p.add_argument(
+        "--leader-election",
+        action="store_true",
+        help="run as one of several replicas on Kubernetes: the holder of a coordination.k8s.io Lease serves, the "
+        "others stand by (503 to clients) and take over when it stops renewing; needs --state-store k8s",
+    )
+    p.add_argument("--leader-lease-name", default=d.leader_lease_name, help="the Lease (in the router's namespace)")
+    p.add_argument(
+        "--leader-lease-duration-s",
+        type=float,
+        default=d.leader_lease_duration_s,
+        help="seconds a standby waits, after it last saw the Lease renewed, before taking it",
+    )
+    p.add_argument(
+        "--leader-renew-deadline-s",
+        type=float,
+        default=d.leader_renew_deadline_s,
+        help="seconds the leader may fail to renew before it steps down and exits (below the lease duration)",
+    )
+    p.add_argument(
+        "--leader-retry-period-s",
+        type=float,
+        default=d.leader_retry_period_s,
+        help="seconds between the leader's renewals and a standby's tries",
+    )
+
+
+def _kubernetes_flag(config: RouterConfig) -> str | None:
+    """The first flag set that needs the k8s extra's client before the app is built, if any."""
+    if config.leader_election:
+        return "--leader-election"
+    if config.state_store == "k8s":
+        return "--state-store k8s"
+    return None
 
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
@@ -254,6 +305,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         selector=dict(args.selector),
         discovery_namespace=args.service_discovery_namespace,
         discovery_port=args.service_discovery_port,
+        state_store=args.state_store,
+        state_configmap_prefix=args.state_configmap_prefix,
+        leader_election=args.leader_election,
+        leader_lease_name=args.leader_lease_name,
+        leader_lease_duration_s=args.leader_lease_duration_s,
+        leader_renew_deadline_s=args.leader_renew_deadline_s,
+        leader_retry_period_s=args.leader_retry_period_s,
     )
 
 
@@ -279,6 +337,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         return 0
+    if processes > 1 and config.leader_election:
+        # A standby's data planes would serve generation from their snapshots: one process, whose gate answers all.
+        if args.data_plane_processes != "auto":
+            log.error("cannot start: --leader-election runs the router in one process (--data-plane-processes 1)")
+            return 2
+        processes = 1
+    k8s_flag = _kubernetes_flag(config)
+    if k8s_flag is not None:
+        try:  # the state store and the election are built with the app: refuse before, in one line
+            require_client(k8s_flag)
+        except RuntimeError as exc:
+            log.error("cannot start: %s", exc)
+            return 2
     if processes > 1 and args.port == 0:
         if args.data_plane_processes == "auto":  # an OS-chosen port cannot be shared: one process
             processes = 1
@@ -298,7 +369,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         except RuntimeError as exc:
             log.error("cannot start: %s", exc)
             return 2
-    if config.state_dir is None:
+    if config.effective_state_store is None:
         log.warning("no --state-dir: a router crash mid-update cannot keep its targets disabled across restarts")
     started = time.monotonic()
     with asyncio.Runner(loop_factory=loop_factory) as runner:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -12,6 +13,8 @@ PolicyName = Literal["least_inflight", "round_robin", "random"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
 DiscoveryName = Literal["static", "k8s"]
 DISCOVERY_NAMES: tuple[str, ...] = get_args(DiscoveryName)
+StateStoreName = Literal["dir", "k8s"]
+STATE_STORE_NAMES: tuple[str, ...] = get_args(StateStoreName)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -89,6 +92,54 @@ class RouterConfig:
     discovery_port: int | None = None
     """Worker port on each pod; ``None``: the container port named ``http``."""
 
+    # -- High availability on Kubernetes (docs/router.md): where durable records live, leader election.
+
+    state_store: StateStoreName | None = None
+    """``dir``: files under ``state_dir``; ``k8s``: one ConfigMap per record in the router's namespace,
+    which every replica reads. ``None``: ``dir`` when ``state_dir`` is set, else memory only."""
+
+    state_configmap_prefix: str = "omni-router-state"
+    """ConfigMap names of ``k8s`` records: ``<prefix>-<record>``."""
+
+    leader_election: bool = False
+    """Run as one of several replicas: the one holding the Lease serves, the others stand by."""
+
+    leader_lease_name: str = "omni-router-leader"
+    leader_lease_duration_s: float = 15.0
+    """How long a standby waits, after it last saw the Lease renewed, before it takes it."""
+    leader_renew_deadline_s: float = 10.0
+    """How long the leader may fail to renew before it steps down (below the lease duration)."""
+    leader_retry_period_s: float = 2.0
+    """How often the leader renews and a standby tries."""
+    leader_identity: str | None = None
+    """This replica in the election; ``None``: ``POD_NAME``, else ``<hostname>_<pid>``."""
+
+    @property
+    def effective_state_store(self) -> StateStoreName | None:
+        if self.state_store is not None:
+            return self.state_store
+        return "dir" if self.state_dir is not None else None
+
+    def _validate_high_availability(self) -> None:
+        if self.state_store is not None and self.state_store not in STATE_STORE_NAMES:
+            raise ValueError(f"unknown state store {self.state_store!r}")
+        if self.state_store == "dir" and self.state_dir is None:
+            raise ValueError("--state-store dir needs --state-dir")
+        if self.state_store == "k8s" and self.state_dir is not None:
+            raise ValueError("--state-dir is the dir store's; --state-store k8s keeps records in ConfigMaps")
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.state_configmap_prefix):
+            raise ValueError(f"state_configmap_prefix must be a DNS label, got {self.state_configmap_prefix!r}")
+        if not self.leader_election:
+            return
+        if self.state_store != "k8s":
+            raise ValueError("--leader-election needs --state-store k8s (a new leader reads what the last one wrote)")
+        lease, renew, retry = self.leader_lease_duration_s, self.leader_renew_deadline_s, self.leader_retry_period_s
+        if not lease > renew > retry > 0:
+            raise ValueError(
+                "leader election needs lease duration > renew deadline > retry period > 0 (the leader must give up "
+                f"before a standby may take over), got {lease} / {renew} / {retry}"
+            )
+
     @property
     def key_for_workers(self) -> str | None:
         return self.worker_api_key if self.worker_api_key is not None else self.admin_api_key
@@ -126,3 +177,4 @@ class RouterConfig:
             raise ValueError("--service-discovery k8s needs --selector k=v (which pods are workers)")
         if self.discovery_port is not None and not 1 <= self.discovery_port <= 65535:
             raise ValueError(f"discovery_port must be a TCP port, got {self.discovery_port}")
+        self._validate_high_availability()

@@ -18,6 +18,8 @@ from router.gateway.discovery.k8s import DiscoveryStatus
 from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.health import HealthChecker
 from router.gateway.fleet.registry import WorkerRegistry
+from router.gateway.leader.elector import LeaseElector
+from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics
 from router.gateway.processes.hub import DataPlaneHub
 from router.gateway.routing.proxy import GenerateProxy
@@ -51,3 +53,8 @@ HEALTH_TASK = web.AppKey("health_task", asyncio.Task[None])
 DISCOVERY = web.AppKey("discovered_fleet", DiscoveredFleet)
 DISCOVERY_STATUS = web.AppKey("discovery_status", DiscoveryStatus)
 DISCOVERY_TASKS = web.AppKey("discovery_tasks", list[asyncio.Task[None]])
+
+# Only with --leader-election (router.gateway.leader).
+ELECTOR = web.AppKey("lease_elector", LeaseElector)
+LEADER_GATE = web.AppKey("leader_gate", LeaderGate)
+"""Closed (503 to clients) while this replica is not the leader."""

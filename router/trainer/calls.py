@@ -8,6 +8,10 @@ router's lock wait for serialized calls (:mod:`router.contract.budget`).
 
 A non-2xx answer raises :class:`RouterCallError` with the status, the message
 and, for a failed broadcast, the per-worker results as typed models.
+
+Behind a router with replicas (``--leader-election``) a call is sent again through
+a failover of its leader when the answer proves nothing ran
+(:mod:`router.trainer.failover`), within ``failover_budget_s``.
 """
 
 from __future__ import annotations
@@ -78,6 +82,7 @@ from router.contract.weight_sync import (
     UpdateWeightsFromDistributedRequest,
     WeightSyncResponse,
 )
+from router.trainer.failover import DEFAULT_FAILOVER_BUDGET_S
 
 A = TypeVar("A", bound=WireResponse)
 M = TypeVar("M", bound=BaseModel)
@@ -195,12 +200,22 @@ class RouterCalls:
         admin_key: sent as ``Authorization: Bearer`` on every call.
         lock_wait_s: the router's ``--admin-lock-timeout-s``: how long a serialized
             call may wait for the router's update lock before its own work starts.
+        failover_budget_s: how long one call may keep trying while the router's leader
+            fails over (:mod:`router.trainer.failover`); 0 sends every call once.
     """
 
-    def __init__(self, url: str, *, admin_key: str | None = None, lock_wait_s: float = DEFAULT_LOCK_WAIT_S):
+    def __init__(
+        self,
+        url: str,
+        *,
+        admin_key: str | None = None,
+        lock_wait_s: float = DEFAULT_LOCK_WAIT_S,
+        failover_budget_s: float = DEFAULT_FAILOVER_BUDGET_S,
+    ):
         self.url = url.rstrip("/")
         self.admin_key = admin_key
         self.lock_wait_s = lock_wait_s
+        self.failover_budget_s = failover_budget_s
         self.joined_groups: set[str] = set()
         """Names of the weight-update groups this trainer has joined as rank 0 through this
         client. ``sync_weights`` initializes a group not in it (asking the router for ranks,

@@ -116,9 +116,11 @@ def _log_progress(stage: str, info: dict[str, Any]) -> None:
     log.info("weight sync: %s %s", stage, info)
 
 
-def _guard_s(endpoint: ep.Endpoint[Any, Any], timeout_s: float | None, lock_wait_s: float) -> float:
-    """How long to wait for a background call: a guard only, since the call's own HTTP timeout fires first."""
-    return endpoint.budget.client_wait(timeout_s, lock_wait_s=lock_wait_s) + HOP_MARGIN_S
+def _guard_s(endpoint: ep.Endpoint[Any, Any], timeout_s: float | None, client: RouterCalls) -> float:
+    """How long to wait for a background call: a guard only, since the call's own HTTP timeout (after the
+    tries through a failover of the router's leader, if any) fires first."""
+    wait = endpoint.budget.client_wait(timeout_s, lock_wait_s=client.lock_wait_s)
+    return wait + client.failover_budget_s + HOP_MARGIN_S
 
 
 class WeightSync:
@@ -214,7 +216,7 @@ class WeightSync:
                 timeout_s=g.timeout_s,
             ),
             lambda: g.join(world),
-            timeout_s=_guard_s(ep.INIT_WEIGHTS_UPDATE_GROUP, g.timeout_s, self.client.lock_wait_s),
+            timeout_s=_guard_s(ep.INIT_WEIGHTS_UPDATE_GROUP, g.timeout_s, self.client),
             what="/init_weights_update_group",
             remote_failed=g.cancel,
         )
@@ -222,7 +224,7 @@ class WeightSync:
         return world
 
     def _single_phase(self, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None]) -> None:
-        guard = _guard_s(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, self.timeout_s, self.client.lock_wait_s)
+        guard = _guard_s(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, self.timeout_s, self.client)
         for i, bucket in enumerate(buckets):
             last = i == len(buckets) - 1
             alongside(

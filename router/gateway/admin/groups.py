@@ -92,6 +92,10 @@ class WeightGroups:
         self._stored = as_record(state, GROUPS_FILE)
         self._records = self._load()
 
+    def reload(self) -> None:
+        """Read the records again (blocking: a new leader takes over what the previous one wrote)."""
+        self._records = self._load()
+
     def _load(self) -> _Records:
         try:
             data = self._stored.load()

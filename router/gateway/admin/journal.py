@@ -28,12 +28,16 @@ import logging
 import time
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import ValidationError
 
 from router.contract.errors import Unavailable
 from router.contract.fleet import JournalState, JournalTarget
 from router.gateway.state.durable import DurableRecord, as_record
+
+if TYPE_CHECKING:
+    from router.gateway.fleet.registry import WorkerRegistry
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +89,11 @@ class UpdateJournal:
             self.pending = state
             self.record.save_now(_encode(state))
             return state
+
+    def reload(self, all_workers: Iterable[tuple[str, str]]) -> JournalState | None:
+        """:meth:`load_or_unreadable` again (blocking): a new leader reads what the previous one left,
+        an update it had in flight included (``in_flight`` becomes ``failed``, as after a crash)."""
+        return self.load_or_unreadable(all_workers)
 
     @property
     def location(self) -> str:
@@ -147,6 +156,22 @@ class UpdateJournal:
         state.failed = sorted(kept)
         state.reason = reason
         return True
+
+
+def keep_fenced(registry: WorkerRegistry, pending: JournalState | None) -> None:
+    """An unresolved update was found (at start-up, or by a new leader): keep its targets out of routing."""
+    if pending is None:
+        return
+    for target in pending.targets:
+        worker = registry.find(target.id)
+        if worker is not None:
+            worker.disabled = True
+    log.warning(
+        "unresolved update journal (%s: %s); keeping %d worker(s) disabled until an operator resolves it",
+        pending.path,
+        pending.reason,
+        len(pending.targets),
+    )
 
 
 def _encode(state: JournalState | None) -> bytes | None:

@@ -85,14 +85,15 @@ class DiscoveryStatus:
 
 #: The modules of the ``k8s`` extra (lightkube and the HTTP client it is built on).
 K8S_EXTRA_MODULES = ("lightkube", "httpx2")
-EXTRA_MISSING = "--service-discovery k8s needs the k8s extra: pip install 'omni-router[k8s]'"
+EXTRA_MISSING = "{feature} needs the k8s extra: pip install 'omni-router[k8s]'"
 
 
-def require_client() -> None:
-    """Raise :class:`RuntimeError` (one line naming the extra) unless the Kubernetes client imports.
+def require_client(feature: str = "--service-discovery k8s") -> None:
+    """Raise :class:`RuntimeError` (one line naming ``feature`` and the extra) unless the Kubernetes client imports.
 
-    ``omni-router`` calls it at start-up, so a router without the extra refuses to start rather
-    than serving with discovery dead; the plain router never imports lightkube."""
+    ``omni-router`` calls it at start-up for every flag that needs it (discovery, ``--state-store k8s``,
+    ``--leader-election``), so a router without the extra refuses to start rather than serving with
+    that part dead; the plain router never imports lightkube."""
     missing = []
     for name in K8S_EXTRA_MODULES:
         try:
@@ -100,7 +101,7 @@ def require_client() -> None:
         except ImportError:
             missing.append(name)
     if missing:
-        raise RuntimeError(f"{EXTRA_MISSING} (cannot import {', '.join(missing)})")
+        raise RuntimeError(f"{EXTRA_MISSING.format(feature=feature)} (cannot import {', '.join(missing)})")
 
 
 class ListFailed(Exception):

@@ -70,6 +70,10 @@ class FleetWeights:
         self._stored = as_record(state, FLEET_FILE)
         self.record: FleetRecord | None = self._load()
 
+    def reload(self) -> None:
+        """Read the record again (blocking: a new leader takes over what the previous one wrote)."""
+        self.record = self._load()
+
     def _load(self) -> FleetRecord | None:
         try:
             data = self._stored.load()

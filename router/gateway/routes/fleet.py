@@ -10,6 +10,7 @@ from router.contract.fleet import (
     AddWorkerRequest,
     JournalResolveRequest,
     JournalView,
+    LeaderView,
     UpdateWorkerRequest,
     WorkerList,
     WorkerUrlQuery,
@@ -129,7 +130,18 @@ async def health(request: web.Request) -> web.Response:
     status = request.app.get(keys.DISCOVERY_STATUS)
     if status is not None:
         body["discovery"] = status.view()
+    gate = request.app.get(keys.LEADER_GATE)
+    if gate is not None:
+        body["leader"] = gate.view().model_dump(exclude_none=True)
     return web.json_response(body)
+
+
+async def leader(request: web.Request) -> web.Response:
+    """200 while this replica serves the admin routes (the leader, or a router without leader election);
+    503 on a standby: the readiness probe of replicated routers, so their Service reaches the leader only."""
+    gate = request.app.get(keys.LEADER_GATE)
+    view = LeaderView(role="single") if gate is None else gate.view()
+    return web.json_response(view.model_dump(), status=200 if gate is None or gate.is_open else 503)
 
 
 async def liveness(request: web.Request) -> web.Response:
