@@ -1,25 +1,44 @@
-"""Side by side: omni-router against SGLang's Rust router (``sglang-router``) on one fixed-answer upstream.
+"""Side by side: omni-router against two Rust routers from the SGLang project on one fixed-answer upstream.
 
     .venv/bin/python -m benchmarks.bench_peer_router                  # 5 interleaved rounds of 8 s, concurrency 16
     .venv/bin/python -m benchmarks.bench_peer_router --rounds 3 --seconds 5 --concurrency 16 64
+    .venv/bin/python -m benchmarks.bench_peer_router --peers smg --omni-processes 1 2 auto
 
-Three targets get the same load from the same C load generator (``wrk``, one small Lua script
-that POSTs a ``/generate`` body and prints its own latency percentiles), in interleaved rounds:
+Every target gets the same load from the same C load generator (``wrk``, one small Lua script that
+POSTs a ``/generate`` body without ``rid`` and prints its own latency percentiles):
 
-- ``upstream``: nginx on 127.0.0.1 answering ``POST /generate`` with a fixed SGLang-like body,
-  and the routes both routers read from a worker at start-up and in their health checks
-  (``/health``, ``/model_info``, ``/get_model_info``, ``/server_info``). It is the ceiling and is
-  never the bottleneck (nginx answers from memory);
-- ``rust``: ``sglang-router`` (installed from PyPI into a side virtualenv) in front of it;
-- ``omni``: this repository's ``omni-router`` in front of it.
+- ``nginx upstream, direct``: nginx on 127.0.0.1 answering ``POST /generate`` with a fixed
+  SGLang-shaped body, and the routes the routers read from a worker at start-up and in their
+  health checks (``/health``, ``/model_info``, ``/get_model_info``, ``/server_info``,
+  ``/get_server_info``). It is the ceiling and never the bottleneck (nginx answers from memory).
+  smg also asks for ``/v1/models``, ``/version``, ``/loads``, ``/v1/loads`` and (every 10 s, its
+  load monitor) ``/metrics``; it takes their 404 in its stride, so they are not served;
+- the Rust peers in front of it (``--peers``, both by default), each installed from PyPI into its
+  own side virtualenv and started with ``--policy round_robin --log-level warn`` and its metrics
+  listener on 127.0.0.1:
+  ``sglang-router`` 0.3.2 (``python -m sglang_router.launch_router``), and the SGLang Model Gateway
+  ``smg`` 1.13.0 (``smg launch``, also ``--disable-tokenizer-autoload``: this benchmark sends no
+  chat or OpenAI request, and no tokenizer is ever fetched from the network);
+- this repository's ``omni-router`` in front of it, once per ``--omni-processes`` value (``1`` and
+  ``auto`` by default), run with ``--data-plane-processes`` set to that value: ``auto`` is the
+  router's default (one data-plane process per usable core, at most 8, sharing the port with
+  SO_REUSEPORT beside one control process), ``1`` the single process. A target counts as started
+  once ``POST /generate`` answers 200 through it and all its data planes listen on the port.
 
-Printed: req/s, p50 and p99 per target and round, the medians over rounds, and omni ÷ rust for
-throughput and p50. Every process started here listens on 127.0.0.1 and is stopped at the end;
-every load run stops by itself after ``--seconds``.
+Each concurrency level runs one unmeasured warm-up per target, then ``--rounds`` rounds, each
+running every target once (the order rotates from round to round so no target always follows the
+same one). Printed: the machine (usable cores from ``os.sched_getaffinity``, the CPU model from
+``/proc/cpuinfo``, the load average at start), the versions, req/s, p50 and p99 per target and
+round, then per concurrency the medians over the rounds as a Markdown table and the ratios the
+project's target is stated in: every omni-router target ÷ the faster Rust peer (the one with the
+higher median req/s) for throughput, p50 and p99; the row of the default process count (``auto``)
+is marked. Every process started here listens on 127.0.0.1 and is stopped at the end; every load
+run stops by itself after ``--seconds``.
 
-Needs ``nginx`` and ``wrk`` (Debian: ``apt-get install nginx-light wrk``; installed here when
-missing and this runs as root with apt) and ``sglang-router`` (``pip install sglang-router==0.3.2``
-into ``--sglang-venv``, done here when that venv has no ``sglang-router``).
+Installs what is missing: ``nginx`` and ``wrk`` with apt (Debian: ``apt-get install nginx-light
+wrk``, when this runs as root), ``sglang-router==0.3.2`` into ``--sglang-venv`` and ``smg==1.13.0``
+into ``--smg-venv`` with pip from PyPI (each venv is created when it does not hold its package; a
+venv passed in that holds another version is used as it is, and the version is printed).
 """
 
 from __future__ import annotations
@@ -28,6 +47,7 @@ import argparse
 import contextlib
 import json
 import os
+import platform
 import re
 import shutil
 import statistics
@@ -40,9 +60,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from demo.launch import ManagedProcess, cli, free_port, http_json
+from router.gateway.processes.launch import data_plane_count
 
 SGLANG_ROUTER_VERSION = "0.3.2"
+SMG_VERSION = "1.13.0"
 DEFAULT_SGLANG_VENV = Path(tempfile.gettempdir()) / f"omni-bench-sglang-router-{SGLANG_ROUTER_VERSION}"
+DEFAULT_SMG_VENV = Path(tempfile.gettempdir()) / f"omni-bench-smg-{SMG_VERSION}"
 
 #: One prompt as a trainer sends it (no rid: the routers assign one where they need it).
 REQUEST_BODY = json.dumps(
@@ -66,7 +89,7 @@ GENERATE_REPLY = json.dumps(
     }
 )
 
-#: Read-only worker routes, answered so that both routers take the upstream as a healthy SGLang server.
+#: Read-only worker routes, answered so that the routers take the upstream as a healthy SGLang server.
 WORKER_INFO = {
     "/health": {"status": "ok", "weight_version": "default"},
     "/model_info": {
@@ -143,32 +166,99 @@ def _which(name: str) -> str | None:
     )
 
 
-def ensure_sglang_router(venv: Path) -> Path:
-    """The Python of a virtualenv holding ``sglang-router``; created and installed from PyPI when missing."""
+@dataclass(frozen=True)
+class Peer:
+    """A Rust router from PyPI, run from its own virtualenv."""
+
+    name: str  # also the PyPI distribution
+    version: str  # what gets installed into a venv that has none
+    module: str  # imported to check the venv
+    venv_flag: str
+
+
+PEERS = {
+    "sglang-router": Peer("sglang-router", SGLANG_ROUTER_VERSION, "sglang_router", "--sglang-venv"),
+    "smg": Peer("smg", SMG_VERSION, "smg", "--smg-venv"),
+}
+
+
+def _installed_version(python: Path, peer: Peer) -> str | None:
+    if not python.exists():
+        return None
+    code = f"import importlib.metadata as m, {peer.module}; print(m.version({peer.name!r}))"
+    probe = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    return probe.stdout.strip() if probe.returncode == 0 and probe.stdout.strip() else None
+
+
+def ensure_peer(peer: Peer, venv: Path) -> str:
+    """The version of ``peer`` in ``venv``; the venv is created and the pinned version installed from PyPI when missing."""
     python = venv / "bin" / "python"
-    probe = [str(python), "-c", "import sglang_router"]
-    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
-        return python
-    print(f"# installing sglang-router=={SGLANG_ROUTER_VERSION} into {venv}", flush=True)
+    found = _installed_version(python, peer)
+    if found is not None:
+        return found
+    print(f"# installing {peer.name}=={peer.version} into {venv}", flush=True)
+    venv.parent.mkdir(parents=True, exist_ok=True)
     made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
     if made.returncode != 0:
         raise SetupError(
             f"could not create a virtualenv at {venv} (Debian: apt-get install python3-venv):\n{made.stderr}"
         )
     pip = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", f"sglang-router=={SGLANG_ROUTER_VERSION}"],
-        capture_output=True,
-        text=True,
+        [str(python), "-m", "pip", "install", "-q", f"{peer.name}=={peer.version}"], capture_output=True, text=True
     )
-    if pip.returncode != 0 or subprocess.run(probe, capture_output=True).returncode != 0:
+    found = _installed_version(python, peer)
+    if pip.returncode != 0 or found is None:
         raise SetupError(
-            f"pip install sglang-router=={SGLANG_ROUTER_VERSION} failed (is PyPI reachable?); "
-            f"install it by hand into {venv}, or pass --sglang-venv:\n{pip.stderr[-2000:]}"
+            f"pip install {peer.name}=={peer.version} failed (is PyPI reachable?); "
+            f"install it by hand into {venv}, or pass {peer.venv_flag}:\n{pip.stderr[-2000:]}"
         )
-    return python
+    return found
 
 
-# ----------------------------------------------------------------------------- the three targets
+def peer_argv(peer: Peer, venv: Path, *, upstream: str, port: int, metrics_port: int, policy: str) -> list[str]:
+    common = [
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--worker-urls",
+        upstream,
+        "--policy",
+        policy,
+        "--prometheus-host",
+        "127.0.0.1",
+        "--prometheus-port",
+        str(metrics_port),
+        "--log-level",
+        "warn",
+    ]
+    if peer.name == "sglang-router":
+        return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
+    # smg would otherwise try to load a tokenizer for the model the upstream names (bench/fixed-answer),
+    # from the Hugging Face hub; /generate with text needs none.
+    return [str(venv / "bin" / "smg"), "launch", *common, "--disable-tokenizer-autoload"]
+
+
+def machine_line() -> str:
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        usable = os.cpu_count() or 1
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
+                model = value.strip()
+                break
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    return (
+        f"# machine: {usable} usable cores (os.sched_getaffinity; os.cpu_count {os.cpu_count()}); {model}; "
+        f"{platform.system()} {platform.machine()}; load average at start {load}"
+    )
+
+
+# ----------------------------------------------------------------------------- the targets
 
 
 def _nginx_string(text: str) -> str:
@@ -206,25 +296,50 @@ http {{
 class Target:
     name: str
     url: str
-    proc: ManagedProcess | None = None
+    port: int
+    proc: ManagedProcess
+    kind: str  # "upstream", "peer" or "omni"
+    listeners: int = 1  # sockets listening on the port once every process is up
+    default: bool = False  # omni-router at its default process count
 
 
-def _wait_generate(url: str, proc: ManagedProcess, timeout: float = 60.0) -> None:
-    """Until ``POST /generate`` answers 200 through this target (its worker is registered and healthy)."""
+def _listening_sockets(port: int) -> int | None:
+    """How many sockets listen on 127.0.0.1:``port`` (several with SO_REUSEPORT); None where /proc cannot tell."""
+    try:
+        lines = Path("/proc/net/tcp").read_text().splitlines()[1:]
+    except OSError:
+        return None
+    count = 0
+    for line in lines:
+        fields = line.split()
+        if len(fields) > 3 and fields[3] == "0A" and int(fields[1].rpartition(":")[2], 16) == port:
+            count += 1
+    return count
+
+
+def _wait_ready(t: Target, timeout: float = 60.0) -> None:
+    """Until every process of ``t`` listens and ``POST /generate`` answers 200 through it, on fresh connections."""
     deadline = time.monotonic() + timeout
-    last = ""
+    last, streak = "", 0
     while time.monotonic() < deadline:
-        if not proc.alive:
-            raise RuntimeError(f"{proc.name} exited before it served /generate:\n{proc.log_text()}")
+        if not t.proc.alive:
+            raise RuntimeError(f"{t.proc.name} exited before it served /generate:\n{t.proc.log_text()}")
+        listening = _listening_sockets(t.port)
         try:
-            status, body = http_json("POST", url + "/generate", json.loads(REQUEST_BODY), timeout=2.0)
-            if status == 200:
-                return
+            status, body = http_json("POST", t.url + "/generate", json.loads(REQUEST_BODY), timeout=2.0)
             last = f"{status} {body}"
         except OSError as exc:
-            last = repr(exc)
-        time.sleep(0.2)
-    raise TimeoutError(f"{proc.name}: /generate not served within {timeout}s (last: {last}):\n{proc.log_text()}")
+            status, last = 0, repr(exc)
+        streak = streak + 1 if status == 200 else 0
+        # Each call opens a new connection, which SO_REUSEPORT hands to one of the listening processes.
+        if streak >= 4 * t.listeners and (listening is None or listening >= t.listeners):
+            return
+        if status != 200:
+            time.sleep(0.2)
+    raise TimeoutError(
+        f"{t.proc.name}: /generate not served by {t.listeners} listener(s) within {timeout}s "
+        f"(listening: {_listening_sockets(t.port)}; last: {last}):\n{t.proc.log_text()}"
+    )
 
 
 def omni_argv(args: argparse.Namespace, upstream: str, port: int, state_dir: Path) -> list[str]:
@@ -243,65 +358,58 @@ def omni_argv(args: argparse.Namespace, upstream: str, port: int, state_dir: Pat
     ]
 
 
+def omni_name(value: str, count: int) -> str:
+    shape = "1 process" if count == 1 else f"{count} data planes"
+    return f"omni-router (auto = {shape})" if value == "auto" else f"omni-router ({shape})"
+
+
 @contextlib.contextmanager
-def targets(args: argparse.Namespace, nginx: str, sglang_python: Path) -> Iterator[list[Target]]:
+def targets(args: argparse.Namespace, nginx: str, peers: dict[str, tuple[Path, str]]) -> Iterator[list[Target]]:
     started: list[ManagedProcess] = []
     with tempfile.TemporaryDirectory(prefix="omni-bench-peer-") as tmp:
         root = Path(tmp)
+
+        def start(
+            name: str, argv: list[str], port: int, kind: str, listeners: int = 1, default: bool = False
+        ) -> Target:
+            proc = ManagedProcess("bench-" + re.sub(r"[^a-z0-9.]+", "-", name.lower()).strip("-"), argv).start()
+            started.append(proc)
+            return Target(name, f"http://127.0.0.1:{port}", port, proc, kind, listeners, default)
+
         try:
             up_port = free_port()
             (root / "nginx.conf").write_text(nginx_config(root, up_port))
-            upstream = ManagedProcess("bench-nginx", [nginx, "-c", str(root / "nginx.conf"), "-p", str(root)]).start()
-            started.append(upstream)
-            up = Target("upstream", f"http://127.0.0.1:{up_port}", upstream)
-            _wait_generate(up.url, upstream)
-
-            rust_port, metrics_port = free_port(), free_port()
-            rust = ManagedProcess(
-                "bench-sglang-router",
-                [
-                    str(sglang_python),
-                    "-m",
-                    "sglang_router.launch_router",
-                    "--host",
-                    "127.0.0.1",
-                    "--port",
-                    str(rust_port),
-                    "--worker-urls",
-                    up.url,
-                    "--policy",
-                    args.rust_policy,
-                    "--prometheus-host",
-                    "127.0.0.1",
-                    "--prometheus-port",
-                    str(metrics_port),
-                    "--log-level",
-                    "warn",
-                ],
-            ).start()
-            started.append(rust)
-            rs = Target("rust", f"http://127.0.0.1:{rust_port}", rust)
-
-            omni_port = free_port()
-            omni = ManagedProcess(
-                "bench-omni-router", [cli("omni-router"), *omni_argv(args, up.url, omni_port, root / "omni-state")]
-            ).start()
-            started.append(omni)
-            om = Target("omni", f"http://127.0.0.1:{omni_port}", omni)
-            found = [up, rs, om]
+            up = start(
+                "nginx upstream, direct", [nginx, "-c", str(root / "nginx.conf"), "-p", str(root)], up_port, "upstream"
+            )
+            _wait_ready(up)
+            found = [up]
+            for key, (venv, version) in peers.items():
+                port = free_port()
+                argv = peer_argv(
+                    PEERS[key], venv, upstream=up.url, port=port, metrics_port=free_port(), policy=args.rust_policy
+                )
+                found.append(start(f"{key} {version}", argv, port, "peer"))
+            for i, value in enumerate(args.omni_processes):
+                count, port = data_plane_count(value), free_port()
+                argv = [
+                    cli("omni-router"),
+                    *omni_argv(args, up.url, port, root / f"omni-state-{i}"),
+                    "--data-plane-processes",
+                    value,
+                ]
+                found.append(
+                    start(omni_name(value, count), argv, port, "omni", listeners=count, default=value == "auto")
+                )
             if args.omni_baseline is not None:
-                # Another checkout's router (e.g. the commit before a change), run from its own source tree.
-                base_port = free_port()
+                # Another checkout's router (e.g. the commit before a change), run from its own source tree
+                # at its own default process count (listeners: at least one).
+                port = free_port()
                 launcher = f"import sys; sys.path.insert(0, {str(args.omni_baseline)!r}); from router.gateway.cli import main; sys.exit(main())"
-                base = ManagedProcess(
-                    "bench-omni-baseline",
-                    [sys.executable, "-c", launcher, *omni_argv(args, up.url, base_port, root / "baseline-state")],
-                ).start()
-                started.append(base)
-                found.append(Target("omni-base", f"http://127.0.0.1:{base_port}", base))
+                argv = [sys.executable, "-c", launcher, *omni_argv(args, up.url, port, root / "baseline-state")]
+                found.append(start("omni-router baseline", argv, port, "omni"))
             for t in found[1:]:
-                assert t.proc is not None
-                _wait_generate(t.url, t.proc)
+                _wait_ready(t)
             yield found
         finally:
             for proc in reversed(started):
@@ -342,6 +450,41 @@ def run_wrk(wrk: str, lua: Path, url: str, *, seconds: float, concurrency: int, 
     return Sample(r["requests"] / (r["duration_us"] / 1e6), r["p50_us"] / 1000.0, r["p99_us"] / 1000.0)
 
 
+def print_summary(tgts: list[Target], med: dict[str, Sample], *, rounds: int, conc: int) -> None:
+    print(f"\nmedians over {rounds} rounds, concurrency {conc}:\n")
+    print(f"| concurrency {conc} | req/s | p50 | p99 |")
+    print("|---|---|---|---|")
+    for t in tgts:
+        s = med[t.name]
+        print(f"| {t.name} | {s.rps:,.0f} | {s.p50_ms:.3f} ms | {s.p99_ms:.2f} ms |")
+    peers = [t for t in tgts if t.kind == "peer"]
+    if not peers:
+        return
+    fast = max(peers, key=lambda t: med[t.name].rps)
+    rs = med[fast.name]
+    print(f"\nomni-router ÷ the faster Rust peer ({fast.name}, {rs.rps:,.0f} req/s), concurrency {conc}:\n")
+    print("| ratio | throughput | p50 | p99 |")
+    print("|---|---|---|---|")
+    for t in tgts:
+        if t.kind != "omni":
+            continue
+        om = med[t.name]
+        label = f"**{t.name} ÷ {fast.name}** (default)" if t.default else f"{t.name} ÷ {fast.name}"
+        print(
+            f"| {label} | {om.rps / rs.rps:.2f}× | {om.p50_ms / rs.p50_ms:.2f}× | {om.p99_ms / rs.p99_ms:.2f}× |",
+            flush=True,
+        )
+
+
+def _process_count(value: str) -> str:
+    if value != "auto":
+        try:
+            data_plane_count(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(f"expected a positive number or auto, got {value!r}") from exc
+    return value
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds (each target once per round)")
@@ -349,8 +492,24 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[16], help="open connections of the load generator")
     p.add_argument("--threads", type=int, default=2, help="wrk threads")
     p.add_argument("--warmup-s", type=float, default=2.0, help="an unmeasured load run per target first")
+    p.add_argument(
+        "--peers",
+        nargs="*",
+        choices=list(PEERS),
+        default=list(PEERS),
+        help="Rust routers to measure beside omni-router (default: both; none: omni-router and the upstream only)",
+    )
     p.add_argument("--sglang-venv", type=Path, default=DEFAULT_SGLANG_VENV, help="virtualenv holding sglang-router")
-    p.add_argument("--rust-policy", default="round_robin", help="sglang-router --policy")
+    p.add_argument("--smg-venv", type=Path, default=DEFAULT_SMG_VENV, help="virtualenv holding smg")
+    p.add_argument("--rust-policy", default="round_robin", help="--policy of the Rust routers")
+    p.add_argument(
+        "--omni-processes",
+        nargs="+",
+        type=_process_count,
+        default=["1", "auto"],
+        metavar="N|auto",
+        help="omni-router --data-plane-processes values, one target each (default: 1 auto)",
+    )
     p.add_argument(
         "--omni-baseline",
         type=Path,
@@ -360,49 +519,47 @@ def main() -> int:
     )
     p.add_argument("--omni-args", nargs=argparse.REMAINDER, default=[], help="extra omni-router flags (must come last)")
     args = p.parse_args()
+    args.peers = list(dict.fromkeys(args.peers))
+    args.omni_processes = list(dict.fromkeys(args.omni_processes))
+    print(machine_line(), flush=True)
     try:
         nginx, wrk = ensure_system_tools()
-        sglang_python = ensure_sglang_router(args.sglang_venv)
+        venvs = {"sglang-router": args.sglang_venv, "smg": args.smg_venv}
+        peers = {key: (venvs[key], ensure_peer(PEERS[key], venvs[key])) for key in args.peers}
     except SetupError as exc:
         print(f"cannot run the benchmark: {exc}", file=sys.stderr)
         return 2
-    version = subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip()
+    nginx_version = subprocess.run([nginx, "-v"], capture_output=True, text=True).stderr.strip()
+    wrk_version = subprocess.run([wrk, "-v"], capture_output=True, text=True).stdout.split(" [")[0].strip()
+    peer_versions = "".join(f"; {key} {version}" for key, (_, version) in peers.items())
     print(
-        f"# cpus: {os.cpu_count()}; python {sys.version.split()[0]}; {version}; sglang-router {SGLANG_ROUTER_VERSION}; "
+        f"# python {sys.version.split()[0]}; {nginx_version}; {wrk_version}{peer_versions}; "
         f"wrk -t{args.threads}; {args.rounds} rounds x {args.seconds:g}s"
     )
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(LUA_SCRIPT)
         lua = Path(f.name)
     try:
-        with targets(args, nginx, sglang_python) as tgts:
+        with targets(args, nginx, peers) as tgts:
+            width = max(len(t.name) for t in tgts)
             for conc in args.concurrency:
                 samples: dict[str, list[Sample]] = {t.name: [] for t in tgts}
                 for t in tgts:
                     run_wrk(wrk, lua, t.url, seconds=args.warmup_s, concurrency=conc, threads=args.threads)
                 print(f"\n## concurrency {conc}")
-                print(f"{'round':>5} {'target':<9} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
+                print(f"{'round':>5} {'target':<{width}} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
                 for rnd in range(1, args.rounds + 1):
                     # Rotate the order so no target always runs right after the same one.
                     order = tgts[rnd % len(tgts) :] + tgts[: rnd % len(tgts)]
                     for t in order:
                         s = run_wrk(wrk, lua, t.url, seconds=args.seconds, concurrency=conc, threads=args.threads)
                         samples[t.name].append(s)
-                        print(f"{rnd:>5} {t.name:<9} {s.rps:>9.0f} {s.p50_ms:>8.3f} {s.p99_ms:>8.3f}", flush=True)
+                        print(f"{rnd:>5} {t.name:<{width}} {s.rps:>9.0f} {s.p50_ms:>8.3f} {s.p99_ms:>8.3f}", flush=True)
                 med = {
                     name: Sample(*(statistics.median(getattr(s, f) for s in xs) for f in ("rps", "p50_ms", "p99_ms")))
                     for name, xs in samples.items()
                 }
-                print(f"\nmedians over {args.rounds} rounds, concurrency {conc}:")
-                for name, s in med.items():
-                    print(f"  {name:<9} {s.rps:>9.0f} req/s   p50 {s.p50_ms:.3f} ms   p99 {s.p99_ms:.3f} ms")
-                rs = med["rust"]
-                for name in [n for n in med if n.startswith("omni")]:
-                    om = med[name]
-                    print(
-                        f"  {name} ÷ rust: throughput {om.rps / rs.rps:.2f}x   p50 {om.p50_ms / rs.p50_ms:.2f}x   "
-                        f"p99 {om.p99_ms / rs.p99_ms:.2f}x"
-                    )
+                print_summary(tgts, med, rounds=args.rounds, conc=conc)
     finally:
         lua.unlink(missing_ok=True)
     return 0
