@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -30,8 +29,7 @@ from router.contract.fleet import (
     WorkerUrlQuery,
 )
 from router.contract.generate import GenerateRequest, GenerateResponse
-from router.contract.web.auth import auth_middleware
-from router.contract.web.middleware import Handler, error_middleware
+from router.contract.web.auth import access_check
 from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
@@ -47,6 +45,7 @@ from router.gateway.admin.weight_transfer import WeightTransfer
 from router.gateway.config import RouterConfig
 from router.gateway.discovery.k8s import KubernetesPods
 from router.gateway.discovery.reconcile import DiscoveredFleet
+from router.gateway.edge import edge_middleware
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
@@ -144,26 +143,6 @@ def routes() -> list[Route]:
         ),
         *admin.routes(),
     ]
-
-
-@web.middleware
-async def metrics_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
-    start = time.perf_counter()
-    status = 500
-    try:
-        response = await handler(request)
-        status = response.status
-        return response
-    except web.HTTPException as exc:
-        status = exc.status
-        raise
-    except asyncio.CancelledError:
-        status = 499  # the caller went away
-        raise
-    finally:
-        info = request.match_info.route.resource
-        route = info.canonical if info is not None else "unmatched"
-        request.app[keys.METRICS].observe_request(route, request.method, status, time.perf_counter() - start)
 
 
 def service_headers(config: RouterConfig) -> dict[str, str]:
@@ -290,19 +269,15 @@ def create_app(config: RouterConfig) -> web.Application:
     table = routes()
     table.append(openapi_route("omni-router", __version__, table, description=API_DESCRIPTION))
 
-    middlewares = [
-        metrics_middleware,
-        error_middleware,
-        auth_middleware(
-            admin_key=config.admin_api_key,
-            api_key=config.api_key,
-            open_paths=paths_with_access(table, "open"),
-            generation_paths=paths_with_access(table, "generation"),
-        ),
-    ]
-    if leader is not None:  # a standby answers before the key is checked: nothing runs there either way
-        middlewares.insert(1, leader.gate.middleware)
-    app = web.Application(middlewares=middlewares, client_max_size=MAX_BODY_BYTES)
+    check = access_check(
+        admin_key=config.admin_api_key,
+        api_key=config.api_key,
+        open_paths=paths_with_access(table, "open"),
+        generation_paths=paths_with_access(table, "generation"),
+    )
+    # A standby's gate answers before the key is checked: nothing runs there either way.
+    gate = leader.gate.answer if leader is not None else None
+    app = web.Application(middlewares=[edge_middleware(check, metrics, gate=gate)], client_max_size=MAX_BODY_BYTES)
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
     app[keys.JOURNAL] = journal

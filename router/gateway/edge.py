@@ -31,10 +31,19 @@ def route_label(request: web.Request) -> str:
     return resource.canonical if resource is not None else UNMATCHED
 
 
+#: Answers a request before the access check, or ``None`` to let it through (a standby's leader gate).
+Gate = Callable[[web.Request], web.StreamResponse | None]
+
+
 def edge_middleware(
-    check: AccessCheck, metrics: RouterMetrics, *, counted: Callable[[web.Request], bool] | None = None
+    check: AccessCheck,
+    metrics: RouterMetrics,
+    *,
+    counted: Callable[[web.Request], bool] | None = None,
+    gate: Gate | None = None,
 ) -> Middleware:
-    """The fused middleware; ``counted`` says which requests this process's metrics count (all by default)."""
+    """The fused middleware; ``counted`` says which requests this process's metrics count (all by
+    default); ``gate`` may answer first (:meth:`~router.gateway.leader.gate.LeaderGate.answer`)."""
 
     @web.middleware
     async def edge(request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -42,8 +51,12 @@ def edge_middleware(
         status = 500
         try:
             try:
-                check(request)
-                response = await handler(request)
+                gated = gate(request) if gate is not None else None
+                if gated is not None:
+                    response = gated
+                else:
+                    check(request)
+                    response = await handler(request)
             except asyncio.CancelledError:
                 status = 499  # the caller went away
                 raise

@@ -29,7 +29,7 @@ from typing import Protocol
 from aiohttp import web
 
 from router.contract.fleet import ROUTER_ROLE_HEADER, STANDBY_ROLE, LeaderRole, LeaderView
-from router.contract.web.middleware import Handler, json_error
+from router.contract.web.middleware import json_error
 
 #: Routes a closed gate still lets through (monitoring and the probes that must see a standby as it is).
 ANSWERED_BY_A_STANDBY = frozenset({"/liveness", "/health", "/leader", "/metrics"})
@@ -47,7 +47,7 @@ class LeaseView(Protocol):
 
 
 class LeaderGate:
-    """Closed (standby, taking over, stepped down) or open (leader); the middleware answers for it closed."""
+    """Closed (standby, taking over, stepped down) or open (leader); :meth:`answer` is what it says closed."""
 
     def __init__(self, lease: LeaseView):
         self._lease = lease
@@ -84,10 +84,11 @@ class LeaderGate:
         holder = self._lease.holder
         return f"this omni-router replica is a standby; the leader is {holder or '(none yet: the lease is free)'}"
 
-    @web.middleware
-    async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+    def answer(self, request: web.Request) -> web.Response | None:
+        """What a closed gate answers for ``request``; ``None`` lets it through (the gate is open, or the
+        route is one a standby serves). Run before the access check: nothing runs on a standby either way."""
         if request.path in ANSWERED_BY_A_STANDBY or self.is_open:
-            return await handler(request)
+            return None
         if request.path == "/readiness":
             return web.json_response({"status": "not_ready", "reason": self.why_closed()}, status=503)
         headers = {"Retry-After": str(self.retry_after_s()), ROUTER_ROLE_HEADER: STANDBY_ROLE}
