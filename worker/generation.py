@@ -3,17 +3,42 @@
 The scheduler thread owns the :class:`~worker.engine.request.Request`; the
 HTTP handler owns a :class:`GenerationHandle`, which only ever reads the events
 the scheduler posts, so no state is shared between the two threads.
+
+Weight-version spans (SGLang v0.5.23's ``meta_info.weight_versions``): each
+event names, per token, the version of the weights that sampled it; the handle
+folds them into ordered spans ``{version, start, end}`` over output indices,
+``end`` exclusive, adjacent, covering ``[0, len(output_ids))`` exactly, a new
+span wherever the version changes. An empty output has one span
+``{current, 0, 0}``. ``weight_version`` is the last span's version.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from worker.engine.request import FinishReason, OutputChannel, Request, RequestEvent
 from worker.engine.sampling import trim_stop_string
+
+#: Orders output arrivals across handles (event-loop side only), so an answer over several requests
+#: can name the version that produced its newest token.
+_ARRIVALS = itertools.count(1)
+
+
+@dataclass(slots=True)
+class VersionSpan:
+    """Output tokens ``[start, end)`` of one request, all sampled by weights of ``version``."""
+
+    version: str
+    start: int
+    end: int
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"version": self.version, "start": self.start, "end": self.end}
 
 
 class GenerationHandle:
@@ -30,6 +55,9 @@ class GenerationHandle:
         self.top_logprobs: list[list[tuple[float, int]]] = []
         self.finish_reason: FinishReason | None = None
         self.retractions = 0
+        self.version_spans: list[VersionSpan] = []
+        self.last_arrival = 0
+        """When this request last received tokens, on :data:`_ARRIVALS`' scale (0: none yet)."""
         self.created = time.monotonic()
         self.finished_at: float | None = None
         # Set once the HTTP handler has produced this request's final response.
@@ -61,6 +89,15 @@ class GenerationHandle:
             got = True
 
     def _apply(self, event: RequestEvent) -> None:
+        spans, index = self.version_spans, len(self.output_ids)
+        for version in event.new_weight_versions:
+            if spans and spans[-1].version == version:
+                spans[-1].end = index + 1
+            else:
+                spans.append(VersionSpan(version, index, index + 1))
+            index += 1
+        if event.new_ids:
+            self.last_arrival = next(_ARRIVALS)
         self.output_ids.extend(event.new_ids)
         self.logprobs.extend(event.new_logprobs)
         self.top_logprobs.extend(event.new_top_logprobs)
@@ -69,16 +106,40 @@ class GenerationHandle:
             self.finish_reason = event.finish_reason
             self.finished_at = time.monotonic()
 
+    def weight_versions(self, current: str) -> list[dict[str, Any]]:
+        """The spans of the output so far; ``current`` (the served version) names the one empty span of an
+        empty output."""
+        if not self.version_spans:
+            return [VersionSpan(current, 0, 0).to_wire()]
+        return [span.to_wire() for span in self.version_spans]
+
+    def weight_version(self, current: str) -> str:
+        """The version that sampled the last token (SGLang's ``weight_version``); ``current`` when none was."""
+        return self.version_spans[-1].version if self.version_spans else current
+
+    @property
+    def first_token_weight_version(self) -> str | None:
+        """The version that sampled the first token, None before there is one. Not the version at admission:
+        a request that waits in the queue can see a whole update before its first token."""
+        return self.version_spans[0].version if self.version_spans else None
+
+    def version_fields(self, current: str) -> dict[str, Any]:
+        """``weight_version``, ``weight_versions`` and ``first_token_weight_version`` of the output so far."""
+        return {
+            "weight_version": self.weight_version(current),
+            "weight_versions": self.weight_versions(current),
+            "first_token_weight_version": self.first_token_weight_version,
+        }
+
     def build(
         self, decode: Callable[[list[int]], str], weight_version: str, index: int | None = None
     ) -> dict[str, Any]:
         """The SGLang-shaped ``{"text", "output_ids", "meta_info"}`` for what was received so far.
 
-        ``weight_version`` is read when the response is built (SGLang v0.5.9
-        semantics): one string, not a per-token history. Input-token logprobs
-        are not computed (the engine only keeps last-position logits), so
-        ``input_token_logprobs`` is an empty list, the shape SGLang returns for
-        ``logprob_start_len=-1``.
+        ``weight_version`` is the served version now; the answer reports the versions that sampled its
+        tokens (see the module docstring) and falls back to it only for an empty output. Input-token
+        logprobs are not computed (the engine only keeps last-position logits), so
+        ``input_token_logprobs`` is an empty list, the shape SGLang returns for ``logprob_start_len=-1``.
         """
         text = trim_stop_string(decode(self.output_ids), self.finish_reason, self.params.no_stop_trim)
         meta: dict[str, Any] = {
@@ -87,7 +148,7 @@ class GenerationHandle:
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.output_ids),
             "cached_tokens": 0,
-            "weight_version": weight_version,
+            **self.version_fields(weight_version),
             "total_retractions": self.retractions,
             "e2e_latency": (self.finished_at or time.monotonic()) - self.created,
         }

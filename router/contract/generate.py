@@ -186,6 +186,14 @@ class FinishReason(WireResponse):
     message: str | None = None
 
 
+class WeightVersionSpan(WireResponse):
+    """Output tokens ``[start, end)`` sampled by the weights of ``version`` (SGLang v0.5.23)."""
+
+    version: str
+    start: int
+    end: int
+
+
 class GenerateMetaInfo(WireResponse):
     """``meta_info`` of one prompt's response (SGLang field names)."""
 
@@ -195,6 +203,11 @@ class GenerateMetaInfo(WireResponse):
     completion_tokens: int
     cached_tokens: int = 0
     weight_version: str
+    """The version that sampled the last output token (the served version for an empty output)."""
+    weight_versions: list[WeightVersionSpan] | None = None
+    """Ordered, adjacent spans covering every output token; one ``{version, 0, 0}`` for an empty output."""
+    first_token_weight_version: str | None = None
+    """The version that sampled the first output token; null before there is one."""
     total_retractions: int = 0
     e2e_latency: float | None = None
     output_token_logprobs: list[list[Any]] | None = None

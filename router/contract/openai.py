@@ -27,7 +27,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from router.contract.base import MAX_ITEMS, Label, Text, WireRequest, WireResponse
-from router.contract.generate import Seed
+from router.contract.generate import Seed, WeightVersionSpan
 
 #: The most top log-probabilities one position may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
@@ -293,6 +293,9 @@ class CompletionChoice(WireResponse):
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
+    #: The weights that sampled each span of this choice's tokens, and its first token's (omni-worker).
+    weight_versions: list[WeightVersionSpan] | None = None
+    first_token_weight_version: str | None = None
 
 
 class ResponseMetadata(WireResponse):
@@ -340,6 +343,9 @@ class ChatChoice(WireResponse):
     finish_reason: FinishReasonName | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
+    #: The weights that sampled each span of this choice's tokens, and its first token's (omni-worker).
+    weight_versions: list[WeightVersionSpan] | None = None
+    first_token_weight_version: str | None = None
 
 
 class ChatCompletionResponse(WireResponse):

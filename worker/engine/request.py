@@ -3,6 +3,8 @@
 A :class:`Request` is owned by the scheduler thread from submission to finish.
 The HTTP side only sees :class:`RequestEvent` objects arriving on the request's
 :class:`OutputChannel`: token deltas while streaming, then one final event.
+Every token travels with the ``weight_version`` of the step that sampled it,
+recorded on the scheduler thread, which alone changes the weights (between steps).
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class RequestEvent:
     new_top_logprobs: list[list[tuple[float, int]]]
     finish_reason: FinishReason | None
     retractions: int
+    new_weight_versions: list[str]
+    """The ``weight_version`` of the weights that sampled each of ``new_ids`` (one per token)."""
 
 
 class OutputChannel:
@@ -144,6 +148,9 @@ class Request:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     output_top_logprobs: list[list[tuple[float, int]]] = field(default_factory=list)
+    output_weight_versions: list[str] = field(default_factory=list)
+    """Per output token, the ``weight_version`` of the forward step that sampled it. A token keeps it
+    through later updates, also when a retraction recomputes its KV with newer weights."""
     state: ReqState = ReqState.WAITING
     kv: KVCache | None = None
     finish_reason: FinishReason | None = None
@@ -167,8 +174,12 @@ class Request:
     def drop_kv(self) -> None:
         self.kv = None
 
-    def append(self, token: int, logprob: float | None, top: list[tuple[float, int]] | None) -> None:
+    def append(
+        self, token: int, logprob: float | None, top: list[tuple[float, int]] | None, weight_version: str
+    ) -> None:
+        """Record a sampled token and the version of the weights whose forward step sampled it."""
         self.output_ids.append(token)
+        self.output_weight_versions.append(weight_version)
         if self.params.return_logprob:
             self.output_logprobs.append(float(logprob) if logprob is not None else 0.0)
             if self.params.top_logprobs_num:
@@ -189,5 +200,6 @@ class Request:
                 new_top_logprobs=self.output_top_logprobs[start:] if self.params.top_logprobs_num else [],
                 finish_reason=self.finish_reason if final else None,
                 retractions=self.retractions,
+                new_weight_versions=self.output_weight_versions[start:],
             )
         )

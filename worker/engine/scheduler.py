@@ -323,6 +323,9 @@ class Scheduler:
         if not self._running:
             return
         batch = list(self._running)
+        # Weights and their version change only between steps, on this thread: this step's tokens are all
+        # sampled by the weights of this version (in-place frozen requests resume on newer weights here).
+        version = self.worker.weight_version
         started = time.perf_counter()
         try:
             logits = self.worker.forward_batch([SeqInput(r.pending_tokens(), r.kv) for r in batch])  # type: ignore[arg-type]
@@ -334,7 +337,7 @@ class Scheduler:
             return
         worker = self.worker
         for req, (token, logprob, top) in zip(batch, picks, strict=True):
-            req.append(token, logprob, top)
+            req.append(token, logprob, top, version)
             reason = check_finish(req, token, worker.eos_token_ids, worker.decode, worker.context_len)
             if reason is not None:
                 self._finish(req, reason)

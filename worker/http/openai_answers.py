@@ -6,6 +6,12 @@ as its requests progress; the routes in :mod:`worker.http.openai_routes` and
 :mod:`worker.http.tokens_routes` submit the requests and send what is built here. A ``tokens``
 call answers vLLM's ``GenerateResponse`` (``request_id``, ``choices[].token_ids``, logprobs as
 ``token_id:<id>`` entries) and streams its ``GenerateStreamResponse`` chunks.
+
+Weight versions: each choice carries its own ``weight_versions`` spans and
+``first_token_weight_version`` (a choice is one engine request, see
+:mod:`worker.generation`); the answer's ``weight_version`` (top level and
+``metadata``, a flat string map as OpenAI's schema wants) is the version that
+sampled the call's newest token, or the served one before any token.
 """
 
 from __future__ import annotations
@@ -180,19 +186,37 @@ def usage(call: Call) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
+def _weight_version(call: Call, worker: ModelWorker) -> str:
+    """The version that sampled the call's newest token; the served version before the first."""
+    handles = [c.handle for c in call.choices if c.handle is not None and c.handle.last_arrival]
+    if not handles:
+        return worker.weight_version
+    return max(handles, key=lambda h: h.last_arrival).weight_version(worker.weight_version)
+
+
+def _choice_versions(worker: ModelWorker, choice: Choice) -> dict[str, Any]:
+    """A choice's ``weight_versions`` spans (so far) and ``first_token_weight_version``."""
+    h = choice.handle
+    assert h is not None
+    return {
+        "weight_versions": h.weight_versions(worker.weight_version),
+        "first_token_weight_version": h.first_token_weight_version,
+    }
+
+
 def envelope(call: Call, worker: ModelWorker, chunk: bool) -> dict[str, Any]:
     if call.kind == "tokens":
         head: dict[str, Any] = {"request_id": call.id}
         if not chunk:
             head.update(model=call.model, created=call.created)
-        head["weight_version"] = worker.weight_version
+        head["weight_version"] = _weight_version(call, worker)
         return head
     objects = {
         "completion": ("text_completion", "text_completion"),
         "chat": ("chat.completion", "chat.completion.chunk"),
     }
     obj = objects[call.kind][chunk]
-    version = worker.weight_version
+    version = _weight_version(call, worker)
     return {
         "id": call.id,
         "object": obj,
@@ -218,6 +242,7 @@ def _tokens_body(call: Call, worker: ModelWorker) -> dict[str, Any]:
                 "token_ids": list(h.output_ids),
                 "routed_experts": None,
                 "sampling_mask": None,
+                **_choice_versions(worker, choice),
             }
         )
     out = envelope(call, worker, chunk=False)
@@ -256,6 +281,7 @@ def response_body(call: Call, worker: ModelWorker) -> dict[str, Any]:
             item["token_ids"] = list(h.output_ids)
             if call.kind == "completion":
                 item["prompt_token_ids"] = call.prompts[choice.prompt_index]
+        item.update(_choice_versions(worker, choice))
         choices.append(item)
     out = envelope(call, worker, chunk=False)
     out["choices"] = choices
@@ -310,6 +336,7 @@ def delta(call: Call, worker: ModelWorker, choice: Choice) -> dict[str, Any] | N
         choice.closed = True
     if call.return_token_ids:
         item["token_ids"] = h.output_ids[start:end]
+    item.update(_choice_versions(worker, choice))
     return item
 
 
@@ -330,6 +357,7 @@ def _tokens_delta(call: Call, worker: ModelWorker, choice: Choice) -> dict[str, 
         "token_ids": h.output_ids[start:end],
         "routed_experts": None,
         "sampling_mask": None,
+        **_choice_versions(worker, choice),
     }
 
 
