@@ -129,12 +129,17 @@ def start_router(
 
 @contextmanager
 def running_fleet(
-    model_dir: Path, n: int, *, worker_args: Sequence[str] = (), admin_key: str | None = None
+    model_dir: Path,
+    n: int,
+    *,
+    worker_args: Sequence[str] = (),
+    admin_key: str | None = None,
+    router_args: Sequence[str] = (),
 ) -> Iterator[tuple[list[str], str]]:
     """``n`` workers behind one router: ``(worker urls, router url)``; all stopped on exit."""
     procs = start_workers(model_dir, n, extra_args=worker_args)
     try:
-        router, router_url = start_router([url for _, url in procs], admin_key=admin_key)
+        router, router_url = start_router([url for _, url in procs], admin_key=admin_key, extra_args=router_args)
         try:
             yield [url for _, url in procs], router_url
         finally:

@@ -37,7 +37,7 @@ from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
-from router.gateway.routing.proxy import prepare_payload, prepare_tokens_payload
+from router.gateway.routing.prepare import prepare_payload, prepare_tokens_payload
 from router.gateway.upstream import decode_answer
 
 

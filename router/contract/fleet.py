@@ -52,6 +52,15 @@ class WorkerRecord(WireResponse):
     instance_id: str | None = None
     pending: str | None = None
     """Why the worker takes no generation traffic although healthy: it does not hold the fleet's weights."""
+    fleet_sequence: int | None = None
+    """The fleet version (sequence number) the router recorded this worker on; ``None``: weights it never
+    recorded (restarted, joined since, changed behind the router); 0 before the first weight change."""
+    staleness: int | None = None
+    """How many fleet versions behind the current one it is (0: current)."""
+    paused: bool = False
+    """Its generation is paused by the router's last pause broadcast (requests to it wait until it continues)."""
+    asleep: bool = False
+    """Its memory is released by the router's last sleep or release broadcast."""
     source: WorkerSource = "static"
     """How it was registered: ``--worker-urls`` (static), ``POST /workers`` (api) or service discovery."""
     pod: str | None = None
@@ -62,6 +71,40 @@ class WorkerRecord(WireResponse):
 
 class WorkerList(WireResponse):
     workers: list[WorkerRecord]
+
+
+class FleetVersionEntry(WireResponse):
+    """One weight version the fleet moved to, as the router recorded it after a successful weight change."""
+
+    sequence: int
+    """One above the previous entry's: staleness counts these, never labels (which may repeat or be absent)."""
+    weight_version: str | None = None
+    changed_at: float = 0.0
+    checksum: str | None = None
+    """The checksum of the weights as applied, when every worker that took them reported the same one."""
+
+
+class WorkerVersionStanding(WireResponse):
+    """Which recorded version one worker holds, as the router verified it (same process, same label)."""
+
+    weight_version: str | None = None
+    fleet_sequence: int | None = None
+    """``None``: weights the router never recorded (the worker is eligible under no version policy)."""
+    staleness: int | None = None
+    paused: bool = False
+    asleep: bool = False
+
+
+class FleetVersions(WireResponse):
+    """``GET /fleet/versions``: the fleet's recorded versions (oldest first, bounded) and who holds which."""
+
+    sequence: int
+    """The current entry's sequence (0 before the first weight change: every worker's boot weights count)."""
+    weight_version: str | None = None
+    version_policy: str
+    """The router's default policy (``--version-policy``); a request may ask for another (``X-Version-Policy``)."""
+    history: list[FleetVersionEntry] = Field(default_factory=list)
+    workers: dict[str, WorkerVersionStanding] = Field(default_factory=dict)
 
 
 class RemovedWorker(WireResponse):

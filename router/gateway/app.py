@@ -51,7 +51,7 @@ from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
 from router.gateway.leader.takeover import Leadership
 from router.gateway.metrics import RouterMetrics
-from router.gateway.routes import admin, fleet, openai, tokens
+from router.gateway.routes import admin, fleet, openai, rl, tokens, versions
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.state.durable import DurableState
@@ -79,6 +79,7 @@ def routes() -> list[Route]:
         Route("PUT", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
         *openai.routes(),
         *tokens.routes(),
+        *versions.routes(),
         Route("GET", "/health", fleet.health, "The router process serves", access="open"),
         Route("GET", "/liveness", fleet.liveness, "The router process serves", access="open"),
         Route("GET", "/readiness", fleet.readiness, "At least one worker takes generation traffic", access="open"),
@@ -142,6 +143,7 @@ def routes() -> list[Route]:
             answer=JournalResolved,
         ),
         *admin.routes(),
+        *rl.routes(),
     ]
 
 

@@ -101,6 +101,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--policy", choices=POLICY_NAMES, default=d.policy, help="how /generate picks among routable workers"
     )
+    _add_session_affinity_flags(p, d)
+    p.add_argument(
+        "--version-policy",
+        default=d.version_policy,
+        help="which recorded fleet weight versions /generate may be served from when a request sends no "
+        "X-Version-Policy: latest-only (default), max-staleness:K, min-version:V or any",
+    )
     p.add_argument(
         "--admin-lock-timeout-s",
         type=float,
@@ -231,6 +238,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _add_session_affinity_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Session affinity (docs/router.md, "Session affinity")."""
+    p.add_argument(
+        "--session-affinity",
+        action="store_true",
+        help="pin each session (X-Session-Id, else X-SMG-Routing-Key, else the caller's rid without its _t<n>/_r<n> "
+        "suffixes) to one worker by bounded-load rendezvous hashing; requests without a key follow --policy",
+    )
+    p.add_argument(
+        "--session-affinity-ttl-s",
+        type=float,
+        default=d.session_affinity_ttl_s,
+        help="seconds a session's pin outlives its last request",
+    )
+    p.add_argument(
+        "--session-affinity-load-factor",
+        type=float,
+        default=d.session_affinity_load_factor,
+        help="epsilon of the load bound: a new session goes to a worker holding fewer than ceil((1+epsilon)*mean) pins",
+    )
+    p.add_argument(
+        "--session-affinity-max-sessions",
+        type=int,
+        default=d.session_affinity_max_sessions,
+        help="pins kept at most per process; past it the least recently used is forgotten",
+    )
+
+
 def _add_high_availability_flags(p: argparse.ArgumentParser, d: RouterConfig) -> None:
     """State in the Kubernetes API and leader election (docs/router.md, "High availability on Kubernetes")."""
     p.add_argument(
@@ -288,6 +323,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         worker_api_key=args.worker_api_key or None,
         api_key=args.api_key or None,
         policy=args.policy,
+        version_policy=args.version_policy,
+        session_affinity=args.session_affinity,
+        session_affinity_ttl_s=args.session_affinity_ttl_s,
+        session_affinity_load_factor=args.session_affinity_load_factor,
+        session_affinity_max_sessions=args.session_affinity_max_sessions,
         admin_lock_timeout_s=args.admin_lock_timeout_s,
         request_timeout_s=args.request_timeout_s,
         connect_timeout_s=args.connect_timeout_s,

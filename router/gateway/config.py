@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from router.contract.budget import DEFAULT_LOCK_WAIT_S
+from router.gateway.routing.versions import parse_version_policy
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
@@ -36,6 +37,23 @@ class RouterConfig:
 
     policy: PolicyName = "least_inflight"
     """How ``/generate`` picks among routable workers."""
+
+    session_affinity: bool = False
+    """Pin each session (``X-Session-Id``, ``X-SMG-Routing-Key`` or a caller's ``rid`` lineage) to one
+    worker, so a multi-turn rollout reuses its prefix cache; requests without a key follow ``policy``."""
+
+    session_affinity_ttl_s: float = 600.0
+    """How long a pin outlives its session's last request."""
+
+    session_affinity_load_factor: float = 0.25
+    """ε of the load bound: a new session goes to a worker holding fewer than ceil((1+ε)·mean) pins."""
+
+    session_affinity_max_sessions: int = 100_000
+    """Pins kept at most; past it the least recently used is forgotten."""
+
+    version_policy: str = "latest-only"
+    """Which recorded fleet versions a generation request may be served from when it names none
+    (``X-Version-Policy``): ``latest-only``, ``max-staleness:K``, ``min-version:V`` or ``any``."""
 
     admin_lock_timeout_s: float = DEFAULT_LOCK_WAIT_S
     """How long an admin update waits for the update lock before answering 503."""
@@ -169,6 +187,13 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
+        if not self.session_affinity_ttl_s > 0:
+            raise ValueError(f"session_affinity_ttl_s must be > 0, got {self.session_affinity_ttl_s}")
+        if not self.session_affinity_load_factor >= 0:
+            raise ValueError(f"session_affinity_load_factor must be >= 0, got {self.session_affinity_load_factor}")
+        if self.session_affinity_max_sessions < 1:
+            raise ValueError(f"session_affinity_max_sessions must be >= 1, got {self.session_affinity_max_sessions}")
+        parse_version_policy(self.version_policy)
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}")
         if self.service_discovery not in DISCOVERY_NAMES:

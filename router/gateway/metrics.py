@@ -43,8 +43,24 @@ class _FleetCollector(Collector):
             labels=["worker", "weight_version"],
         )
         routable = GaugeMetricFamily("omni_router_routable_workers", "Workers that may take /generate traffic")
+        fleet = self._registry.fleet
+        fleet_sequence = GaugeMetricFamily(
+            "omni_router_fleet_sequence", "Sequence number of the fleet's current weights (0 before any change)"
+        )
+        fleet_sequence.add_metric([], fleet.latest_sequence)
+        staleness = GaugeMetricFamily(
+            "omni_router_worker_staleness",
+            "Fleet versions the worker is behind the current one (-1: weights the router never recorded)",
+            labels=["worker"],
+        )
+        paused = GaugeMetricFamily(
+            "omni_router_worker_paused", "1 while the router's last pause broadcast holds the worker", labels=["worker"]
+        )
         count = 0
         for w in self._registry:
+            sequence = fleet.verified_sequence(w.id, w)
+            staleness.add_metric([w.id], -1.0 if sequence is None else fleet.latest_sequence - sequence)
+            paused.add_metric([w.id], 1.0 if w.paused else 0.0)
             inflight.add_metric([w.id, w.url], w.inflight)
             for state in _HEALTH_STATES:
                 health.add_metric([w.id, state], 1.0 if w.health == state else 0.0)
@@ -52,7 +68,7 @@ class _FleetCollector(Collector):
             version.add_metric([w.id, w.weight_version or ""], 1.0)
             count += int(self._registry.is_routable(w))
         routable.add_metric([], count)
-        yield from (inflight, health, disabled, version, routable)
+        yield from (inflight, health, disabled, version, routable, fleet_sequence, staleness, paused)
 
 
 class _RequestStats(Collector):
@@ -99,6 +115,69 @@ class _RequestStats(Collector):
         yield latency
 
 
+class AffinityStats(Collector):
+    """Session affinity's series (``--session-affinity``), kept as plain counts like the request
+    stats: a pinned request is a hit, counted on the hot path. With data-plane processes each
+    process counts its own table and the scrape sums them (a session two processes pinned counts twice)."""
+
+    def __init__(self) -> None:
+        self.pinned = 0
+        self.hits = 0
+        self.new_pins = 0
+        self.reassignments: dict[str, int] = {}
+        self._created = time.time()
+
+    def reassigned(self, reason: str) -> None:
+        self.reassignments[reason] = self.reassignments.get(reason, 0) + 1
+
+    def collect(self) -> Iterator[Metric]:
+        yield GaugeMetricFamily("omni_router_affinity_pinned_sessions", "Sessions pinned to a worker", self.pinned)
+        hits = CounterMetricFamily("omni_router_affinity_hits", "Requests routed to their session's pinned worker")
+        hits.add_metric([], self.hits, created=self._created)
+        yield hits
+        pins = CounterMetricFamily("omni_router_affinity_new_pins", "Sessions pinned to a worker for the first time")
+        pins.add_metric([], self.new_pins, created=self._created)
+        yield pins
+        moved = CounterMetricFamily(
+            "omni_router_affinity_reassignments",
+            "Sessions moved to another worker, by reason",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.reassignments.items()):
+            moved.add_metric([reason], count, created=self._created)
+        yield moved
+
+
+class VersionPolicyStats(Collector):
+    """The weight-version policy's series, plain counts like the request stats: a worker left out of a
+    request's candidates is counted by reason, only when one is (a fleet where every worker is eligible
+    costs nothing), and a request no worker could serve under its policy by the policy's kind."""
+
+    def __init__(self) -> None:
+        self.filtered: dict[str, int] = {}
+        self.refused: dict[str, int] = {}
+        self._created = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        filtered = CounterMetricFamily(
+            "omni_router_candidates_filtered",
+            "Workers left out of a request's candidates, by reason (paused, fenced, unhealthy, pending, stale, "
+            "unversioned)",
+            labels=["reason"],
+        )
+        for reason, count in sorted(self.filtered.items()):
+            filtered.add_metric([reason], count, created=self._created)
+        yield filtered
+        refused = CounterMetricFamily(
+            "omni_router_version_policy_refusals",
+            "Requests answered 503 because no worker was eligible under their weight-version policy",
+            labels=["policy"],
+        )
+        for kind, count in sorted(self.refused.items()):
+            refused.add_metric([kind], count, created=self._created)
+        yield refused
+
+
 class RouterMetrics:
     """Every series the router exports, in one registry of its own."""
 
@@ -138,12 +217,23 @@ class RouterMetrics:
         self.client_aborts = Counter(
             "omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r
         )
+        self.affinity = AffinityStats()
+        r.register(self.affinity)
+        self._versions = VersionPolicyStats()
+        r.register(self._versions)
+        self.filtered = self._versions.filtered
+        """Reason → workers left out of candidates; the proxy adds to it in place (no call per request)."""
         if fleet_gauges:
             r.register(_FleetCollector(workers))
 
     def observe_request(self, route: str, method: str, status: int, duration_s: float) -> None:
         """One served HTTP request (the router's edge middleware, on every request)."""
         self._requests.observe(route, method, status, duration_s)
+
+    def refused_by_policy(self, kind: str) -> None:
+        """A request no worker could serve under its weight-version policy (``kind``: latest-only, ...)."""
+        refused = self._versions.refused
+        refused[kind] = refused.get(kind, 0) + 1
 
     def observe_lock_wait(self, operation: str, waited_s: float, acquired: bool) -> None:
         self.lock_wait.labels(operation, "true" if acquired else "false").observe(waited_s)

@@ -4,11 +4,15 @@ Targets are every worker that is not dead, disabled ones included (a disabled
 worker must still receive the update that makes it consistent again). The
 operation runs in the one shape of :mod:`router.gateway.admin.locked`. An
 update over a weight-update group is refused (409) when the fleet no longer
-matches the group; a group's destroy goes to its members only.
+matches the group; a group's destroy goes to its members only. A targeted call
+(:attr:`~router.gateway.admin.fanout.AdminCall.only`) locks, fences, journals and settles its
+live targets only; one that cannot target a subset (:attr:`Operation.targetable`) is refused
+(400) unless it names every live worker.
 """
 
 from __future__ import annotations
 
+from router.contract.errors import BadRequest
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.groups import group_name_of
@@ -19,7 +23,12 @@ from router.gateway.admin.operations import Operation
 async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcome:
     """Lock if serialized, fence if fenced, fan out, settle; refresh versions after a weight change."""
     async with AdminRun.open(op, ctx) as run:
-        targets = ctx.live_targets()
+        targets = ctx.live_targets(call.only)
+        if call.only is not None and not op.targetable and len(targets) != len(ctx.live_targets()):
+            raise BadRequest(
+                f"{op.path} spans every member of the fleet's weight-update group or held update; "
+                "it cannot target a subset (target update_weights_from_disk or update_weights_from_tensor instead)"
+            )
         group = group_name_of(call.request)
         if op.in_group:
             ctx.groups.check(group, targets)

@@ -40,6 +40,8 @@ class AdminCall:
     query: str = ""
     request_for: Callable[[Worker], WireRequest] | None = None
     """A per-worker request (rank assignment gives each worker its own ``rank_offset``)."""
+    only: frozenset[str] | None = None
+    """The worker ids the caller targeted (:mod:`router.gateway.admin.targets`); ``None``: the whole fleet."""
     _body: bytes | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -42,6 +42,7 @@ from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.health import WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.fleet.weights import agreed_checksum
 from router.gateway.metrics import RouterMetrics
 
 
@@ -76,8 +77,13 @@ class AdminContext:
     barrier: FenceBarrier = field(default_factory=lambda: ONE_PROCESS)
     """Every process that routes has applied a fence (the data planes' acknowledgement)."""
 
-    def live_targets(self) -> list[Worker]:
+    def live_targets(self, only: Collection[str] | None = None) -> list[Worker]:
+        """Every live worker, or those of ``only`` (a targeted call's ids) still live: 503 when there are none."""
         targets = self.registry.live()
+        if only is not None:
+            targets = [w for w in targets if w.id in only]
+            if not targets:
+                raise Unavailable(f"none of the {len(only)} targeted worker(s) is live")
         if not targets:
             raise Unavailable(f"no live workers to broadcast to ({len(self.registry)} registered, all dead)")
         return targets
@@ -87,13 +93,21 @@ class AdminContext:
         await asyncio.gather(*(self.prober.refresh_metadata(w) for w in workers))
 
     async def record_weight_change(self, targets: Sequence[Worker], results: Sequence[WorkerResult[Any]]) -> None:
-        """After a weight change: the targets that succeeded now hold the fleet's weights (read back
-        from them); every other worker is pending until an update brings it there."""
+        """After a weight change: the targets that succeeded now hold a new fleet version (read back
+        from them); targets that failed are pending until an update brings them there, and workers the
+        change did not target keep the version they held (one version staler)."""
         succeeded = {r.worker for r in results if r.success}
         done = [w for w in targets if w.id in succeeded]
         if done:
             await self.refresh_versions(done)
-            await self.registry.fleet.changed((w.id, w.weights) for w in done)
+            checksum = agreed_checksum(r.body for r in results if r.success)
+            targeted = {w.id for w in targets}
+            await self.registry.fleet.changed(
+                ((w.id, w.weights) for w in done),
+                targets=targeted,
+                checksum=checksum,
+                bystanders=((w.id, w.weights) for w in self.registry if w.id not in targeted and not w.is_dead),
+            )
 
 
 class LockHold:
@@ -194,6 +208,7 @@ class AdminRun:
         self.kept = kept
         if self.fence is not None:
             await self.fence.settle(kept, summarize([r for r in failed if r.worker in kept]))
+        self.ctx.registry.observe_control(self.op.path, (r.worker for r in results if r.success))
         self.outcome = "success" if not failed else "refused" if all_refused else "failure"
         if not failed:
             return Outcome(200, fleet_answer(self.op, results, "ok", **fields))

@@ -12,6 +12,9 @@ rows add the router's policy:
 - ``in_group``: sent over a weight-update group, so refused (409) when the fleet no longer matches
   the group's members (:mod:`router.gateway.admin.groups`); ``ends_group``: goes to the group's
   members only, and the router forgets the group afterwards.
+
+A call may target a subset of the fleet (:mod:`router.gateway.admin.targets`) unless its state spans
+every member of a weight-update group or of a held update (:attr:`Operation.targetable`).
 """
 
 from __future__ import annotations
@@ -62,6 +65,12 @@ class Operation:
     def locked(self) -> bool:
         return self.endpoint.serialized
 
+    @property
+    def targetable(self) -> bool:
+        """Whether a call may go to a chosen subset of the fleet (:mod:`router.gateway.admin.targets`): not
+        one over a weight-update group (its members are its targets) nor one step of a held update."""
+        return not (self.in_group or self.ends_group or self.path in _FLEET_WIDE)
+
     def answer_model(self) -> type[FleetAnswer[Any]]:
         return self.answer if self.answer is not None else FleetAnswer[self.endpoint.response]  # type: ignore[name-defined]
 
@@ -69,6 +78,19 @@ class Operation:
         """How long the router waits for one worker's answer to ``req`` (the budget plus one margin)."""
         return self.endpoint.budget.router_wait(self.endpoint.timeout_of(req))
 
+
+#: Steps whose state spans every member of a group or a held update, whatever the caller names.
+_FLEET_WIDE = frozenset(
+    e.path
+    for e in (
+        ep.INIT_WEIGHTS_UPDATE_GROUP,
+        ep.COMPLETE_WEIGHTS_UPDATE,
+        ep.ABORT_WEIGHTS_UPDATE,
+        ep.INIT_WEIGHT_TRANSFER_ENGINE,
+        ep.UPDATE_WEIGHTS,
+        ep.FINISH_WEIGHT_UPDATE,
+    )
+)
 
 OPERATIONS: dict[str, Operation] = {
     op.path: op

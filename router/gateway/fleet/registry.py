@@ -7,20 +7,40 @@ is *pending*). A worker is *routable* only when it is healthy, not disabled and
 not pending; it is a *broadcast target* whenever it is not dead, disabled or
 pending or not, because such a worker must still receive the update that will
 make it consistent again.
+
+Which recorded version a request may be served from is the version policy's
+(:mod:`router.gateway.routing.versions`); *routable* here is its default,
+``latest-only``. The registry also keeps each worker's control state as the
+router's own successful broadcasts left it (paused, asleep): it is what the
+router did, not a probe of the worker, and a restarted worker keeps it until the
+next such broadcast.
 """
 
 from __future__ import annotations
 
 import hashlib
 import ipaddress
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
+from router.contract import endpoints as ep
 from router.contract.base import check_host
 from router.contract.errors import BadRequest, Conflict, NotFound
 from router.contract.fleet import HealthState, WorkerRecord, WorkerSource
 from router.gateway.fleet.weights import FleetWeights, WorkerWeights
+
+#: Broadcasts that change a worker's control state: path → (field, value) once it succeeded there.
+CONTROL_EFFECTS: dict[str, tuple[str, bool]] = {
+    ep.PAUSE_GENERATION.path: ("paused", True),
+    ep.CONTINUE_GENERATION.path: ("paused", False),
+    ep.PAUSE.path: ("paused", True),
+    ep.RESUME.path: ("paused", False),
+    ep.SLEEP.path: ("asleep", True),
+    ep.RELEASE_MEMORY_OCCUPATION.path: ("asleep", True),
+    ep.WAKE_UP.path: ("asleep", False),
+    ep.RESUME_MEMORY_OCCUPATION.path: ("asleep", False),
+}
 
 # Hosts a worker URL may never point at: cloud metadata endpoints.
 _FORBIDDEN_HOSTS = frozenset({"169.254.169.254", "metadata.google.internal", "fd00:ec2::254"})
@@ -97,6 +117,10 @@ class Worker:
     departed: str | None = None
     """Set when discovery stops listing the worker's pod: no traffic from then on, and an update
     that targets it counts it as failed; it leaves the registry once no update holds the lock."""
+    paused: bool = False
+    """Its generation was paused by the router's last successful pause broadcast (SGLang or vLLM)."""
+    asleep: bool = False
+    """Its memory was released (``/sleep``, ``/release_memory_occupation``) by the router's broadcast."""
 
     @property
     def is_dead(self) -> bool:
@@ -131,6 +155,10 @@ class WorkerRegistry:
 
     def __len__(self) -> int:
         return len(self._workers)
+
+    def workers(self) -> Iterable[Worker]:
+        """The workers without a copy, for routing's per-request loops (which never await inside)."""
+        return self._workers.values()
 
     def add(
         self, raw_url: str, *, disabled: bool = False, source: WorkerSource = "static", pod: str | None = None
@@ -172,19 +200,29 @@ class WorkerRegistry:
         return self.fleet.why_not_serving(worker.id, worker)
 
     def is_routable(self, worker: Worker) -> bool:
-        return (
-            worker.health == "healthy"
-            and not worker.disabled
-            and not worker.removed
-            and worker.departed is None
-            and self.pending_reason(worker) is None
-        )
+        """Eligible under the default version policy, ``latest-only`` (paused workers included)."""
+        if worker.health != "healthy" or worker.disabled or worker.removed or worker.departed is not None:
+            return False
+        sequence = self.fleet.verified_sequence(worker.id, worker)
+        return sequence is not None and sequence >= self.fleet.latest_sequence
+
+    def observe_control(self, path: str, succeeded: Iterable[str]) -> None:
+        """A broadcast of ``path`` succeeded on the workers ``succeeded``: record its control effect, if any."""
+        effect = CONTROL_EFFECTS.get(path)
+        if effect is None:
+            return
+        name, value = effect
+        for wid in succeeded:
+            worker = self._workers.get(wid)
+            if worker is not None:
+                setattr(worker, name, value)
 
     def routable(self) -> list[Worker]:
         return [w for w in self._workers.values() if self.is_routable(w)]
 
     def record(self, worker: Worker) -> WorkerRecord:
         """The worker as ``GET /workers`` shows it, with the reason it is pending, if it is."""
+        sequence = self.fleet.verified_sequence(worker.id, worker)
         return WorkerRecord(
             id=worker.id,
             url=worker.url,
@@ -196,6 +234,10 @@ class WorkerRegistry:
             weight_state=worker.weight_state,
             instance_id=worker.instance_id,
             pending=self.pending_reason(worker),
+            fleet_sequence=sequence,
+            staleness=None if sequence is None else self.fleet.latest_sequence - sequence,
+            paused=worker.paused,
+            asleep=worker.asleep,
             source=worker.source,
             pod=worker.pod,
             departed=worker.departed,

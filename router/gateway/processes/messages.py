@@ -32,6 +32,8 @@ class WorkerView(_Message):
     weight_state: str | None
     instance_id: str | None
     tp_size: int | None
+    paused: bool = False
+    asleep: bool = False
 
 
 class RoutingSnapshot(_Message):

@@ -27,6 +27,8 @@ def view_of(registry: WorkerRegistry, version: int) -> RoutingSnapshot:
             weight_state=w.weight_state,
             instance_id=w.instance_id,
             tp_size=w.tp_size,
+            paused=w.paused,
+            asleep=w.asleep,
         )
         for w in registry
         if not w.removed
@@ -55,5 +57,7 @@ def apply(registry: WorkerRegistry, snapshot: RoutingSnapshot) -> list[Worker]:
         worker.weight_state = view.weight_state
         worker.instance_id = view.instance_id
         worker.tp_size = view.tp_size
+        worker.paused = view.paused
+        worker.asleep = view.asleep
     registry.fleet.record = snapshot.fleet
     return gone

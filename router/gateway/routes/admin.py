@@ -5,12 +5,19 @@ route's request model, once: a caller's mistake is a 400 here, before any
 worker is touched or fenced. The model is passed on typed and serialized again
 for the workers (:meth:`~router.contract.base.WireRequest.to_json`: the fields
 the caller set, unknown fields included), with the router's own worker key.
+
+The generic broadcasts (every route without a handler of its own, vLLM's pause and resume, the
+is-paused and is-sleeping reads, abort_requests) take a target set in the query
+(``?workers=id,...`` and/or ``?selector=...``, :mod:`router.gateway.admin.targets`), resolved
+before the lock; the router takes those parameters out of the query before the body is parsed and
+before the query is forwarded. The other routes span the whole fleet and refuse them (400).
 """
 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
+from urllib.parse import urlencode
 
 from aiohttp import web
 from pydantic import BaseModel
@@ -18,6 +25,7 @@ from pydantic import BaseModel
 from router.contract import endpoints as ep
 from router.contract.admin import WeightsCheckerRequest
 from router.contract.base import WireRequest, WireResponse
+from router.contract.errors import BadRequest
 from router.contract.fleet import (
     AbortRequestsFleetAnswer,
     FleetModelInfo,
@@ -36,7 +44,7 @@ from router.contract.vllm import (
 from router.contract.vllm_dev import AbortRequestsResult
 from router.contract.vllm_server import ServerInfoRequest
 from router.contract.web.openapi import Route
-from router.contract.web.parsing import parse_model, parse_query_first, read_json
+from router.contract.web.parsing import parse_model, query_fields, read_json
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     CompleteWeightsUpdateRequest,
@@ -49,6 +57,7 @@ from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import OPERATIONS, Operation
 from router.gateway.admin.ranks import GroupJoin
+from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -58,20 +67,56 @@ def _forward_headers(request: web.Request) -> dict[str, str]:
     return request.app[keys.SERVICE_HEADERS]
 
 
-async def _parse(request: web.Request, op: Operation) -> Any:
+def fleet_facts(app: web.Application) -> FleetFacts:
+    """What the target sets and the RL API read of each worker, over the app's worker client."""
+    timeout_s = app[keys.CONFIG].health_check_timeout_s
+    return FleetFacts(app[keys.REGISTRY], app[keys.WORKERS], app[keys.SERVICE_HEADERS], timeout_s)
+
+
+async def parse_request(request: web.Request, op: Operation, *, targeted: bool = True) -> Any:
     """The request model of ``op`` from the body, query parameters filling the gaps (vLLM's dev routes,
     ``/pause``, ``/sleep``, ``/wake_up``, take their arguments in the query, and they win over the body's;
-    the model coerces their text)."""
+    the model coerces their text). The target parameters are never fields; a route that is not
+    ``targeted`` refuses them."""
+    if not targeted and not TARGET_PARAMS.isdisjoint(request.query):
+        raise BadRequest(f"{op.path} spans the whole fleet: it takes no ?workers= or ?selector=")
+    data = await read_json(request, allow_empty=True)
     if op.endpoint.query_params:
-        return await parse_query_first(request, op.endpoint.request)
-    data = await read_json(request)
-    return parse_model(op.endpoint.request, {**request.query, **data})
+        fields = {k: v for k, v in query_fields(request, op.endpoint.request).items() if k not in TARGET_PARAMS}
+        return parse_model(op.endpoint.request, {**data, **fields})
+    query = {k: request.query[k] for k in request.query if k not in TARGET_PARAMS}
+    return parse_model(op.endpoint.request, {**query, **data})
 
 
-def _call(request: web.Request, op: Operation, req: WireRequest) -> AdminCall:
+async def _parse(request: web.Request, op: Operation) -> Any:
+    """The request of a route that spans the whole fleet (it refuses a target set)."""
+    return await parse_request(request, op, targeted=False)
+
+
+def forwarded_query(request: web.Request) -> str:
+    """The caller's query string as the workers get it: without the target parameters."""
+    if TARGET_PARAMS.isdisjoint(request.query):
+        return request.query_string
+    return urlencode([(k, v) for k, v in request.query.items() if k not in TARGET_PARAMS])
+
+
+def _call(request: web.Request, op: Operation, req: WireRequest, only: frozenset[str] | None = None) -> AdminCall:
     return AdminCall(
-        op, request.method, req, _forward_headers(request), timeout_s=op.router_wait(req), query=request.query_string
+        op,
+        request.method,
+        req,
+        _forward_headers(request),
+        timeout_s=op.router_wait(req),
+        query=forwarded_query(request),
+        only=only,
     )
+
+
+async def _targeted(request: web.Request, op: Operation) -> AdminCall:
+    """Parse ``op``'s request and resolve the caller's target set (404/400 before anything is locked)."""
+    req = await parse_request(request, op)
+    workers = await fleet_facts(request.app).resolve(target_query(request.query))
+    return _call(request, op, req, only_ids(workers))
 
 
 def _json(status: int, body: WireResponse) -> web.Response:
@@ -87,8 +132,8 @@ async def _detached(request: web.Request, work: Coroutine[Any, Any, Outcome], na
 async def broadcast_route(request: web.Request) -> web.Response:
     """Any table route without fleet semantics of its own."""
     op = OPERATIONS[request.path]
-    req = await _parse(request, op)
-    return await _detached(request, broadcast(request.app[keys.ADMIN], op, _call(request, op, req)), op.name)
+    call = await _targeted(request, op)
+    return await _detached(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
 
 
 async def model_info(request: web.Request) -> web.Response:
@@ -182,10 +227,8 @@ async def pause_or_resume(request: web.Request) -> web.Response:
     """vLLM's ``/pause`` (fenced like ``/pause_generation``) and ``/resume`` (like ``/continue_generation``):
     ``status`` is the workers' (``paused``, ``resumed``) once every one of them answered it."""
     op = OPERATIONS[request.path]
-    req = await _parse(request, op)
-    outcome = await request.app[keys.TASKS].run_detached(
-        broadcast(request.app[keys.ADMIN], op, _call(request, op, req)), name=op.name
-    )
+    call = await _targeted(request, op)
+    outcome = await request.app[keys.TASKS].run_detached(broadcast(request.app[keys.ADMIN], op, call), name=op.name)
     answer = outcome.answer
     statuses = {r.body.status for r in answer.results if isinstance(r.body, PauseStatus)}
     if outcome.ok and isinstance(answer, PauseFleetAnswer) and len(statuses) == 1:
@@ -196,8 +239,7 @@ async def pause_or_resume(request: web.Request) -> web.Response:
 async def is_paused_or_sleeping(request: web.Request) -> web.Response:
     """``{"is_paused": true}`` (``{"is_sleeping": true}``) only when every live worker says so."""
     op = OPERATIONS[request.path]
-    req = await _parse(request, op)
-    outcome = await broadcast(request.app[keys.ADMIN], op, _call(request, op, req))
+    outcome = await broadcast(request.app[keys.ADMIN], op, await _targeted(request, op))
     answer = outcome.answer
     field = "is_paused" if isinstance(answer, IsPausedFleetAnswer) else "is_sleeping"
     every = outcome.ok and all(getattr(r.body, field, False) is True for r in answer.results)
@@ -208,8 +250,7 @@ async def is_paused_or_sleeping(request: web.Request) -> web.Response:
 async def abort_requests(request: web.Request) -> web.Response:
     """vLLM's ``/abort_requests`` on every live worker: ``aborted`` is the sum of what each one ended."""
     op = OPERATIONS[ep.ABORT_REQUESTS.path]
-    req = await _parse(request, op)
-    outcome = await broadcast(request.app[keys.ADMIN], op, _call(request, op, req))
+    outcome = await broadcast(request.app[keys.ADMIN], op, await _targeted(request, op))
     answer = outcome.answer
     if isinstance(answer, AbortRequestsFleetAnswer):
         answer.aborted = sum(r.body.aborted for r in answer.results if isinstance(r.body, AbortRequestsResult))

@@ -26,7 +26,7 @@ from router.contract.vllm_tokens import (
 )
 from router.contract.web.openapi import Route
 from router.gateway import keys
-from router.gateway.routing.proxy import passthrough, tokens_prepare
+from router.gateway.routing.prepare import passthrough, tokens_prepare
 
 
 async def generate_tokens(request: web.Request) -> web.StreamResponse:

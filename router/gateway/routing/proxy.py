@@ -1,7 +1,9 @@
 """``/generate`` through the router: pick a worker, forward, stream back.
 
-- Only routable workers (healthy, not disabled) are candidates; with none the
-  caller gets 503 with the reason at once.
+- Only eligible workers are candidates: routable (healthy, not disabled) and on a
+  fleet version the request's weight-version policy admits (``--version-policy``,
+  the ``X-Version-Policy`` header; :mod:`router.gateway.routing.versions`). With
+  none the caller gets 503 with the reason at once; a bad policy is a 400.
 - A failure *before the first response byte* (connection refused or reset,
   or a 502/503/504 from the worker) is retried on another worker with
   exponential backoff and jitter. Once bytes have reached the caller nothing
@@ -16,7 +18,10 @@
   ``/inference/v1/generate`` is aborted by its own id instead (``POST /abort_requests``), and
   gets a ``request_id`` when it has none.
 - The worker's body (``meta_info.weight_version`` included) is passed through
-  byte for byte.
+  byte for byte. The answer's headers say the version the router knew the worker
+  on when it picked it (``X-Weight-Version``); a buffered ``/generate`` answer whose
+  ``meta_info`` says otherwise, or spans several versions, also gets
+  ``X-Mixed-Weight-Versions: true`` (:mod:`router.gateway.routing.stamping`).
 - Every call to a worker goes through the gateway's one worker client
   (:class:`~router.gateway.upstream.WorkerClient`): streamed answers from its pool bounded by
   ``--max-connections``, aborts as whole answers.
@@ -25,28 +30,27 @@
 from __future__ import annotations
 
 import asyncio
-import itertools
 import json
 import logging
-import secrets
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
-from typing import Any
 
 from aiohttp import web
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
-from router.contract import endpoints as ep
-from router.contract.endpoints import Endpoint
 from router.contract.errors import ApiError, Unavailable
 from router.contract.generate import INSTANCE_HEADER
-from router.contract.vllm_tokens import REQUEST_ID_HEADER, REQUEST_ID_PREFIX
+from router.contract.vllm_tokens import REQUEST_ID_HEADER
 from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
+from router.gateway.routing import versions
+from router.gateway.routing.affinity import SessionAffinity, session_key
 from router.gateway.routing.policy import Policy
+from router.gateway.routing.prepare import AbortCall, Prepare, sglang_prepare
+from router.gateway.routing.stamping import answer_mixes_versions, stamp_headers
+from router.gateway.routing.versions import VersionPolicy
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import NotAdmitted, UpstreamError, UpstreamResponse, WorkerClient, mime_type
 
@@ -92,110 +96,6 @@ def describe_fleet(registry: WorkerRegistry) -> str:
     )
 
 
-#: Router-assigned rids: a random per-process prefix and a fixed-width counter, so no rid is a prefix of
-#: another (workers abort by prefix) and none costs a system call (``uuid4`` reads ``os.urandom``).
-_RID_PREFIX = f"omni-{secrets.token_hex(8)}"
-_rid_counter = itertools.count()
-
-
-def _new_rid() -> str:
-    return f"{_RID_PREFIX}{next(_rid_counter):012x}"
-
-
-def prepare_payload(raw: bytes) -> tuple[bytes, Any, bool]:
-    """Return (body to send, rid to abort with, stream?). Injects a rid when none was given.
-
-    A body that carries its rid is forwarded as it came. An injected rid is spliced in after the
-    opening brace instead of re-encoding the whole body; a body where that is not a plain byte
-    splice (``"rid": null`` present, ``{}``, not UTF-8 or a byte-order mark) is re-encoded.
-    """
-    try:
-        payload = json.loads(raw) if raw else None
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return raw, None, False  # the worker answers 400 with its own message
-    if not isinstance(payload, dict):
-        return raw, None, False
-    stream = payload.get("stream") is True
-    rid = payload.get("rid")
-    if rid is not None:
-        return raw, rid, stream
-    base = _new_rid()
-    text = payload.get("text")
-    if text is not None:
-        batch = len(text) if isinstance(text, list) else None
-    else:
-        ids = payload.get("input_ids")
-        batch = len(ids) if isinstance(ids, list) and ids and isinstance(ids[0], list) else None
-    # Abort by prefix: every assigned rid starts with ``base``.
-    assigned: str | list[str] = base if batch is None else [f"{base}-{i}" for i in range(batch)]
-    start = len(raw) - len(raw.lstrip())
-    if payload and "rid" not in payload and raw[start : start + 1] == b"{":
-        return raw[: start + 1] + b'"rid": ' + json.dumps(assigned).encode() + b", " + raw[start + 1 :], base, stream
-    payload["rid"] = assigned
-    return json.dumps(payload).encode(), base, stream
-
-
-def prepare_tokens_payload(raw: bytes, header_id: str | None) -> tuple[bytes, str | None]:
-    """vLLM's ``/inference/v1/generate``: (body to send, the id its worker runs it as). The worker names
-    it ``generate-tokens-<X-Request-Id | request_id>``; a body with neither (or an empty one) gets a
-    ``request_id`` spliced in (re-encoded where that is not a plain byte splice), so the router can abort it."""
-    try:
-        payload = json.loads(raw) if raw else None
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return raw, None  # the worker answers 400 with its own message
-    if not isinstance(payload, dict):
-        return raw, None
-    if header_id:
-        return raw, REQUEST_ID_PREFIX + header_id
-    given = payload.get("request_id")
-    if isinstance(given, str) and given:
-        return raw, REQUEST_ID_PREFIX + given
-    if given is not None and given != "":
-        return raw, None  # not an id: the worker refuses the body
-    base = _new_rid()
-    start = len(raw) - len(raw.lstrip())
-    if payload and "request_id" not in payload and raw[start : start + 1] == b"{":
-        return raw[: start + 1] + b'"request_id": ' + json.dumps(base).encode() + b", " + raw[start + 1 :], (
-            REQUEST_ID_PREFIX + base
-        )
-    payload["request_id"] = base
-    return json.dumps(payload).encode(), REQUEST_ID_PREFIX + base
-
-
-@dataclass(frozen=True, slots=True)
-class AbortCall:
-    """How to stop a request on its worker once its caller went away: one call of a contract abort route."""
-
-    endpoint: Endpoint[Any, Any]
-    fields: dict[str, Any]
-    """The abort request's fields: validated as ``endpoint.request`` only when an abort is sent, never
-    for the requests that finish (nearly all of them)."""
-    label: str
-
-
-#: How a route's body is made ready to forward: (body, how to abort it, or None when there is nothing to abort).
-Prepare = Callable[[bytes, web.Request], tuple[bytes, AbortCall | None]]
-
-
-def sglang_prepare(raw: bytes, _request: web.Request) -> tuple[bytes, AbortCall | None]:
-    """``/generate`` and the OpenAI routes: a ``rid`` (assigned when missing), aborted by prefix."""
-    body, rid, _ = prepare_payload(raw)
-    return body, None if rid is None else AbortCall(ep.ABORT_REQUEST, {"rid": rid}, f"rid {rid}")
-
-
-def tokens_prepare(raw: bytes, request: web.Request) -> tuple[bytes, AbortCall | None]:
-    """vLLM's ``/inference/v1/generate``: aborted by its id (``/abort_requests``: the call and its choices)."""
-    body, request_id = prepare_tokens_payload(raw, request.headers.get(REQUEST_ID_HEADER))
-    return body, None if request_id is None else AbortCall(
-        ep.ABORT_REQUESTS, {"request_ids": [request_id]}, f"request {request_id}"
-    )
-
-
-def passthrough(raw: bytes, _request: web.Request) -> tuple[bytes, AbortCall | None]:
-    """A route whose answer needs no generation (``/tokenize``): forwarded as it came, nothing to abort."""
-    return raw, None
-
-
 class GenerateProxy:
     """Forward generation requests to routable workers."""
 
@@ -225,13 +125,31 @@ class GenerateProxy:
         self._stop = stop_after_attempt(1 + config.max_retries)
         self._wait = wait_exponential_jitter(initial=config.retry_initial_backoff_s, max=config.retry_max_backoff_s)
         self._retry_on = retry_if_exception_type(_Retryable)
+        self._version_policy = versions.parse_version_policy(config.version_policy)
+        """The router's default, parsed once: a request without the header costs no parse."""
+        self._affinity = SessionAffinity.from_config(config, metrics.affinity) if config.session_affinity else None
 
-    def pick(self, tried: set[str] | frozenset[str] = frozenset()) -> Worker:
-        candidates = self._registry.routable()
-        if tried:
-            candidates = [w for w in candidates if w.id not in tried]
+    def request_policy(self, request: web.Request) -> VersionPolicy:
+        """The request's weight-version policy: its header when it sent one (400 when bad), else the router's."""
+        headers = request.headers
+        value = headers.get(versions.POLICY_HEADER)
+        if value is None:
+            value = headers.get(versions.SMG_POLICY_HEADER)
+        return versions.policy_from_headers(value, self._version_policy)
+
+    def pick(
+        self,
+        policy: VersionPolicy = versions.LATEST_ONLY,
+        tried: set[str] | frozenset[str] = frozenset(),
+        session: str | None = None,
+    ) -> Worker:
+        """One worker for a request under ``policy``, not among ``tried``; 503 (with who holds what) when none."""
+        candidates = versions.candidates(self._registry, policy, tried, self._metrics.filtered)
         if not candidates:
-            raise Unavailable(describe_fleet(self._registry))
+            self._metrics.refused_by_policy(policy.kind)
+            raise versions.refusal(self._registry, policy, describe_fleet(self._registry))
+        if session is not None and self._affinity is not None:
+            return self._affinity.choose(session, candidates, retry=bool(tried))
         return self._policy.choose(candidates)
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
@@ -251,16 +169,18 @@ class GenerateProxy:
     async def handle(
         self, request: web.Request, path: str = "/generate", prepare: Prepare = sglang_prepare
     ) -> web.StreamResponse:
+        policy = self.request_policy(request)
         raw = await request.read()
-        body, abort = prepare(raw, request)
+        body, abort, fields = prepare(raw, request)
         headers = self._upstream_headers(request)
+        session = None if self._affinity is None else session_key(request.headers, fields)
         # The first attempt runs bare (no retry machinery): that is nearly every request.
-        worker = self.pick()
+        worker = self.pick(policy, session=session)
         try:
-            return await self._attempt(request, worker, path, body, headers, abort)
+            return await self._attempt(request, worker, path, body, headers, abort, policy)
         except _Retryable as exc:
             first = exc
-        return await self._retry(request, path, body, headers, abort, first)
+        return await self._retry(request, path, body, headers, abort, first, session, policy)
 
     async def _retry(
         self,
@@ -270,8 +190,11 @@ class GenerateProxy:
         headers: dict[str, str],
         abort: AbortCall | None,
         first: _Retryable,
+        session: str | None,
+        policy: VersionPolicy = versions.LATEST_ONLY,
     ) -> web.StreamResponse:
-        """The first attempt failed before any byte reached the caller: back off, then other workers."""
+        """The first attempt failed before any byte reached the caller: back off, then other workers
+        (a session's pin follows the request to the worker that serves it)."""
         tried = {first.worker.id}
         last = first
         retrying = AsyncRetrying(stop=self._stop, wait=self._wait, retry=self._retry_on, reraise=True)
@@ -282,12 +205,12 @@ class GenerateProxy:
                         raise first  # the bare attempt's failure is the policy's attempt 1: it backs off from here
                     self._metrics.retries.labels(last.kind).inc()
                     try:
-                        worker = self.pick(tried)
+                        worker = self.pick(policy, tried, session)
                     except Unavailable:
                         break  # every routable worker was tried
                     tried.add(worker.id)
                     try:
-                        return await self._attempt(request, worker, path, body, headers, abort)
+                        return await self._attempt(request, worker, path, body, headers, abort, policy)
                     except _Retryable as exc:
                         last = exc
                         raise
@@ -312,8 +235,10 @@ class GenerateProxy:
         body: bytes,
         headers: dict[str, str],
         abort: AbortCall | None,
+        policy: VersionPolicy = versions.LATEST_ONLY,
     ) -> web.StreamResponse:
         worker.inflight += 1
+        version = worker.weight_version  # what the router knows the worker serves, as it picked it
         upstream: UpstreamResponse | None = None
         try:
             try:
@@ -324,7 +249,7 @@ class GenerateProxy:
                     body,
                     headers,
                     timeout_s=self._cfg.request_timeout_s,
-                    admit=partial(self._registry.is_routable, worker),
+                    admit=partial(versions.admits, self._registry, policy, worker),
                 )
             except NotAdmitted:
                 # Fenced (or gone) between the pick and the first byte: nothing reached it; another worker may.
@@ -353,7 +278,7 @@ class GenerateProxy:
                 await self._read_before_relay(worker, upstream)
                 reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
                 raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())
-            return await self._relay(request, worker, upstream, abort)
+            return await self._relay(request, worker, upstream, abort, version, path == "/generate")
         except asyncio.CancelledError:
             # The caller disconnected (handler cancelled): stop the work on the worker too.
             self._abort_on_worker(worker, abort)
@@ -371,18 +296,25 @@ class GenerateProxy:
             raise _Retryable(worker, f"{type(exc).__name__}: {exc}", "reset") from None
 
     async def _relay(
-        self, request: web.Request, worker: Worker, upstream: UpstreamResponse, abort: AbortCall | None
+        self,
+        request: web.Request,
+        worker: Worker,
+        upstream: UpstreamResponse,
+        abort: AbortCall | None,
+        version: str | None = None,
+        check_mixed: bool = False,
     ) -> web.StreamResponse:
         ctype = upstream.header("Content-Type") or "application/json"
         if not ctype.startswith("text/event-stream"):
             data = await self._read_before_relay(worker, upstream)
-            return web.Response(
-                status=upstream.status, body=data, headers={"Content-Type": ctype, WORKER_HEADER: worker.id}
-            )
-        resp = web.StreamResponse(
-            status=upstream.status,
-            headers={"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker.id},
-        )
+            headers = {"Content-Type": ctype, WORKER_HEADER: worker.id}
+            mixed = check_mixed and ctype.startswith("application/json") and answer_mixes_versions(data, version)
+            stamp_headers(headers, version, mixed)
+            return web.Response(status=upstream.status, body=data, headers=headers)
+        # A stream's headers go before its first token: they say the version of the worker picked.
+        headers = {"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker.id}
+        stamp_headers(headers, version, False)
+        resp = web.StreamResponse(status=upstream.status, headers=headers)
         await resp.prepare(request)
         try:
             async for chunk in upstream.chunks():
