@@ -49,15 +49,17 @@ import json
 import os
 import platform
 import re
+import shlex
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from demo.launch import ManagedProcess, cli, free_port, http_json
 from router.gateway.processes.launch import data_plane_count
@@ -108,6 +110,17 @@ LUA_SCRIPT = """
 wrk.method = "POST"
 wrk.headers["Content-Type"] = "application/json"
 wrk.body = os.getenv("BENCH_BODY")
+for line in string.gmatch(os.getenv("BENCH_HEADERS") or "", "[^\\n]+") do
+  local name, value = string.match(line, "^([^:]+):%s*(.*)$")
+  wrk.headers[name] = value
+end
+local session_keys = tonumber(os.getenv("BENCH_SESSION_KEYS") or "0")
+if session_keys > 0 then
+  request = function()
+    wrk.headers["X-Session-Id"] = "session-" .. math.random(1, session_keys)
+    return wrk.format()
+  end
+end
 
 done = function(summary, latency, requests)
   io.write(string.format(
@@ -401,6 +414,18 @@ def targets(args: argparse.Namespace, nginx: str, peers: dict[str, tuple[Path, s
                 found.append(
                     start(omni_name(value, count), argv, port, "omni", listeners=count, default=value == "auto")
                 )
+            for i, variant in enumerate(args.omni_variant):
+                # The same router with more flags (a feature's cost), at the first --omni-processes value.
+                value = args.omni_processes[0]
+                count, port = data_plane_count(value), free_port()
+                argv = [
+                    cli("omni-router"),
+                    *omni_argv(args, up.url, port, root / f"omni-variant-state-{i}"),
+                    "--data-plane-processes",
+                    value,
+                    *shlex.split(variant),
+                ]
+                found.append(start(f"{omni_name(value, count)} {variant}", argv, port, "omni", listeners=count))
             if args.omni_baseline is not None:
                 # Another checkout's router (e.g. the commit before a change), run from its own source tree
                 # at its own default process count (listeners: at least one).
@@ -426,7 +451,17 @@ class Sample:
     p99_ms: float
 
 
-def run_wrk(wrk: str, lua: Path, url: str, *, seconds: float, concurrency: int, threads: int) -> Sample:
+def run_wrk(
+    wrk: str,
+    lua: Path,
+    url: str,
+    *,
+    seconds: float,
+    concurrency: int,
+    threads: int,
+    headers: Sequence[str] = (),
+    session_keys: int = 0,
+) -> Sample:
     argv = [
         wrk,
         f"-t{min(threads, concurrency)}",
@@ -439,7 +474,16 @@ def run_wrk(wrk: str, lua: Path, url: str, *, seconds: float, concurrency: int, 
         url + "/generate",
     ]
     done = subprocess.run(
-        argv, capture_output=True, text=True, timeout=seconds + 60, env={**os.environ, "BENCH_BODY": REQUEST_BODY}
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=seconds + 60,
+        env={
+            **os.environ,
+            "BENCH_BODY": REQUEST_BODY,
+            "BENCH_HEADERS": "\n".join(headers),
+            "BENCH_SESSION_KEYS": str(session_keys),
+        },
     )
     match = re.search(r"^BENCH_RESULT (\{.*\})$", done.stdout, re.MULTILINE)
     if done.returncode != 0 or match is None:
@@ -517,6 +561,28 @@ def main() -> int:
         metavar="DIR",
         help="also measure the omni-router of another source tree (e.g. `git archive <commit> router | tar -x -C DIR`)",
     )
+    p.add_argument(
+        "--omni-variant",
+        action="append",
+        default=[],
+        metavar="FLAGS",
+        help="also measure omni-router with these extra flags (one quoted string, repeatable), e.g. "
+        "'--session-affinity --version-policy max-staleness:1'",
+    )
+    p.add_argument(
+        "--header",
+        action="append",
+        default=[],
+        metavar="'NAME: VALUE'",
+        help="a header on every request, to every target (repeatable), e.g. 'X-Version-Policy: any'",
+    )
+    p.add_argument(
+        "--session-keys",
+        type=int,
+        default=0,
+        metavar="N",
+        help="send X-Session-Id: session-<1..N>, drawn at random per request, to every target (0: none)",
+    )
     p.add_argument("--omni-args", nargs=argparse.REMAINDER, default=[], help="extra omni-router flags (must come last)")
     args = p.parse_args()
     args.peers = list(dict.fromkeys(args.peers))
@@ -536,6 +602,9 @@ def main() -> int:
         f"# python {sys.version.split()[0]}; {nginx_version}; {wrk_version}{peer_versions}; "
         f"wrk -t{args.threads}; {args.rounds} rounds x {args.seconds:g}s"
     )
+    load: dict[str, Any] = {"headers": args.header, "session_keys": args.session_keys}
+    if args.header or args.session_keys:
+        print(f"# every request: headers {args.header}, session keys {args.session_keys}")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
         f.write(LUA_SCRIPT)
         lua = Path(f.name)
@@ -545,14 +614,16 @@ def main() -> int:
             for conc in args.concurrency:
                 samples: dict[str, list[Sample]] = {t.name: [] for t in tgts}
                 for t in tgts:
-                    run_wrk(wrk, lua, t.url, seconds=args.warmup_s, concurrency=conc, threads=args.threads)
+                    run_wrk(wrk, lua, t.url, seconds=args.warmup_s, concurrency=conc, threads=args.threads, **load)
                 print(f"\n## concurrency {conc}")
                 print(f"{'round':>5} {'target':<{width}} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8}")
                 for rnd in range(1, args.rounds + 1):
                     # Rotate the order so no target always runs right after the same one.
                     order = tgts[rnd % len(tgts) :] + tgts[: rnd % len(tgts)]
                     for t in order:
-                        s = run_wrk(wrk, lua, t.url, seconds=args.seconds, concurrency=conc, threads=args.threads)
+                        s = run_wrk(
+                            wrk, lua, t.url, seconds=args.seconds, concurrency=conc, threads=args.threads, **load
+                        )
                         samples[t.name].append(s)
                         print(f"{rnd:>5} {t.name:<{width}} {s.rps:>9.0f} {s.p50_ms:>8.3f} {s.p99_ms:>8.3f}", flush=True)
                 med = {

@@ -77,14 +77,26 @@ def parse_version_policy(text: str) -> VersionPolicy:
     raise ValueError(f"unknown version policy {text[:100]!r}; use {POLICY_FORMS}")
 
 
+#: Header values already parsed: a trainer sends the same few on every request (bounded, cleared when full).
+_PARSED: dict[str, VersionPolicy] = {}
+_MAX_PARSED = 256
+
+
 def policy_from_headers(value: str | None, default: VersionPolicy) -> VersionPolicy:
     """The policy a request asked for (``value`` is its header, ``None`` when absent); 400 when bad."""
     if value is None:
         return default
+    policy = _PARSED.get(value)
+    if policy is not None:
+        return policy
     try:
-        return parse_version_policy(value)
+        policy = parse_version_policy(value)
     except ValueError as exc:
         raise BadRequest(f"{POLICY_HEADER}: {exc}") from None
+    if len(_PARSED) >= _MAX_PARSED:
+        _PARSED.clear()
+    _PARSED[value] = policy
+    return policy
 
 
 def _number(label: str | None) -> float | None:
