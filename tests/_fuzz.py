@@ -6,7 +6,7 @@ plus structural garbage the schema cannot describe (deep nesting, huge fields, b
 that are not JSON objects). A new route is fuzzed as soon as it is in a route table.
 
 Loopback only: before a case is sent, every field that names an address to connect to
-(``master_address``, worker ``url``) is rewritten to a 127.0.0.0/8 address, and every
+(``master_address``, worker ``url``, a peer's ``source_url``) is rewritten to a 127.0.0.0/8 address, and every
 wait the caller controls (``timeout_s``, ``timeout``, ``max_new_tokens``, ``max_tokens``, ``n``,
 batch sizes) is capped, so no case connects outside this machine and none runs long.
 """
@@ -43,6 +43,7 @@ WAITING_PATHS = frozenset(
         "/prepare_weights_update",
         "/complete_weights_update",
         "/start_weight_update",
+        "/update_weights_from_peer",
     }
 )
 #: vLLM's routes carry their wait inside a nested object.
@@ -63,7 +64,7 @@ def make_safe(value: Any, rng: random.Random, *, path: str = "") -> Any:
         item = value[key]
         if key == "master_address" and isinstance(item, str):
             value[key] = f"127.0.0.{rng.randint(1, 250)}"
-        elif key == "url" and isinstance(item, str):
+        elif key in ("url", "source_url") and isinstance(item, str):
             value[key] = loopback_url(rng)
         elif key in CAPS and isinstance(item, (int, float)) and not isinstance(item, bool) and item > CAPS[key]:
             value[key] = type(item)(CAPS[key])

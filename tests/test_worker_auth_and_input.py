@@ -90,6 +90,9 @@ VALID_CALLS = [
     ("GET", "/release_memory_occupation", None, 200),
     ("GET", "/resume_memory_occupation", None, 200),
     ("POST", "/update_weights_from_tensor", {}, 400),
+    ("GET", "/weights_snapshot", None, 200),
+    # Nothing listens on port 1: the load fails at once, weights intact.
+    ("POST", "/update_weights_from_peer", {"source_url": "http://127.0.0.1:1"}, 400),
     ("POST", "/begin_weight_update", {"selector": "all"}, 200),
     ("POST", "/end_weight_update", {}, 200),
     ("POST", "/pause", {"mode": "wait"}, 200),

@@ -4,6 +4,7 @@
                 [--admin-api-key K] [--api-key K] [--max-running-requests N] [--num-threads N]
                 [--served-model-name NAME] [--log-level debug|info|warning|error] [--step-delay-ms MS]
                 [--tp-size N] [--shutdown-grace-s 30] [--allow-pickled-tensors]
+                [--snapshot-lease-wait-s 10] [--snapshot-send-delay-ms MS]
                 [--weight-transfer-config '{"backend": "torch"|"nccl"}']
     omni-worker make-tiny OUT_DIR [--arch llama|qwen2] [--seed N] [--chat-template]
     omni-worker --version
@@ -84,6 +85,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="testing aid: milliseconds to sleep after every forward step, so requests stay in flight",
     )
     p.add_argument(
+        "--snapshot-lease-wait-s",
+        type=float,
+        default=d.snapshot_lease_wait_s,
+        help="how long a weight update waits for /weights_snapshot streams in flight before cutting them",
+    )
+    p.add_argument(
+        "--snapshot-send-delay-ms",
+        type=float,
+        default=0.0,
+        help="testing aid: milliseconds to sleep after each tensor a /weights_snapshot stream sends",
+    )
+    p.add_argument(
         "--tp-size",
         type=int,
         default=d.tp_size,
@@ -148,6 +161,8 @@ def config_from_args(args: argparse.Namespace) -> WorkerConfig:
         served_model_name=args.served_model_name,
         log_level=args.log_level,
         step_delay_s=args.step_delay_ms / 1000.0,
+        snapshot_lease_wait_s=args.snapshot_lease_wait_s,
+        snapshot_send_delay_s=args.snapshot_send_delay_ms / 1000.0,
         num_threads=args.num_threads,
         shutdown_grace_s=args.shutdown_grace_s,
         tp_size=args.tp_size,

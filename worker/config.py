@@ -41,6 +41,12 @@ class WorkerConfig:
     """Accept SGLang's pickled ``serialized_named_tensors`` (restricted unpickler); the JSON
     handle format is always accepted."""
 
+    snapshot_lease_wait_s: float = 10.0
+    """How long a weight update waits for ``/weights_snapshot`` streams in flight before it cuts them."""
+    snapshot_send_delay_s: float = 0.0
+    """Testing aid: sleep this long after each tensor a ``/weights_snapshot`` stream sends, so a
+    transfer stays in flight long enough to be interrupted deterministically."""
+
     weight_transfer_backend: str = "torch"
     """What vLLM's ``/init_weight_transfer_engine`` builds (``--weight-transfer-config``): ``torch``,
     a ``torch.distributed`` group as SGLang's ``/init_weights_update_group`` builds it (gloo on CPU,

@@ -16,6 +16,10 @@ The worker's lock order, stated once here (a call holding one lock waits only fo
    and the calls that end it (complete, abort, finish, the expiry) take only the call lock;
 3. the admin lock (:meth:`Coordinator.admin_section`): one step that changes weights or pause state.
 
+Beside them, read leases (:mod:`worker.peer.lease`): a snapshot sent to a peer holds one and takes no
+lock; it is refused while an update holds the writer lock, and an update holding the writer lock waits
+for the leases in flight (bounded), then cuts them and goes on.
+
 Past a lock wait's bound the caller gets 503 naming the holder. A call's own ``timeout_s`` caps every
 wait it makes, lock waits included: each lasts at most its usual bound (30 s for the call and writer
 locks, 10 s for an abort, the step's bound for the admin lock) or ``timeout_s``, whichever is shorter;

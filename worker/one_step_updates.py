@@ -1,4 +1,4 @@
-"""Updates whose weights the call itself brings: a checkpoint on disk, or tensors in the request.
+"""Updates whose weights the call itself brings: a checkpoint on disk, tensors in the request, a peer's snapshot.
 
 Each is one transaction of the worker's update pipeline (:mod:`worker.updates`):
 begin (refused before anything is read when the worker cannot take it) → stage the
@@ -18,11 +18,13 @@ from functools import partial
 from typing import Any, TypeVar
 
 from router.contract.admin import UpdateWeightsFromDiskRequest, UpdateWeightsFromTensorRequest, WeightsEffect
+from router.contract.peer import UpdateWeightsFromPeerRequest
 from router.dataplane.buckets import NamedTensors
 from worker.engine.daemon_thread import Abandoned, run_on_daemon_thread
 from worker.engine.model_worker import StagedCheckpoint, WeightUpdateError
 from worker.engine.results import Answered, OpResult
 from worker.engine.weight_ops import CommitOptions
+from worker.peer.fetch import Receipt
 from worker.stage import AdminTimeout, Stage, StageResult
 from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
 
@@ -87,6 +89,31 @@ class OneStepUpdates:
             require_complete=False,
             options=options,
             staging_errors=(ValueError, OSError, RuntimeError),
+        )
+
+    async def from_peer(
+        self, req: UpdateWeightsFromPeerRequest, fetch: Callable[[], Awaitable[Receipt]], timeout_s: float
+    ) -> StageResult[Any]:
+        """Like :meth:`from_disk`, the weights staged whole from a peer's snapshot stream (``fetch``,
+        bounded by the step's time; it checks shapes before reading and the checksum after), then
+        written in one step with rollback; ``weight_version`` becomes the source's."""
+
+        def options(receipt: Receipt) -> CommitOptions:
+            return CommitOptions(
+                names=tuple(name for name, _ in receipt.tensors),
+                whole=True,
+                weight_version=receipt.weight_version,
+                flush_cache=req.flush_cache,
+            )
+
+        return await self._run(
+            "update_weights_from_peer",
+            abort_all=req.abort_all_requests,
+            timeout_s=timeout_s,
+            stage=lambda bound_s: asyncio.wait_for(fetch(), bound_s),
+            tensors=lambda receipt: receipt.tensors,
+            require_complete=True,
+            options=options,
         )
 
     async def _run(

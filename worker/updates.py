@@ -15,6 +15,8 @@ two-phase protocol are all one :class:`UpdateTransaction`::
 
 One transaction runs at a time: :meth:`UpdatePipeline.begin` takes the worker's
 writer lock (a caller waiting longer than its bound gets 503 naming the holder),
+then waits for the snapshots being sent to peers to end, cutting those that outlast
+the lease wait (:mod:`worker.peer.lease`),
 and :meth:`UpdateTransaction.end` (called by commit, fail and cancel) is the one
 place it is released. The weights' own states are those of
 :mod:`worker.engine.weight_state`; the steps that touch the model run on the
@@ -43,6 +45,7 @@ from worker.engine.results import Applied, Committed, Ended, Taken, effect_of
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import CommitOptions
 from worker.engine.weight_state import WeightsEffect
+from worker.peer.lease import ReadLeases
 from worker.stage import AdminBusy, RankOp, Stage, StageResult
 
 
@@ -182,6 +185,14 @@ class UpdatePipeline:
         self._coord = ports
         self._writer = asyncio.Lock()
         self._holder: UpdateTransaction | None = None
+        self.leases = ReadLeases(self._writer_busy)
+        """Snapshots being sent to peers: an update waits for them (bounded), then cuts them."""
+
+    def _writer_busy(self) -> str | None:
+        """Who holds the writer lock, or None."""
+        if not self._writer.locked():
+            return None
+        return self._holder.action if self._holder is not None else "another weight update"
 
     async def begin(
         self,
@@ -212,6 +223,8 @@ class UpdatePipeline:
         txn = UpdateTransaction(action, abort_all, streaming, deadline, after_deadline_s, self._writer)
         self._holder = txn
         try:
+            # Below the writer lock: snapshots in flight end, or are cut, before anything is written.
+            await self.leases.end_for_writer(timeout_s)
             if streaming:
                 # Its buckets apply as they land: take the worker now (take checks first).
                 await self._take(txn, hold=True, allow_frozen=allow_frozen, lock_wait_s=timeout_s)

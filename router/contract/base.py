@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 from typing import Annotated, Self
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
@@ -62,6 +63,48 @@ def check_host(host: str) -> str:
     if not all(_is_dns_label(label) for label in labels):
         raise ValueError(f"{host!r} is not a valid host name")
     return host
+
+
+#: Hosts a worker URL may never point at: cloud metadata endpoints.
+FORBIDDEN_HOSTS = frozenset({"169.254.169.254", "metadata.google.internal", "fd00:ec2::254"})
+
+
+def canonical_worker_url(raw: str, what: str = "worker url") -> str:
+    """A worker's base URL in canonical form (``http(s)://host[:port]``, no trailing slash), or
+    ``ValueError`` naming ``what``: http or https only, a host, no user-info, path, query or
+    fragment, no link-local or cloud-metadata host. One rule for every URL a process connects to
+    because a caller named it (a registered worker, a peer to load weights from)."""
+    text = raw.strip()
+    try:
+        parts = urlsplit(text)
+        port = parts.port
+    except ValueError as exc:
+        raise ValueError(f"invalid {what} {raw!r}: {exc}") from None
+    if parts.scheme not in ("http", "https"):
+        raise ValueError(f"invalid {what} {raw!r}: scheme must be http or https")
+    if not parts.hostname:
+        raise ValueError(f"invalid {what} {raw!r}: no host")
+    if parts.username is not None or parts.password is not None:
+        raise ValueError(f"invalid {what} {raw!r}: user-info is not allowed")
+    if parts.path not in ("", "/") or parts.query or parts.fragment:
+        raise ValueError(f"invalid {what} {raw!r}: give only scheme://host:port")
+    host = parts.hostname.lower()
+    try:
+        check_host(host)
+    except ValueError as exc:
+        raise ValueError(f"invalid {what} {raw!r}: {exc}") from None
+    if host in FORBIDDEN_HOSTS:
+        raise ValueError(f"invalid {what} {raw!r}: metadata hosts are not allowed")
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        ip = None
+    if ip is not None and ip.is_link_local:
+        raise ValueError(f"invalid {what} {raw!r}: link-local addresses are not allowed")
+    netloc = f"[{host}]" if ip is not None and ip.version == 6 else host
+    if port is not None:
+        netloc = f"{netloc}:{port}"
+    return f"{parts.scheme}://{netloc}"
 
 
 class WireRequest(BaseModel):

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from router.contract import admin, vllm, vllm_dev, vllm_server, weight_sync
+from router.contract import admin, peer, vllm, vllm_dev, vllm_server, weight_sync
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, Budget
 
@@ -200,6 +200,16 @@ RESUME_MEMORY_OCCUPATION = Endpoint(
     Budget(300.0),
     serialized=True,
     summary="Restore released weight memory",
+)
+UPDATE_WEIGHTS_FROM_PEER = Endpoint(
+    "/update_weights_from_peer",
+    POST,
+    peer.UpdateWeightsFromPeerRequest,
+    peer.UpdateWeightsFromPeerResult,
+    _receive(DEFAULT_RECEIVE_TIMEOUT_S),
+    serialized=True,
+    writes_weights=True,
+    summary="Load the weights a live peer serves (its /weights_snapshot), checked by checksum",
 )
 INIT_WEIGHTS_UPDATE_GROUP = Endpoint(
     "/init_weights_update_group",
@@ -409,6 +419,7 @@ WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
     RESET_PREFIX_CACHE,
     UPDATE_WEIGHTS_FROM_DISK,
     UPDATE_WEIGHTS_FROM_TENSOR,
+    UPDATE_WEIGHTS_FROM_PEER,
     WEIGHTS_CHECKER,
     RELEASE_MEMORY_OCCUPATION,
     RESUME_MEMORY_OCCUPATION,

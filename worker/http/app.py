@@ -32,6 +32,7 @@ from worker.http import (
     generate_routes,
     health_routes,
     openai_routes,
+    peer_routes,
     tokens_routes,
     vllm_routes,
     weight_sync_routes,
@@ -59,6 +60,7 @@ def route_table() -> list[Route]:
         *tokens_routes.ROUTES,
         *admin_routes.ROUTES,
         *weight_sync_routes.ROUTES,
+        *peer_routes.ROUTES,
         *vllm_routes.ROUTES,
     ]
     return [*table, openapi_route("omni-worker", __version__, table, description=API_DESCRIPTION)]
@@ -153,6 +155,7 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
     )
     app[CONFIG] = config
     app[COORDINATOR] = coord
+    coord.updates.leases.wait_s = config.snapshot_lease_wait_s
     app.add_routes(route_defs(table))
     # Cleanup runs in reverse: the controller cancels a receive in flight before the scheduler stops.
     if owned:

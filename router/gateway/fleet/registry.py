@@ -19,13 +19,12 @@ next such broadcast.
 from __future__ import annotations
 
 import hashlib
-import ipaddress
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from urllib.parse import unquote, urlsplit
+from urllib.parse import unquote
 
 from router.contract import endpoints as ep
-from router.contract.base import check_host
+from router.contract.base import canonical_worker_url
 from router.contract.errors import BadRequest, Conflict, NotFound
 from router.contract.fleet import HealthState, WorkerRecord, WorkerSource
 from router.gateway.fleet.weights import FleetWeights, WorkerWeights
@@ -42,47 +41,14 @@ CONTROL_EFFECTS: dict[str, tuple[str, bool]] = {
     ep.RESUME_MEMORY_OCCUPATION.path: ("asleep", False),
 }
 
-# Hosts a worker URL may never point at: cloud metadata endpoints.
-_FORBIDDEN_HOSTS = frozenset({"169.254.169.254", "metadata.google.internal", "fd00:ec2::254"})
-
 
 def normalize_url(raw: str) -> str:
-    """Validate a worker base URL and return its canonical form (``http://host:port``).
-
-    Rejected: other schemes, user-info, paths, queries, fragments, link-local and
-    cloud-metadata hosts. A trailing slash is dropped.
-    """
-    text = raw.strip()
+    """Validate a worker base URL and return its canonical form (``http://host:port``); 400 when it
+    breaks the contract's rule (:func:`~router.contract.base.canonical_worker_url`)."""
     try:
-        parts = urlsplit(text)
-        port = parts.port
+        return canonical_worker_url(raw)
     except ValueError as exc:
-        raise BadRequest(f"invalid worker url {raw!r}: {exc}") from None
-    if parts.scheme not in ("http", "https"):
-        raise BadRequest(f"invalid worker url {raw!r}: scheme must be http or https")
-    if not parts.hostname:
-        raise BadRequest(f"invalid worker url {raw!r}: no host")
-    if parts.username is not None or parts.password is not None:
-        raise BadRequest(f"invalid worker url {raw!r}: user-info is not allowed")
-    if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise BadRequest(f"invalid worker url {raw!r}: give only scheme://host:port")
-    host = parts.hostname.lower()
-    try:
-        check_host(host)
-    except ValueError as exc:
-        raise BadRequest(f"invalid worker url {raw!r}: {exc}") from None
-    if host in _FORBIDDEN_HOSTS:
-        raise BadRequest(f"invalid worker url {raw!r}: metadata hosts are not allowed")
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        ip = None
-    if ip is not None and ip.is_link_local:
-        raise BadRequest(f"invalid worker url {raw!r}: link-local addresses are not allowed")
-    netloc = f"[{host}]" if ip is not None and ip.version == 6 else host
-    if port is not None:
-        netloc = f"{netloc}:{port}"
-    return f"{parts.scheme}://{netloc}"
+        raise BadRequest(str(exc)) from None
 
 
 def worker_id_for(url: str) -> str:
