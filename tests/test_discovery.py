@@ -61,11 +61,21 @@ def client_env(api: StandInApiServer, tmp_path: Path) -> dict[str, str]:
 
 @pytest.fixture
 def router(api: StandInApiServer, tmp_path: Path) -> Iterator[tuple[ManagedProcess, str]]:
+    # The pending rule itself: no catch-up from a peer (tests/test_router_catch_up.py covers that).
     proc, url = start_router(
         [],
         admin_key=ADMIN_KEY,
         state_dir=tmp_path / "state",
-        extra_args=["--service-discovery", "k8s", "--selector", "app=omni-worker", "--policy", "round_robin"],
+        extra_args=[
+            "--service-discovery",
+            "k8s",
+            "--selector",
+            "app=omni-worker",
+            "--policy",
+            "round_robin",
+            "--sync-joiners",
+            "off",
+        ],
         env=client_env(api, tmp_path),
     )
     try:

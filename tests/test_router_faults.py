@@ -203,7 +203,8 @@ def test_worker_restarted_between_syncs_is_pending_until_the_next_update(
         [stay_url, restarted_url],
         admin_key=ADMIN_KEY,
         state_dir=tmp_path / "state",
-        extra_args=["--health-check-interval-s", str(probe_interval_s)],
+        # The pending rule itself: no catch-up from a peer (tests/test_router_catch_up.py covers that).
+        extra_args=["--health-check-interval-s", str(probe_interval_s), "--sync-joiners", "off"],
     )
     try:
         status, body = call(url, "/update_weights_from_disk", {"model_path": str(other), "weight_version": "v2"})

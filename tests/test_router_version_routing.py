@@ -30,7 +30,10 @@ def fleet(worker_fleet) -> Fleet:
 @pytest.fixture
 def router(fleet: Fleet) -> Iterator[tuple[ManagedProcess, str]]:
     # round_robin: consecutive requests alternate between the eligible workers, so a few show them all.
-    proc, url = start_router(fleet.urls, admin_key=ADMIN_KEY, extra_args=["--policy", "round_robin"])
+    # The policy and pending rules themselves: no catch-up from a peer (tests/test_router_catch_up.py covers that).
+    proc, url = start_router(
+        fleet.urls, admin_key=ADMIN_KEY, extra_args=["--policy", "round_robin", "--sync-joiners", "off"]
+    )
     yield proc, url
     proc.stop()
 

@@ -36,6 +36,21 @@ PER_WORKER_FIELDS = frozenset({"success", "message", "status", "rank_results", "
 
 
 WorkerSource = Literal["static", "api", "discovery"]
+CatchUpState = Literal["copying", "failed"]
+
+
+class CatchUpStatus(WireResponse):
+    """Where the router's catch-up of a pending worker from a peer stands (``--sync-joiners peer``)."""
+
+    state: CatchUpState
+    """``copying``: a load from ``source`` is in flight; ``failed``: the last one failed, retried at ``next_try_at``."""
+    source: str | None = None
+    """The id of the worker the weights are (or were last) copied from."""
+    attempts: int = 0
+    """Failed attempts since the worker became pending (reset when its process changes)."""
+    last_error: str | None = None
+    next_try_at: float | None = None
+    """When the next attempt may start (Unix time)."""
 
 
 class WorkerRecord(WireResponse):
@@ -67,6 +82,8 @@ class WorkerRecord(WireResponse):
     """The pod it runs in (``namespace/name``), for discovered workers."""
     departed: str | None = None
     """Why discovery no longer lists it (removed from the registry once no update holds the lock)."""
+    catch_up: CatchUpStatus | None = None
+    """The router's catch-up from a peer, while the worker is pending for want of the fleet's weights."""
 
 
 class WorkerList(WireResponse):

@@ -33,6 +33,7 @@ from router.contract.web.auth import access_check
 from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
+from router.gateway.admin.catch_up import catch_up_ctx
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
 from router.gateway.admin.groups import GROUPS_FILE, WeightGroups
@@ -292,6 +293,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(state.retry_ctx)
     app.cleanup_ctx.append(upstream_ctx)
     app.cleanup_ctx.append(discovery_ctx)
+    app.cleanup_ctx.append(catch_up_ctx)  # after the worker client: stopped before it closes
     if leader is not None:
         leader.install(app)  # last: its takeover needs everything above
     return app

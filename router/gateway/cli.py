@@ -15,7 +15,7 @@ from router import __version__
 from router.contract.errors import ApiError
 from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
 from router.gateway.app import create_app
-from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, STATE_STORE_NAMES, RouterConfig
+from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, STATE_STORE_NAMES, SYNC_JOINERS_NAMES, RouterConfig
 from router.gateway.discovery.k8s import require_client
 from router.gateway.processes.control import DEFAULT_ACK_TIMEOUT_S
 from router.gateway.processes.launch import data_plane_count, run_control, run_data_plane
@@ -107,6 +107,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.version_policy,
         help="which recorded fleet weight versions /generate may be served from when a request sends no "
         "X-Version-Policy: latest-only (default), max-staleness:K, min-version:V or any",
+    )
+    p.add_argument(
+        "--sync-joiners",
+        choices=SYNC_JOINERS_NAMES,
+        default=d.sync_joiners,
+        help="peer: a worker that joined or restarted after a weight update loads the fleet's weights from a "
+        "verified holder (POST /update_weights_from_peer) and then takes traffic; off: it stays pending until "
+        "the trainer's next sync",
     )
     p.add_argument(
         "--admin-lock-timeout-s",
@@ -328,6 +336,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         session_affinity_ttl_s=args.session_affinity_ttl_s,
         session_affinity_load_factor=args.session_affinity_load_factor,
         session_affinity_max_sessions=args.session_affinity_max_sessions,
+        sync_joiners=args.sync_joiners,
         admin_lock_timeout_s=args.admin_lock_timeout_s,
         request_timeout_s=args.request_timeout_s,
         connect_timeout_s=args.connect_timeout_s,

@@ -16,6 +16,8 @@ DiscoveryName = Literal["static", "k8s"]
 DISCOVERY_NAMES: tuple[str, ...] = get_args(DiscoveryName)
 StateStoreName = Literal["dir", "k8s"]
 STATE_STORE_NAMES: tuple[str, ...] = get_args(StateStoreName)
+SyncJoinersName = Literal["peer", "off"]
+SYNC_JOINERS_NAMES: tuple[str, ...] = get_args(SyncJoinersName)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -54,6 +56,11 @@ class RouterConfig:
     version_policy: str = "latest-only"
     """Which recorded fleet versions a generation request may be served from when it names none
     (``X-Version-Policy``): ``latest-only``, ``max-staleness:K``, ``min-version:V`` or ``any``."""
+
+    sync_joiners: SyncJoinersName = "peer"
+    """``peer``: a worker pending because it has not received the fleet's weights (joined or restarted since
+    the last weight change) loads them from a verified holder, then takes traffic; ``off``: it waits for the
+    trainer's next sync."""
 
     admin_lock_timeout_s: float = DEFAULT_LOCK_WAIT_S
     """How long an admin update waits for the update lock before answering 503."""
@@ -196,6 +203,8 @@ class RouterConfig:
         parse_version_policy(self.version_policy)
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}")
+        if self.sync_joiners not in SYNC_JOINERS_NAMES:
+            raise ValueError(f"unknown --sync-joiners {self.sync_joiners!r}")
         if self.service_discovery not in DISCOVERY_NAMES:
             raise ValueError(f"unknown service discovery {self.service_discovery!r}")
         if self.service_discovery == "k8s" and not self.selector:

@@ -217,6 +217,19 @@ class RouterMetrics:
         self.client_aborts = Counter(
             "omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r
         )
+        self.catch_ups = Counter(
+            "omni_router_catch_ups_total",
+            "Pending workers loaded from a peer (--sync-joiners peer), by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        self.catch_up_duration = Histogram(
+            "omni_router_catch_up_duration_seconds",
+            "Duration of one catch-up from a peer, the lock wait excluded",
+            ["outcome"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.affinity = AffinityStats()
         r.register(self.affinity)
         self._versions = VersionPolicyStats()
@@ -241,6 +254,10 @@ class RouterMetrics:
     def observe_admin(self, operation: str, outcome: str, duration_s: float) -> None:
         self.admin_ops.labels(operation, outcome).inc()
         self.admin_duration.labels(operation, outcome).observe(duration_s)
+
+    def observe_catch_up(self, outcome: str, duration_s: float) -> None:
+        self.catch_ups.labels(outcome).inc()
+        self.catch_up_duration.labels(outcome).observe(duration_s)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

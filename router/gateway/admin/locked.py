@@ -118,9 +118,9 @@ class LockHold:
         self._held = True
 
     @classmethod
-    async def take(cls, gate: UpdateGate, holder: str) -> LockHold:
-        """Wait for the lock as ``holder``: 503 (:class:`Unavailable`) past the gate's timeout."""
-        await gate.acquire(holder)
+    async def take(cls, gate: UpdateGate, holder: str, *, timeout_s: float | None = None) -> LockHold:
+        """Wait for the lock as ``holder``: 503 (:class:`Unavailable`) past ``timeout_s`` (default: the gate's)."""
+        await gate.acquire(holder, timeout_s)
         return cls(gate)
 
     def release(self) -> None:

@@ -26,7 +26,7 @@ from urllib.parse import unquote
 from router.contract import endpoints as ep
 from router.contract.base import canonical_worker_url
 from router.contract.errors import BadRequest, Conflict, NotFound
-from router.contract.fleet import HealthState, WorkerRecord, WorkerSource
+from router.contract.fleet import CatchUpStatus, HealthState, WorkerRecord, WorkerSource
 from router.gateway.fleet.weights import FleetWeights, WorkerWeights
 
 #: Broadcasts that change a worker's control state: path → (field, value) once it succeeded there.
@@ -87,6 +87,8 @@ class Worker:
     """Its generation was paused by the router's last successful pause broadcast (SGLang or vLLM)."""
     asleep: bool = False
     """Its memory was released (``/sleep``, ``/release_memory_occupation``) by the router's broadcast."""
+    catch_up: CatchUpStatus | None = None
+    """The router's catch-up from a peer (:mod:`router.gateway.admin.catch_up`), while one is under way or failed."""
 
     @property
     def is_dead(self) -> bool:
@@ -207,6 +209,7 @@ class WorkerRegistry:
             source=worker.source,
             pod=worker.pod,
             departed=worker.departed,
+            catch_up=worker.catch_up,
         )
 
     def live(self) -> list[Worker]:

@@ -266,6 +266,27 @@ class FleetWeights:
         # The in-memory record decides routing whether or not the store takes it now.
         await self._stored.save(record.model_dump_json(indent=1).encode())
 
+    async def caught_up(self, worker_id: str, weights: WorkerWeights, sequence: int) -> bool:
+        """A worker loaded the weights of entry ``sequence`` from a verified holder: record it as a holder.
+
+        Refused (``False``, nothing recorded) when the fleet moved past ``sequence`` meanwhile, or when
+        the worker's report does not show the entry's weights whole (label, state, a known process).
+        No new entry is made: the fleet's weights did not change, one more worker holds them."""
+        record = self._record
+        if record is None or record.latest.sequence != sequence or weights.instance_id is None:
+            return False
+        label = record.latest.weight_version
+        if weights.weight_state in _NOT_WHOLE or (label is not None and weights.weight_version != label):
+            return False
+        holders = {
+            **record.holders,
+            worker_id: Holder(instance_id=weights.instance_id, sequence=sequence, weight_version=label),
+        }
+        updated = FleetRecord(history=record.history, holders=holders)
+        self.record = updated
+        await self._stored.save(updated.model_dump_json(indent=1).encode())
+        return True
+
 
 def _boot_record(bystanders: Iterable[tuple[str, WorkerWeights]], targets: set[str]) -> FleetRecord | None:
     """Before the first change every worker's boot weights count as the fleet's: the untargeted ones,

@@ -1,0 +1,118 @@
+"""The router's catch-up of a late joiner (registered → routable) vs. a fresh load from local disk.
+
+    python -m benchmarks.bench_catch_up [--hidden 1024] [--layers 4] [--vocab 16000] [--repeats 3]
+
+Writes two random Llama checkpoints of the same shapes, starts three real ``omni-worker``
+processes on checkpoint A and an ``omni-router`` (``--sync-joiners peer``, probes every 0.5 s)
+over the first two, moves the fleet to checkpoint B through the router, then, alternately:
+
+* ``catch-up``: the third worker (on A) is registered with ``POST /workers`` and timed until
+  ``GET /workers/{id}`` shows it routable: the router's first probe, its next scan, the load from a
+  peer with every check, the metadata read and the record. It is then deregistered and loaded back
+  to A on the worker itself, so the next round starts from a joiner again;
+* ``disk``: ``POST /update_weights_from_disk`` of checkpoint B on that worker directly (page cache
+  warm: the best case for a disk load), timed request → answer.
+
+Prints each round (with the load alone, as the router logs it), the medians and their ratio
+(catch-up ÷ disk).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.bench_peer_load import _cpu_name
+from demo.launch import ManagedProcess, cli, free_port, http_json, start_worker
+from worker.model import write_tiny_checkpoint
+
+KEY = "bench-catch-up-key"
+HEADERS = {"Authorization": f"Bearer {KEY}"}
+
+
+def _call(method: str, url: str, body: Any = None) -> Any:
+    status, answer = http_json(method, url, body, headers=HEADERS, timeout=900)
+    if status not in (200, 201):
+        raise SystemExit(f"{method} {url} failed: {status} {answer}")
+    return answer
+
+
+def _until_routable(router: str, worker_id: str, bound_s: float = 300.0) -> None:
+    deadline = time.monotonic() + bound_s
+    while time.monotonic() < deadline:
+        view = _call("GET", f"{router}/workers/{worker_id}")
+        if view["health"] == "healthy" and view["pending"] is None:
+            return
+        time.sleep(0.01)
+    raise SystemExit(f"worker {worker_id} not routable within {bound_s:g}s: {view}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--intermediate", type=int, default=2816)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=16000)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+
+    shapes = {
+        "hidden_size": args.hidden,
+        "intermediate_size": args.intermediate,
+        "num_hidden_layers": args.layers,
+        "vocab_size": args.vocab,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+    }
+    with tempfile.TemporaryDirectory(prefix="bench-catch-up-") as tmp:
+        a = write_tiny_checkpoint(Path(tmp) / "a", "llama", 0, **shapes)
+        b = write_tiny_checkpoint(Path(tmp) / "b", "llama", 1, **shapes)
+        size_mb = sum(f.stat().st_size for f in b.glob("*.safetensors")) / 1e6
+        procs: list[ManagedProcess] = []
+        try:
+            urls = []
+            for _ in range(3):
+                proc, url = start_worker(a, extra_args=["--admin-api-key", KEY], ready_timeout=300)
+                procs.append(proc)
+                urls.append(url)
+            port = free_port()
+            router_argv = [cli("omni-router"), "--port", str(port), "--admin-api-key", KEY]
+            router_argv += ["--data-plane-processes", "1", "--health-check-interval-s", "0.5", "--worker-urls"]
+            router_proc = ManagedProcess(f"router-{port}", [*router_argv, *urls[:2]]).start()
+            procs.append(router_proc)
+            router = f"http://127.0.0.1:{port}"
+            router_proc.wait_http_ready(router + "/liveness", timeout=60)
+            _call("POST", router + "/update_weights_from_disk", {"model_path": str(b), "weight_version": "b"})
+            joiner = urls[2]
+            catch_up, disk, load = [], [], []
+            for round_ in range(args.repeats):
+                start = time.perf_counter()
+                worker_id = _call("POST", router + "/workers", {"url": joiner})["id"]
+                _until_routable(router, worker_id)
+                catch_up.append(time.perf_counter() - start)
+                _call("DELETE", f"{router}/workers/{worker_id}")
+                _call("POST", joiner + "/update_weights_from_disk", {"model_path": str(a), "weight_version": "a"})
+                start = time.perf_counter()
+                _call("POST", joiner + "/update_weights_from_disk", {"model_path": str(b), "weight_version": "b"})
+                disk.append(time.perf_counter() - start)
+                _call("POST", joiner + "/update_weights_from_disk", {"model_path": str(a), "weight_version": "a"})
+                # The router's own line: the load under the lock, checks and record included.
+                load = [float(x) for x in re.findall(r"bytes in ([0-9.]+)s", router_proc.log_text(10_000_000))]
+                print(f"round {round_}: catch-up {catch_up[-1]:.2f} s (load {load[-1]:.2f} s), disk {disk[-1]:.2f} s")
+        finally:
+            for proc in reversed(procs):
+                proc.stop()
+    c, d, m = statistics.median(catch_up), statistics.median(disk), statistics.median(load)
+    print(f"machine: {_cpu_name()}, {os.cpu_count()} cores; checkpoint {size_mb:.0f} MB float32")
+    print(f"median: catch-up {c:.2f} s (its load {m:.2f} s), disk {d:.2f} s; catch-up / disk = {c / d:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

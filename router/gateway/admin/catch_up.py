@@ -1,0 +1,300 @@
+"""Late joiners catch up from a peer (``--sync-joiners peer``): a pending worker loads the fleet's weights
+from a worker that verifiably holds them, then takes traffic, without waiting for the trainer's next sync.
+
+Who qualifies (:meth:`JoinerSync.eligible`): a worker that is healthy, not disabled (an operator's flag
+or a fence), not removed or departed, whose weights are whole (``serving``: not ``partial``,
+``writing`` or ``released``, which need the trainer's full rewrite or a resume), whose process is known
+(``instance_id``), which no broadcast holds, which no unresolved journal entry names (its weights are
+uncertain until an operator vouches for them), and which holds no recorded fleet entry: it joined or
+restarted since the last weight change, or its label changed behind the router. Loading the latest
+entry's weights repairs each of those. A worker that holds an *older* entry (left behind by a targeted
+update) is stale, not pending, and is left where the caller put it. Nothing happens before the first
+weight change through the router (there is no record: every worker's boot weights are the fleet's).
+
+One catch-up, in order::
+
+    pick a source      a routable worker verified on the latest entry, not the joiner; the least loaded,
+                       one that has not failed this joiner first
+    take the lock      the admin update lock, waiting at most LOCK_WAIT_S: a fleet update in progress
+                       wins, the catch-up is tried again on a later scan (an update that arrives during
+                       a catch-up waits for it, within its own --admin-lock-timeout-s)
+    check again        eligibility, the latest entry and the source's holding, under the lock
+    load               POST /update_weights_from_peer on the joiner (source_url, the latest label, the
+                       entry's checksum when recorded), bounded by the endpoint's budget
+    verify             success; weight_version is the fleet's label; source_instance_id is the process the
+                       router recorded as the holder; the checksum equals the entry's when recorded; the
+                       joiner's metadata read again shows the same process serving that label, whole
+    record             FleetWeights.caught_up: the joiner holds the latest entry (refused when the fleet
+                       moved on), so it becomes routable; data planes follow with the next snapshot
+
+Invariants: the joiner receives no traffic before it is recorded (it is pending throughout, and
+the router records it only after the verification above); a failed load leaves its old weights (the
+sink is atomic) and it stays pending with the reason in ``GET /workers`` (``catch_up``); nothing is
+journalled or fenced, because a joiner that is not recorded is never routed to whatever it holds.
+Failures back off exponentially per worker (:data:`FIRST_BACKOFF_S` doubling to :data:`MAX_BACKOFF_S`),
+reset when its process changes. One catch-up runs at a time fleet-wide: each holds the update lock,
+and a source streams its whole model to one sink at once. It runs only in the control process (the
+app of :func:`~router.gateway.app.create_app`) and, with ``--leader-election``, only while this
+replica's gate is open: a standby changes no worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from aiohttp import web
+from pydantic import ValidationError
+
+from router.contract import endpoints as ep
+from router.contract.errors import Unavailable
+from router.contract.fleet import CatchUpStatus
+from router.contract.peer import UpdateWeightsFromPeerRequest, UpdateWeightsFromPeerResult
+from router.gateway import keys
+from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.fleet.registry import Worker
+from router.gateway.leader.gate import LeaderGate
+from router.gateway.upstream import WorkerClient
+
+log = logging.getLogger(__name__)
+
+#: How often the registry is scanned for workers to catch up.
+SCAN_S = 0.5
+#: How long a catch-up waits for the update lock before it leaves it to a fleet update and retries later.
+LOCK_WAIT_S = 0.5
+#: The first retry's delay after a failure; it doubles per failure up to :data:`MAX_BACKOFF_S`.
+FIRST_BACKOFF_S = 2.0
+MAX_BACKOFF_S = 60.0
+#: ``holder`` of the update lock while a catch-up holds it (in a 503 another operation gets).
+LOCK_HOLDER = "catch-up from a peer"
+
+
+class CatchUpFailed(Exception):
+    """One catch-up failed; the message says why (shown in ``GET /workers``)."""
+
+
+class NothingToDo(Exception):
+    """Under the lock the worker no longer qualifies (the fleet moved it, or it changed): no attempt is counted."""
+
+
+def backoff_s(attempts: int) -> float:
+    """The delay before the next attempt after ``attempts`` failures (>= 1)."""
+    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** max(0, attempts - 1))
+
+
+@dataclass(slots=True)
+class _Tries:
+    """A worker's failed attempts, for the process they were made on."""
+
+    instance_id: str | None
+    attempts: int = 0
+    next_try_at: float = 0.0
+    failed_sources: set[str] = field(default_factory=set)
+
+
+class JoinerSync:
+    """The scan loop and one catch-up at a time (see the module docstring)."""
+
+    def __init__(
+        self,
+        ctx: AdminContext,
+        workers: WorkerClient,
+        *,
+        headers: dict[str, str],
+        leader: LeaderGate | None = None,
+    ):
+        self._ctx = ctx
+        self._workers = workers
+        self._headers = headers
+        self._leader = leader
+        self._tries: dict[str, _Tries] = {}
+
+    def eligible(self, worker: Worker) -> bool:
+        """Whether ``worker`` is pending for want of the fleet's latest weights and may load them."""
+        registry = self._ctx.registry
+        fleet = registry.fleet
+        if fleet.record is None:
+            return False
+        if worker.health != "healthy" or worker.disabled or worker.removed or worker.departed is not None:
+            return False
+        if worker.weight_state != "serving" or worker.instance_id is None or worker.update_holds > 0:
+            return False
+        if self._ctx.journal.names(worker.id):
+            return False
+        return fleet.verified_sequence(worker.id, worker) is None
+
+    def sources(self, joiner: Worker) -> list[Worker]:
+        """Routable holders of the latest entry other than ``joiner``: untried first, then the least loaded."""
+        registry = self._ctx.registry
+        fleet = registry.fleet
+        tried = self._tries.get(joiner.id)
+        failed = tried.failed_sources if tried is not None else set()
+        found = [
+            w
+            for w in registry.workers()
+            if w.id != joiner.id
+            and registry.is_routable(w)
+            and fleet.verified_sequence(w.id, w) == fleet.latest_sequence
+        ]
+        return sorted(found, key=lambda w: (w.id in failed, w.inflight + w.inflight_elsewhere))
+
+    async def run(self) -> None:
+        """Scan every :data:`SCAN_S` and catch up the first worker whose turn it is."""
+        while True:
+            try:
+                await self.scan()
+            except Exception:
+                log.exception("catch-up scan failed")
+            await asyncio.sleep(SCAN_S)
+
+    async def scan(self) -> None:
+        if self._leader is not None and not self._leader.is_open:
+            return
+        now = time.time()
+        for worker in self._ctx.registry:
+            if not self.eligible(worker):
+                self._tries.pop(worker.id, None)
+                worker.catch_up = None
+                continue
+            tries = self._tries.get(worker.id)
+            if tries is not None and tries.instance_id != worker.instance_id:
+                tries = self._tries[worker.id] = _Tries(worker.instance_id)
+            if tries is not None and tries.next_try_at > now:
+                continue
+            sources = self.sources(worker)
+            if not sources:
+                continue
+            await self.catch_up(worker, sources[0])
+            return  # one at a time: the next scan takes the next worker
+
+    async def catch_up(self, joiner: Worker, source: Worker) -> bool:
+        """Load ``joiner`` from ``source`` and record it; False (with the reason kept) when it did not."""
+        try:
+            lock = await LockHold.take(self._ctx.gate, LOCK_HOLDER, timeout_s=LOCK_WAIT_S)
+        except Unavailable:
+            return False  # a fleet update holds the lock: it may move the fleet on; look again next scan
+        started = time.perf_counter()
+        outcome, copied = "failure", 0
+        tries = self._tries.setdefault(joiner.id, _Tries(joiner.instance_id))
+        try:
+            copied = await self._load(joiner, source, tries.attempts)
+            outcome = "success"
+        except NothingToDo:
+            outcome = "skipped"
+            joiner.catch_up = None
+        except CatchUpFailed as exc:
+            tries.attempts += 1
+            tries.failed_sources.add(source.id)
+            tries.next_try_at = time.time() + backoff_s(tries.attempts)
+            joiner.catch_up = CatchUpStatus(
+                state="failed",
+                source=source.id,
+                attempts=tries.attempts,
+                last_error=str(exc),
+                next_try_at=tries.next_try_at,
+            )
+            log.warning(
+                "catch-up of worker %s from %s failed (attempt %d, next in %.0fs): %s",
+                joiner.id,
+                source.id,
+                tries.attempts,
+                tries.next_try_at - time.time(),
+                exc,
+            )
+        finally:
+            lock.release()
+            seconds = time.perf_counter() - started
+            self._ctx.metrics.observe_catch_up(outcome, seconds)
+        if outcome == "success":
+            self._tries.pop(joiner.id, None)
+            joiner.catch_up = None
+            log.info(
+                "worker %s (%s) caught up from %s (%s): weight_version %r, %d bytes in %.2fs",
+                joiner.id,
+                joiner.url,
+                source.id,
+                source.url,
+                joiner.weight_version,
+                copied,
+                seconds,
+            )
+        return outcome == "success"
+
+    async def _load(self, joiner: Worker, source: Worker, attempts: int) -> int:
+        """Under the lock: check again, load, verify, record; the bytes copied, or :class:`CatchUpFailed`."""
+        fleet = self._ctx.registry.fleet
+        record = fleet.record
+        if record is None or not self.eligible(joiner):
+            raise NothingToDo
+        holder = record.holders.get(source.id)
+        if (
+            holder is None
+            or not self._ctx.registry.is_routable(source)
+            or fleet.verified_sequence(source.id, source) != record.latest.sequence
+        ):
+            raise NothingToDo  # the source left or fell behind: the next scan picks another
+        entry = record.latest
+        instance = joiner.instance_id
+        try:
+            request = UpdateWeightsFromPeerRequest(
+                source_url=source.url, weight_version=entry.weight_version, checksum=entry.checksum
+            )
+        except ValidationError as exc:
+            raise CatchUpFailed(f"cannot ask for the fleet's weights: {exc.errors()[0]['msg']}") from None
+        joiner.catch_up = CatchUpStatus(state="copying", source=source.id, attempts=attempts)
+        joiner.update_holds += 1  # a slow probe while it loads is not a failure; metadata is read below
+        try:
+            answer = await self._workers.call(joiner.url, ep.UPDATE_WEIGHTS_FROM_PEER, request, headers=self._headers)
+        finally:
+            joiner.update_holds -= 1
+        body = answer.value
+        if body is None or not body.success:
+            raise CatchUpFailed(f"{ep.UPDATE_WEIGHTS_FROM_PEER.path} failed: {_why(answer.error, answer.body)}")
+        _verify(body, entry.weight_version, holder.instance_id, entry.checksum)
+        if not await self._ctx.prober.refresh_metadata(joiner):
+            raise CatchUpFailed("it did not answer /model_info after the load")
+        if joiner.instance_id != instance:
+            raise CatchUpFailed("its process changed during the load")
+        if not await fleet.caught_up(joiner.id, joiner.weights, entry.sequence):
+            raise CatchUpFailed(
+                f"not recorded: the fleet moved past version {entry.sequence}, or it reports "
+                f"weight_version {joiner.weight_version!r} ({joiner.weight_state})"
+            )
+        return body.bytes_received
+
+
+def _why(error: str | None, body: UpdateWeightsFromPeerResult | None) -> str:
+    if error:
+        return error
+    return body.message if body is not None and body.message else "no usable answer"
+
+
+def _verify(body: UpdateWeightsFromPeerResult, label: str | None, holder: str, checksum: str | None) -> None:
+    """The answer says the joiner loaded the fleet's label, from the recorded holder, with its checksum."""
+    if label is not None and body.weight_version != label:
+        raise CatchUpFailed(f"it loaded weight_version {body.weight_version!r}, the fleet's is {label!r}")
+    if body.source_instance_id != holder:
+        raise CatchUpFailed(
+            f"the weights came from process {body.source_instance_id!r}, the recorded holder is {holder!r}"
+        )
+    if checksum is not None and body.checksum != checksum:
+        raise CatchUpFailed(f"it loaded checksum {body.checksum!r}, the fleet's is {checksum!r}")
+
+
+async def catch_up_ctx(app: web.Application) -> AsyncIterator[None]:
+    """An aiohttp cleanup context: the scan loop for as long as the app runs (``--sync-joiners peer``)."""
+    if app[keys.CONFIG].sync_joiners != "peer":
+        yield
+        return
+    sync = JoinerSync(
+        app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
+    )
+    task = asyncio.get_running_loop().create_task(sync.run(), name="catch-up-joiners")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
