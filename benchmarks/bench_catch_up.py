@@ -13,8 +13,13 @@ over the first two, moves the fleet to checkpoint B through the router, then, al
 * ``disk``: ``POST /update_weights_from_disk`` of checkpoint B on that worker directly (page cache
   warm: the best case for a disk load), timed request → answer.
 
-Prints each round (with the load alone, as the router logs it), the medians and their ratio
-(catch-up ÷ disk).
+Then, with the workers stopped, the trainer's broadcast of the same bytes (checkpoint B's tensors,
+same names and shapes) to one receiver process, timed as ``bench_weight_sync`` times it (gloo on
+CPU, NCCL on GPUs): one flat broadcast (the transport's ceiling) and the two-phase flattened path a
+trainer sync uses, both without HTTP.
+
+Prints each round (with the load alone, as the router logs it), the medians and their ratios
+(catch-up ÷ disk, catch-up ÷ the trainer's broadcast).
 """
 
 from __future__ import annotations
@@ -51,6 +56,45 @@ def _until_routable(router: str, worker_id: str, bound_s: float = 300.0) -> None
             return
         time.sleep(0.01)
     raise SystemExit(f"worker {worker_id} not routable within {bound_s:g}s: {view}")
+
+
+#: safetensors' dtype names → torch's.
+_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}
+
+
+def checkpoint_spec(checkpoint: Path) -> list[tuple[str, str, list[int]]]:
+    """``(name, dtype, shape)`` of every tensor of a checkpoint, as a trainer would plan them."""
+    from safetensors import safe_open
+
+    spec = []
+    for path in sorted(checkpoint.glob("*.safetensors")):
+        with safe_open(str(path), "pt") as f:
+            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                view = f.get_slice(name)
+                spec.append((name, _DTYPES[view.get_dtype()], list(view.get_shape())))
+    return spec
+
+
+def broadcast_seconds(checkpoint: Path, repeats: int) -> tuple[float, float]:
+    """Medians of the trainer's broadcast of ``checkpoint``'s bytes to one receiver: (raw, two-phase flattened)."""
+    from benchmarks import bench_weight_sync as ws
+    from router.trainer.sender import BucketPlan
+
+    ws.single_threaded_copies()
+    plan = BucketPlan.from_spec(checkpoint_spec(checkpoint))
+    bench = ws.Bench(argparse.Namespace(receivers=1, backend="auto"))
+    raw: list[float] = []
+    flat: list[float] = []
+    try:
+        tensors = ws.tensors_for(plan, bench.device)
+        for round_ in range(ws.WARMUP_ROUNDS + repeats):
+            r, f = bench.run("raw", plan, tensors), bench.run("flattened_bucket", plan, tensors)
+            if round_ >= ws.WARMUP_ROUNDS:
+                raw.append(r)
+                flat.append(f)
+    finally:
+        bench.close()
+    return statistics.median(raw), statistics.median(flat)
 
 
 def main() -> int:
@@ -108,9 +152,14 @@ def main() -> int:
         finally:
             for proc in reversed(procs):
                 proc.stop()
+        raw, flat = broadcast_seconds(b, args.repeats)
     c, d, m = statistics.median(catch_up), statistics.median(disk), statistics.median(load)
     print(f"machine: {_cpu_name()}, {os.cpu_count()} cores; checkpoint {size_mb:.0f} MB float32")
     print(f"median: catch-up {c:.2f} s (its load {m:.2f} s), disk {d:.2f} s; catch-up / disk = {c / d:.2f}x")
+    print(
+        f"trainer broadcast of the same bytes: raw {raw:.2f} s, two-phase flattened {flat:.2f} s; "
+        f"catch-up / two-phase = {c / flat:.2f}x, its load / two-phase = {m / flat:.2f}x"
+    )
     return 0
 
 
