@@ -219,12 +219,21 @@ def test_a_killed_data_plane_loses_only_its_own_requests(fleet):
 
 
 def _exited(pid: int) -> bool:
-    """``pid`` has exited (gone, or a zombie its parent has not reaped yet): its files are closed."""
+    """``pid`` has exited, every thread of it (gone, or all zombies its parent has not reaped yet): its
+    files, the listening socket among them, are closed. The leader thread turns zombie before the others
+    have finished exiting, and the socket stays open until the last one has."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
     except FileNotFoundError:
         return True
-    return stat.rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    for task in tasks:
+        try:
+            state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except FileNotFoundError:
+            continue  # that thread is gone
+        if state not in ("Z", "X"):
+            return False
+    return True
 
 
 def test_sigterm_drains_every_process_and_stops_them_all(tmp_path):
