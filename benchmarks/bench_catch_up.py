@@ -33,9 +33,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.bench_peer_load import _cpu_name
+from benchmarks.bench_peer_load import _cpu_name, model_arguments, write_checkpoints
 from demo.launch import ManagedProcess, cli, free_port, http_json, start_worker
-from worker.model import write_tiny_checkpoint
 
 KEY = "bench-catch-up-key"
 HEADERS = {"Authorization": f"Bearer {KEY}"}
@@ -99,25 +98,9 @@ def broadcast_seconds(checkpoint: Path, repeats: int) -> tuple[float, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
-    parser.add_argument("--hidden", type=int, default=1024)
-    parser.add_argument("--intermediate", type=int, default=2816)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--vocab", type=int, default=16000)
-    parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
-
-    shapes = {
-        "hidden_size": args.hidden,
-        "intermediate_size": args.intermediate,
-        "num_hidden_layers": args.layers,
-        "vocab_size": args.vocab,
-        "num_attention_heads": 16,
-        "num_key_value_heads": 4,
-    }
+    args = model_arguments(parser)
     with tempfile.TemporaryDirectory(prefix="bench-catch-up-") as tmp:
-        a = write_tiny_checkpoint(Path(tmp) / "a", "llama", 0, **shapes)
-        b = write_tiny_checkpoint(Path(tmp) / "b", "llama", 1, **shapes)
-        size_mb = sum(f.stat().st_size for f in b.glob("*.safetensors")) / 1e6
+        a, b, size_mb = write_checkpoints(Path(tmp), args)
         procs: list[ManagedProcess] = []
         try:
             urls = []

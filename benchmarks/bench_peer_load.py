@@ -52,15 +52,18 @@ def _cpu_name() -> str:
     return platform.machine()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+def model_arguments(parser: argparse.ArgumentParser) -> argparse.Namespace:
+    """The benchmark model's shape (a random Llama) and the repeat count, parsed."""
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--intermediate", type=int, default=2816)
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=16000)
     parser.add_argument("--repeats", type=int, default=3)
-    args = parser.parse_args()
+    return parser.parse_args()
 
+
+def write_checkpoints(root: Path, args: argparse.Namespace) -> tuple[Path, Path, float]:
+    """Two random Llama checkpoints ``a`` and ``b`` of the same shapes under ``root``, and ``b``'s size in MB."""
     shapes = {
         "hidden_size": args.hidden,
         "intermediate_size": args.intermediate,
@@ -69,10 +72,16 @@ def main() -> int:
         "num_attention_heads": 16,
         "num_key_value_heads": 4,
     }
+    a = write_tiny_checkpoint(root / "a", "llama", 0, **shapes)
+    b = write_tiny_checkpoint(root / "b", "llama", 1, **shapes)
+    return a, b, sum(f.stat().st_size for f in b.glob("*.safetensors")) / 1e6
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    args = model_arguments(parser)
     with tempfile.TemporaryDirectory(prefix="bench-peer-") as tmp:
-        a = write_tiny_checkpoint(Path(tmp) / "a", "llama", 0, **shapes)
-        b = write_tiny_checkpoint(Path(tmp) / "b", "llama", 1, **shapes)
-        size_mb = sum(f.stat().st_size for f in b.glob("*.safetensors")) / 1e6
+        a, b, size_mb = write_checkpoints(Path(tmp), args)
         procs = []
         try:
             for _ in range(2):

@@ -63,6 +63,23 @@ def model_info(url: str) -> dict:
 PROMPTS = [[1, 2, 3, 4, 5], [72, 101, 108, 108, 111], [200, 17, 3]]
 
 
+def transformers_greedy(path: str | Path, prompt: list[int], n: int) -> list[int]:
+    """``n`` greedy tokens after ``prompt`` from ``transformers`` on the checkpoint at ``path`` (end of
+    sequence not honoured, as a worker asked with ``ignore_eos``): the reference a worker must equal."""
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor([prompt])
+    out: list[int] = []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(ids).logits[0, -1].argmax())
+            out.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return out
+
+
 def greedy(url: str, prompt: list[int], n: int = 12) -> list[int]:
     status, body = http_json(
         "POST",

@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any, cast
 
 import pytest
-import torch
 
 from router.gateway.admin.catch_up import JoinerSync, backoff_s
 from router.gateway.admin.journal import UpdateJournal
@@ -37,7 +36,7 @@ from router.gateway.leader.gate import LeaderGate
 from tests._polling import wait_for
 from tests._router_fixtures import ADMIN_KEY, Fleet, auth, by_url, generate_via, start_router
 from tests._router_trainer import run_trainer
-from tests._weight_sync_fixtures import WORKER_ARGS
+from tests._weight_sync_fixtures import WORKER_ARGS, transformers_greedy
 from tests.procs import ManagedProcess, http_json
 
 PROMPT = [1, 2, 3, 4, 5]
@@ -107,19 +106,6 @@ def restart(proc: ManagedProcess, url: str) -> None:
     proc.kill()
     proc.start()
     proc.wait_http_ready(url + "/health", timeout=90)
-
-
-def transformers_greedy(path: Path) -> list[int]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPT])
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            token = int(model(ids).logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
 
 
 async def test_a_catch_up_is_recorded_only_on_the_entry_it_copied() -> None:
@@ -244,7 +230,7 @@ def test_a_joiner_catches_up_from_a_peer_before_it_takes_traffic(fleet: Fleet, r
         },
         headers=auth(),
     )
-    assert status == 200 and out["output_ids"] == transformers_greedy(checkpoints["llama_b"]), out
+    assert status == 200 and out["output_ids"] == transformers_greedy(checkpoints["llama_b"], PROMPT, NEW_TOKENS), out
     assert f"worker {joiner} ({joiner_url}) caught up from" in proc.log_text(1_000_000)
     metrics = http_json("GET", url + "/metrics")[1]
     assert 'omni_router_catch_ups_total{outcome="success"} 1.0' in metrics

@@ -20,6 +20,7 @@ import torch
 from router.contract.peer import UpdateWeightsFromPeerResult
 from tests._polling import wait_for
 from tests._router_fixtures import ADMIN_KEY, auth
+from tests._weight_sync_fixtures import transformers_greedy
 from tests._worker_helpers import Worker, result
 from worker.model import digest_named_tensors, load_model
 
@@ -62,19 +63,6 @@ def _sink_back_to_a(sink, checkpoints):
     sink.ok("POST", "/update_weights_from_disk", {"model_path": str(checkpoints["llama"]), "weight_version": "default"})
 
 
-def _transformers_greedy(path) -> list[int]:
-    transformers = pytest.importorskip("transformers")
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = torch.tensor([PROMPT])
-    out: list[int] = []
-    with torch.no_grad():
-        for _ in range(NEW_TOKENS):
-            token = int(model(ids).logits[0, -1].argmax())
-            out.append(token)
-            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
-
-
 def _snapshot_bytes(worker: Worker) -> bytes:
     req = urllib.request.Request(worker.url + "/weights_snapshot", headers=auth())
     with urllib.request.urlopen(req, timeout=60) as resp:
@@ -106,7 +94,7 @@ def test_sink_catches_up_to_the_peer(source, sink, checkpoints, checksums):
     assert answer.bytes_received > 0
     assert sink.info()["weight_version"] == "step-7" and sink.info()["weight_state"] == "serving"
     tokens = sink.generate(PROMPT, NEW_TOKENS)["output_ids"]
-    assert tokens == _transformers_greedy(checkpoints["llama_b"])
+    assert tokens == transformers_greedy(checkpoints["llama_b"], PROMPT, NEW_TOKENS)
 
     # The source's digests are reused between snapshots of one version, never across an update.
     source.ok(
