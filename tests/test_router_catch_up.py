@@ -149,7 +149,7 @@ class _NoLease:
 
 async def test_who_catches_up_and_from_whom() -> None:
     registry, journal = WorkerRegistry(), UpdateJournal(None)
-    holder, joiner, stale = (registry.add(f"http://127.0.0.1:{port}") for port in (1, 2, 3))
+    holder, joiner, stale = (registry.add(f"http://127.0.0.1:{port}", engine="omni") for port in (1, 2, 3))
     for n, w in enumerate((holder, joiner, stale)):
         w.health, w.weight_state, w.weight_version, w.instance_id = "healthy", "serving", "v1", f"i-{n}"
     sync = JoinerSync(cast(AdminContext, _PolicyOnly(registry, journal)), cast(Any, None), headers={})

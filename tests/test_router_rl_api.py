@@ -63,6 +63,7 @@ def test_selector_grammar_refuses(text: str) -> None:
 async def client(aiohttp_client: Any, tmp_path: Path) -> TestClient:
     config = RouterConfig(
         worker_urls=UNREACHABLE,
+        worker_engine="omni",  # unreachable, so never detected: registered as the omni-workers they stand for
         admin_api_key=KEY,
         state_dir=tmp_path / "state",
         admin_lock_timeout_s=0.3,

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from router.contract import admin, peer, vllm, vllm_dev, vllm_server, weight_sync
+from router.contract import admin, peer, vllm, vllm_dev, vllm_rl, vllm_server, weight_sync
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, Budget
 
@@ -406,6 +406,47 @@ ABORT_REQUESTS = Endpoint(
     summary="Abort requests by id (all when none are given) (vLLM)",
 )
 
+
+# -- vLLM's routes that only a real vLLM server serves (a router relays them to its vLLM workers) --------
+WEIGHT_INFO = Endpoint(
+    "/weight_info",
+    GET,
+    vllm.EmptyVllmRequest,
+    vllm_rl.WeightInfo,
+    Budget(30.0),
+    summary="The weight version label (vLLM)",
+)
+#: vLLM's checker: per-tensor SHA-256 of the runtime bytes (``weights_checker`` is SGLang's and this worker's).
+WEIGHT_CHECKER = Endpoint(
+    "/weight_checker",
+    POST,
+    vllm_rl.VllmWeightCheckerRequest,
+    vllm_rl.VllmWeightCheckerResult,
+    Budget(600.0),
+    summary="Per-tensor SHA-256 checksums, or a compare against a baseline (vLLM)",
+)
+#: Any worker method by name: serialized and, unless the method only reads, fenced as a weight update.
+COLLECTIVE_RPC = Endpoint(
+    "/collective_rpc",
+    POST,
+    vllm_rl.CollectiveRpcRequest,
+    vllm_rl.CollectiveRpcResult,
+    Budget(600.0),
+    serialized=True,
+    writes_weights=True,
+    timeout_field="timeout",
+    summary="Call a method on every worker rank (vLLM; reload_weights loads a checkpoint)",
+)
+SHUTDOWN_WEIGHT_TRANSFER_ENGINE = Endpoint(
+    "/shutdown_weight_transfer_engine",
+    POST,
+    vllm.EmptyVllmRequest,
+    vllm.VllmResult,
+    Budget(60.0),
+    serialized=True,
+    summary="Release the weight-transfer engine (vLLM)",
+)
+
 #: Every admin route a worker serves, in the order they are documented.
 WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
     MODEL_INFO,
@@ -443,4 +484,12 @@ WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
     WAKE_UP,
     IS_SLEEPING,
     ABORT_REQUESTS,
+)
+
+#: Admin routes of vLLM servers that omni-worker does not serve (the router relays them to vLLM workers only).
+VLLM_ONLY_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
+    WEIGHT_INFO,
+    WEIGHT_CHECKER,
+    COLLECTIVE_RPC,
+    SHUTDOWN_WEIGHT_TRANSFER_ENGINE,
 )

@@ -20,6 +20,7 @@ from router.contract.admin import ModelInfo, ServerInfo, WeightsCheckerResult, W
 from router.contract.base import WireRequest, WireResponse
 from router.contract.vllm import IsPausedResponse, PauseStatus, VllmResult
 from router.contract.vllm_dev import AbortRequestsResult, IsSleepingResponse
+from router.contract.vllm_rl import VllmWeightCheckerResult
 from router.contract.vllm_server import ResetPrefixCacheResult, VllmConfigView
 from router.contract.weight_sync import (
     AbortWeightsUpdateResponse,
@@ -29,6 +30,10 @@ from router.contract.weight_sync import (
 )
 
 HealthState = Literal["healthy", "unhealthy", "dead"]
+#: The inference server behind a worker URL: this project's omni-worker, vLLM, or SGLang
+#: (docs/engines.md says what the router reads and relays for each).
+EngineName = Literal["omni", "vllm", "sglang"]
+ENGINE_NAMES: tuple[EngineName, ...] = ("omni", "vllm", "sglang")
 R = TypeVar("R", bound=WireResponse)
 
 #: Fields of a worker's answer that describe that worker alone; never lifted into the fleet's answer.
@@ -61,6 +66,10 @@ class WorkerRecord(WireResponse):
     health: HealthState
     disabled: bool
     inflight: int
+    engine: EngineName | None = None
+    """The server behind the URL (``None`` until the router has told: it is then not routable)."""
+    engine_detail: str | None = None
+    """What the router found about the engine: why it could not tell it, or what the server lacks."""
     weight_version: str | None = None
     tp_size: int | None = None
     weight_state: str | None = None
@@ -99,6 +108,9 @@ class FleetVersionEntry(WireResponse):
     changed_at: float = 0.0
     checksum: str | None = None
     """The checksum of the weights as applied, when every worker that took them reported the same one."""
+    source_path: str | None = None
+    """The checkpoint these weights were loaded from (an update from disk, vLLM's ``reload_weights``), kept
+    across a relabel: a worker that joins later can load the same weights from it (catch-up from a path)."""
 
 
 class WorkerVersionStanding(WireResponse):
@@ -135,6 +147,8 @@ class AddWorkerRequest(WireRequest):
 
     url: str = Field(min_length=1, max_length=2048)
     disabled: bool = False
+    engine: EngineName | Literal["auto"] | None = None
+    """The server behind the URL; ``None``: the router's ``--worker-engine`` (``auto``: detected)."""
 
 
 class UpdateWorkerRequest(WireRequest):
@@ -343,6 +357,16 @@ class WeightsCheckerFleetAnswer(FleetAnswer[WeightsCheckerResult], WeightsChecke
     partial_workers: list[str] = Field(default_factory=list)
     worker_checksums: dict[str, str | None] = Field(default_factory=dict)
     rank_checksums: dict[str, list[str]] = Field(default_factory=dict)
+
+
+class VllmWeightCheckerFleetAnswer(FleetAnswer[VllmWeightCheckerResult], VllmWeightCheckerResult):
+    """vLLM's ``/weight_checker`` through the router. With ``checksum``: ``checksums`` is the map every worker
+    reported when all agree; ``identical`` says whether every worker holds the same weights, key for key (only
+    workers of one parallel layout compare: the keys name their ranks), and ``differing`` names the keys on
+    which some worker differs or that some worker lacks."""
+
+    identical: bool | None = None
+    differing: list[str] = Field(default_factory=list)
 
 
 class WorkerVersion(WireResponse):

@@ -212,7 +212,9 @@ async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
     if cfg.service_discovery != "k8s":
         yield
         return
-    fleet = DiscoveredFleet(app[keys.REGISTRY], app[keys.GATE], app[keys.JOURNAL], app[keys.HEALTH])
+    fleet = DiscoveredFleet(
+        app[keys.REGISTRY], app[keys.GATE], app[keys.JOURNAL], app[keys.HEALTH], default_engine=cfg.fixed_engine
+    )
     pods = KubernetesPods(
         selector=cfg.selector, on_change=fleet.offer, namespace=cfg.discovery_namespace, port=cfg.discovery_port
     )
@@ -262,7 +264,7 @@ def create_app(config: RouterConfig) -> web.Application:
     state = durable_state(config)
     registry = WorkerRegistry(thresholds=thresholds, fleet=FleetWeights(state.record(FLEET_FILE)))
     for url in config.worker_urls:
-        registry.add(url)
+        registry.add(url, engine=config.fixed_engine)
     journal = UpdateJournal(state.record(JOURNAL_FILE))
     # With leader election the journal is read by the replica that takes the lease (a standby writes nothing).
     leader = Leadership.for_config(config) if config.leader_election else None

@@ -15,7 +15,14 @@ from router import __version__
 from router.contract.errors import ApiError
 from router.contract.web.auth import ADMIN_KEY_ENV, resolve_admin_key
 from router.gateway.app import create_app
-from router.gateway.config import DISCOVERY_NAMES, POLICY_NAMES, STATE_STORE_NAMES, SYNC_JOINERS_NAMES, RouterConfig
+from router.gateway.config import (
+    DISCOVERY_NAMES,
+    POLICY_NAMES,
+    STATE_STORE_NAMES,
+    SYNC_JOINERS_NAMES,
+    WORKER_ENGINE_NAMES,
+    RouterConfig,
+)
 from router.gateway.discovery.k8s import require_client
 from router.gateway.processes.control import DEFAULT_ACK_TIMEOUT_S
 from router.gateway.processes.launch import data_plane_count, run_control, run_data_plane
@@ -77,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = RouterConfig()
     p = argparse.ArgumentParser(
         prog="omni-router",
-        description="One URL in front of N omni workers: routing, admin broadcast, weight sync.",
+        description="One URL in front of N inference workers (omni-worker, vLLM, SGLang): routing, admin broadcast, "
+        "weight sync.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -85,6 +93,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=30000, help="TCP port to listen on")
     p.add_argument(
         "--worker-urls", nargs="*", default=[], metavar="URL", help="workers to register at start-up, in rank order"
+    )
+    p.add_argument(
+        "--worker-engine",
+        choices=WORKER_ENGINE_NAMES,
+        default=d.worker_engine,
+        help="the server behind worker URLs that do not say (--worker-urls, POST /workers without engine, pods "
+        "without the omni-router.io/engine label): omni, vllm, sglang, or auto (detected at registration)",
     )
     p.add_argument(
         "--admin-api-key",
@@ -327,6 +342,7 @@ def _kubernetes_flag(config: RouterConfig) -> str | None:
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     return RouterConfig(
         worker_urls=list(args.worker_urls),
+        worker_engine=args.worker_engine,
         admin_api_key=resolve_admin_key(args.admin_api_key),
         worker_api_key=args.worker_api_key or None,
         api_key=args.api_key or None,

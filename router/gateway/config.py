@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Literal, get_args
 
 from router.contract.budget import DEFAULT_LOCK_WAIT_S
+from router.contract.fleet import EngineName
 from router.gateway.routing.versions import parse_version_policy
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
@@ -18,6 +19,8 @@ StateStoreName = Literal["dir", "k8s"]
 STATE_STORE_NAMES: tuple[str, ...] = get_args(StateStoreName)
 SyncJoinersName = Literal["peer", "off"]
 SYNC_JOINERS_NAMES: tuple[str, ...] = get_args(SyncJoinersName)
+WorkerEngineName = Literal["auto", "omni", "vllm", "sglang"]
+WORKER_ENGINE_NAMES: tuple[str, ...] = get_args(WorkerEngineName)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -26,6 +29,11 @@ class RouterConfig:
 
     worker_urls: list[str] = field(default_factory=list)
     """Workers registered at start-up, in order (their order fixes rank assignment)."""
+
+    worker_engine: WorkerEngineName = "auto"
+    """The server behind each worker URL that does not say (``--worker-urls``, ``POST /workers`` without
+    ``engine``, discovered pods without the ``omni-router.io/engine`` label): ``omni``, ``vllm``, ``sglang``,
+    or ``auto``, detected at registration (docs/engines.md)."""
 
     admin_api_key: str | None = None
     """Bearer key for every admin and registry route."""
@@ -166,6 +174,11 @@ class RouterConfig:
             )
 
     @property
+    def fixed_engine(self) -> EngineName | None:
+        """The engine workers are registered with when they name none; ``None``: detected."""
+        return None if self.worker_engine == "auto" else self.worker_engine
+
+    @property
     def key_for_workers(self) -> str | None:
         return self.worker_api_key if self.worker_api_key is not None else self.admin_api_key
 
@@ -203,6 +216,8 @@ class RouterConfig:
         parse_version_policy(self.version_policy)
         if self.policy not in POLICY_NAMES:
             raise ValueError(f"unknown policy {self.policy!r}")
+        if self.worker_engine not in WORKER_ENGINE_NAMES:
+            raise ValueError(f"unknown --worker-engine {self.worker_engine!r}")
         if self.sync_joiners not in SYNC_JOINERS_NAMES:
             raise ValueError(f"unknown --sync-joiners {self.sync_joiners!r}")
         if self.service_discovery not in DISCOVERY_NAMES:

@@ -18,12 +18,13 @@ from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.groups import group_name_of
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import Operation
+from router.gateway.fleet.weights import checkpoint_of
 
 
 async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcome:
     """Lock if serialized, fence if fenced, fan out, settle; refresh versions after a weight change."""
     async with AdminRun.open(op, ctx) as run:
-        targets = ctx.live_targets(call.only)
+        targets = ctx.live_targets(call.only, serving=op.path)
         if call.only is not None and not op.targetable and len(targets) != len(ctx.live_targets()):
             raise BadRequest(
                 f"{op.path} spans every member of the fleet's weight-update group or held update; "
@@ -43,5 +44,6 @@ async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcom
                 await ctx.groups.dropped(group)
         outcome = await run.settle(results)
         if op.changes_weights:
-            await ctx.record_weight_change(targets, results)
+            source = checkpoint_of(op.path, call.request, ctx.registry.fleet.record)
+            await ctx.record_weight_change(targets, results, source_path=source)
         return outcome

@@ -27,6 +27,10 @@ One catch-up, in order::
     record             FleetWeights.caught_up: the joiner holds the latest entry (refused when the fleet
                        moved on), so it becomes routable; data planes follow with the next snapshot
 
+A joiner that cannot load from a peer (vLLM and SGLang serve no peer route this router drives) loads the
+fleet's checkpoint instead, when the fleet's weights came from one (:mod:`.catch_up_path`), and is checked
+against a holder of the same engine before it is recorded.
+
 Invariants: the joiner receives no traffic before it is recorded (it is pending throughout, and
 the router records it only after the verification above); a failed load leaves its old weights (the
 sink is atomic) and it stays pending with the reason in ``GET /workers`` (``catch_up``); nothing is
@@ -54,7 +58,9 @@ from router.contract.errors import Unavailable
 from router.contract.fleet import CatchUpStatus
 from router.contract.peer import UpdateWeightsFromPeerRequest, UpdateWeightsFromPeerResult
 from router.gateway import keys
+from router.gateway.admin import catch_up_path
 from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.upstream import WorkerClient
@@ -126,7 +132,7 @@ class JoinerSync:
             return False
         return fleet.verified_sequence(worker.id, worker) is None
 
-    def sources(self, joiner: Worker) -> list[Worker]:
+    def holders(self, joiner: Worker) -> list[Worker]:
         """Routable holders of the latest entry other than ``joiner``: untried first, then the least loaded."""
         registry = self._ctx.registry
         fleet = registry.fleet
@@ -140,6 +146,17 @@ class JoinerSync:
             and fleet.verified_sequence(w.id, w) == fleet.latest_sequence
         ]
         return sorted(found, key=lambda w: (w.id in failed, w.inflight + w.inflight_elsewhere))
+
+    def sources(self, joiner: Worker) -> list[Worker]:
+        """The holders ``joiner`` can load from as a peer: both serve the peer routes (omni-worker's)."""
+        if not serves(joiner, ep.UPDATE_WEIGHTS_FROM_PEER.path):
+            return []
+        return [w for w in self.holders(joiner) if w.engine == "omni"]
+
+    def path_plan(self, joiner: Worker) -> list[catch_up_path.LoadStep] | None:
+        """How ``joiner`` loads the fleet's weights from their checkpoint when no peer can give them."""
+        record = self._ctx.registry.fleet.record
+        return None if record is None else catch_up_path.steps(joiner, record.latest)
 
     async def run(self) -> None:
         """Scan every :data:`SCAN_S` and catch up the first worker whose turn it is."""
@@ -165,13 +182,16 @@ class JoinerSync:
             if tries is not None and tries.next_try_at > now:
                 continue
             sources = self.sources(worker)
-            if not sources:
-                continue
-            await self.catch_up(worker, sources[0])
-            return  # one at a time: the next scan takes the next worker
+            if sources:
+                await self.catch_up(worker, sources[0])
+                return  # one at a time: the next scan takes the next worker
+            if self.path_plan(worker) is not None:
+                await self.catch_up(worker, None)
+                return
 
-    async def catch_up(self, joiner: Worker, source: Worker) -> bool:
-        """Load ``joiner`` from ``source`` and record it; False (with the reason kept) when it did not."""
+    async def catch_up(self, joiner: Worker, source: Worker | None) -> bool:
+        """Load ``joiner`` from ``source`` (``None``: from the fleet's checkpoint) and record it; False (with the
+        reason kept) when it did not."""
         try:
             lock = await LockHold.take(self._ctx.gate, LOCK_HOLDER, timeout_s=LOCK_WAIT_S)
         except Unavailable:
@@ -180,18 +200,22 @@ class JoinerSync:
         outcome, copied = "failure", 0
         tries = self._tries.setdefault(joiner.id, _Tries(joiner.instance_id))
         try:
-            copied = await self._load(joiner, source, tries.attempts)
+            if source is None:
+                await self._load_path(joiner, tries.attempts)
+            else:
+                copied = await self._load(joiner, source, tries.attempts)
             outcome = "success"
         except NothingToDo:
             outcome = "skipped"
             joiner.catch_up = None
         except CatchUpFailed as exc:
             tries.attempts += 1
-            tries.failed_sources.add(source.id)
+            if source is not None:
+                tries.failed_sources.add(source.id)
             tries.next_try_at = time.time() + backoff_s(tries.attempts)
             joiner.catch_up = CatchUpStatus(
                 state="failed",
-                source=source.id,
+                source=source.id if source is not None else None,
                 attempts=tries.attempts,
                 last_error=str(exc),
                 next_try_at=tries.next_try_at,
@@ -199,7 +223,7 @@ class JoinerSync:
             log.warning(
                 "catch-up of worker %s from %s failed (attempt %d, next in %.0fs): %s",
                 joiner.id,
-                source.id,
+                source.id if source is not None else "the fleet's checkpoint",
                 tries.attempts,
                 tries.next_try_at - time.time(),
                 exc,
@@ -212,11 +236,10 @@ class JoinerSync:
             self._tries.pop(joiner.id, None)
             joiner.catch_up = None
             log.info(
-                "worker %s (%s) caught up from %s (%s): weight_version %r, %d bytes in %.2fs",
+                "worker %s (%s) caught up from %s: weight_version %r, %d bytes in %.2fs",
                 joiner.id,
                 joiner.url,
-                source.id,
-                source.url,
+                f"{source.id} ({source.url})" if source is not None else "the fleet's checkpoint",
                 joiner.weight_version,
                 copied,
                 seconds,
@@ -264,6 +287,43 @@ class JoinerSync:
                 f"weight_version {joiner.weight_version!r} ({joiner.weight_state})"
             )
         return body.bytes_received
+
+    async def _load_path(self, joiner: Worker, attempts: int) -> None:
+        """Under the lock: check again, load the fleet's checkpoint, verify, record (:mod:`.catch_up_path`)."""
+        fleet = self._ctx.registry.fleet
+        record = fleet.record
+        plan = self.path_plan(joiner)
+        if record is None or plan is None or not self.eligible(joiner):
+            raise NothingToDo
+        entry = record.latest
+        instance = joiner.instance_id
+        joiner.catch_up = CatchUpStatus(state="copying", source=None, attempts=attempts)
+        joiner.update_holds += 1  # a slow probe while it loads is not a failure; metadata is read below
+        try:
+            await catch_up_path.load(self._workers, joiner, plan, self._headers)
+        except catch_up_path.PathLoadFailed as exc:
+            raise CatchUpFailed(f"loading {entry.source_path}: {exc}") from None
+        finally:
+            joiner.update_holds -= 1
+        if not await self._ctx.prober.refresh_metadata(joiner):
+            raise CatchUpFailed("it did not answer its metadata routes after the load")
+        if joiner.instance_id != instance:
+            raise CatchUpFailed("its process changed during the load")
+        if entry.weight_version is not None and joiner.weight_version != entry.weight_version:
+            raise CatchUpFailed(
+                f"it serves {joiner.weight_version!r} after the load, the fleet {entry.weight_version!r}"
+            )
+        for holder in self.holders(joiner):
+            same = await catch_up_path.same_weights(self._workers, joiner, holder, self._headers)
+            if same is False:
+                raise CatchUpFailed(f"its checksums differ from {holder.id}'s, which holds the fleet's weights")
+            if same:
+                break
+        if not await fleet.caught_up(joiner.id, joiner.weights, entry.sequence):
+            raise CatchUpFailed(
+                f"not recorded: the fleet moved past version {entry.sequence}, or it reports "
+                f"weight_version {joiner.weight_version!r} ({joiner.weight_state})"
+            )
 
 
 def _why(error: str | None, body: UpdateWeightsFromPeerResult | None) -> str:

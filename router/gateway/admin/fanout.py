@@ -24,8 +24,10 @@ from typing import Any
 from router.contract.base import WireRequest
 from router.contract.fleet import WorkerResult
 from router.gateway.admin.operations import Operation
+from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
+from router.gateway.upstream.answer import decode_answer
 
 
 @dataclass(slots=True)
@@ -61,6 +63,7 @@ class FanOut:
 
     async def call(self, worker: Worker, call: AdminCall) -> WorkerResult[Any]:
         start = time.perf_counter()
+        engine = engine_of(worker)
         answer = await self._workers.fetch(
             worker.url,
             call.op.path + (f"?{call.query}" if call.query else ""),
@@ -69,6 +72,7 @@ class FanOut:
             body=call.body_for(worker),
             headers=call.headers,
             timeout_s=call.timeout_s,
+            decode=engine.decode if engine is not None else decode_answer,
         )
         body = answer.body
         success = answer.value is not None and answer.value.ok

@@ -3,6 +3,9 @@
 - ``/model_info`` and ``/get_weight_version``: the common ``weight_version``,
   or 409 listing each worker's version when they differ (a mixed fleet must
   not look healthy to a trainer).
+- ``/get_weight_version`` and vLLM's ``/weight_info``: likewise.
+- vLLM's ``/weight_checker`` with ``checksum``: every worker's per-tensor SHA-256 map and whether
+  they are the same key for key (``differing`` names the keys that are not).
 - ``/weights_checker`` with ``checksum``: every worker's checksum and whether
   they are all identical (``worker_checksums`` holds the engine-level digest,
   which covers every TP rank; ``rank_checksums`` each rank's checksum of the
@@ -33,20 +36,23 @@ from router.contract.fleet import (
     FleetWeightVersion,
     ResetPrefixCacheFleetAnswer,
     ServerInfoFleetAnswer,
+    VllmWeightCheckerFleetAnswer,
     WeightsCheckerFleetAnswer,
     WorkerResult,
     WorkerVersion,
 )
+from router.contract.vllm_rl import VllmWeightCheckerRequest, VllmWeightCheckerResult, WeightInfo
 from router.contract.vllm_server import ResetPrefixCacheResult, ServerInfoRequest, VllmConfigView
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext
-from router.gateway.admin.operations import OPERATIONS
+from router.gateway.admin.operations import OPERATIONS, Operation
 
 MODEL_INFO = OPERATIONS[ep.MODEL_INFO.path]
 WEIGHT_VERSION = OPERATIONS[ep.GET_WEIGHT_VERSION.path]
 WEIGHTS_CHECKER = OPERATIONS[ep.WEIGHTS_CHECKER.path]
+VLLM_WEIGHT_CHECKER = OPERATIONS[ep.WEIGHT_CHECKER.path]
 SERVER_INFO = OPERATIONS[ep.SERVER_INFO.path]
 RESET_PREFIX_CACHE = OPERATIONS[ep.RESET_PREFIX_CACHE.path]
 
@@ -67,7 +73,7 @@ def fleet_vllm_config(views: list[VllmConfigView]) -> VllmConfigView:
 
 def _version_of(result: WorkerResult[Any]) -> str | None:
     body = result.body
-    return body.weight_version if isinstance(body, (ModelInfo, WeightVersionResult)) else None
+    return body.weight_version if isinstance(body, (ModelInfo, WeightVersionResult, WeightInfo)) else None
 
 
 class FleetViews:
@@ -127,8 +133,11 @@ class FleetViews:
         info = {**first.model_dump(), "weight_version": version, "worker_count": len(results), "workers": workers}
         return 200, FleetModelInfo.model_validate(info)
 
-    async def weight_version(self, call: AdminCall) -> tuple[int, WeightVersionResult | FleetAnswer[Any]]:
-        outcome = await broadcast(self._ctx, WEIGHT_VERSION, call)
+    async def weight_version(
+        self, call: AdminCall, op: Operation = WEIGHT_VERSION
+    ) -> tuple[int, WeightVersionResult | FleetAnswer[Any]]:
+        """``/get_weight_version`` (SGLang's spelling) or ``/weight_info`` (vLLM's): the version every worker holds."""
+        outcome = await broadcast(self._ctx, op, call)
         results = outcome.answer.results
         self._record_versions(results)
         if not outcome.ok:
@@ -142,15 +151,36 @@ class FleetViews:
             bodies = {r.worker: r.body if isinstance(r.body, WeightsCheckerResult) else None for r in answer.results}
             sums = {w: (b.per_engine_checksum or b.per_gpu_checksum) if b else None for w, b in bodies.items()}
             ranks = {w: b.checksums_per_rank() if b else [] for w, b in bodies.items()}
-            # Identical means every rank of every worker serves the same full tensors: compared on the
-            # full-tensor checksums, so workers with different TP sizes compare too.
+            # Identical means every worker serves the same tensors: every rank the same full tensors (omni-worker
+            # reports full-tensor checksums, so workers of different TP sizes compare), or every worker the same
+            # shards rank for rank (SGLang reports each rank's own shards).
             values = {c for sums_of_worker in ranks.values() for c in sums_of_worker}
+            same_ranks = len({tuple(r) for r in ranks.values()}) == 1
             partial = [r.worker for r in answer.results if self._is_mixed(r.worker)]
             answer.worker_checksums = sums
             answer.rank_checksums = ranks
             answer.partial_workers = partial
             answer.identical = (
-                outcome.ok and all(ranks.values()) and None not in sums.values() and len(values) == 1 and not partial
+                outcome.ok
+                and all(ranks.values())
+                and None not in sums.values()
+                and (len(values) == 1 or same_ranks)
+                and not partial
+            )
+        return outcome
+
+    async def vllm_weight_checker(self, req: VllmWeightCheckerRequest, call: AdminCall) -> Outcome:
+        """vLLM's ``/weight_checker``; with ``checksum``, whether every worker holds the same weights key for key."""
+        outcome = await broadcast(self._ctx, VLLM_WEIGHT_CHECKER, call)
+        answer = outcome.answer
+        if req.action == "checksum" and isinstance(answer, VllmWeightCheckerFleetAnswer):
+            maps = [r.body.checksums if isinstance(r.body, VllmWeightCheckerResult) else None for r in answer.results]
+            known = [m for m in maps if m is not None]
+            keys = sorted({k for m in known for k in m})
+            answer.differing = [k for k in keys if len({m.get(k) for m in known}) != 1]
+            partial = [r.worker for r in answer.results if self._is_mixed(r.worker)]
+            answer.identical = (
+                outcome.ok and bool(keys) and len(known) == len(maps) and not answer.differing and not partial
             )
         return outcome
 

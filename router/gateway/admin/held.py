@@ -13,7 +13,8 @@ the fence on its targets and their journal entry. :class:`HeldUpdates` keeps at 
 - it cannot succeed any more: its targets' ``/health`` is read every :data:`RECEIVE_POLL_S`,
   and once no target can still complete it (each one failed, restarted, lost the update or
   stopped answering for :data:`UNANSWERED_POLLS` polls) the router ends it at once instead of
-  holding the lock until expiry; a later call is told why.
+  holding the lock until expiry; a later call is told why. Only omni-worker's ``/health`` says
+  whether its receive or update is alive: a vLLM or SGLang target that answers may still complete.
 
 A call at work inside the update without ending it holds :attr:`HeldUpdate.calls`; the
 router's own end waits for it (each such call is bounded by its own wait).
@@ -31,6 +32,7 @@ from router.contract.admin import HealthStatus
 from router.contract.budget import HOP_MARGIN_S
 from router.gateway.admin.fence import Fence
 from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.tasks import TaskSet
 
@@ -153,6 +155,9 @@ class HeldUpdates(Generic[H]):
                 why.append(f"{worker.id}: no answer to {unanswered[worker.id]} health probes")
                 continue
             unanswered[worker.id] = 0
+            engine = engine_of(worker)
+            if engine is None or not engine.reports_update_state:
+                return None  # it answers, and its health says nothing of the update: it may still complete
             known = held.instances[worker.id]
             stuck = (
                 "its process restarted"

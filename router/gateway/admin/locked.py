@@ -40,6 +40,7 @@ from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
+from router.gateway.engines import refuse_unserved
 from router.gateway.fleet.health import WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import agreed_checksum
@@ -77,8 +78,11 @@ class AdminContext:
     barrier: FenceBarrier = field(default_factory=lambda: ONE_PROCESS)
     """Every process that routes has applied a fence (the data planes' acknowledgement)."""
 
-    def live_targets(self, only: Collection[str] | None = None) -> list[Worker]:
-        """Every live worker, or those of ``only`` (a targeted call's ids) still live: 503 when there are none."""
+    def live_targets(self, only: Collection[str] | None = None, *, serving: str | None = None) -> list[Worker]:
+        """Every live worker, or those of ``only`` (a targeted call's ids) still live: 503 when there are none.
+
+        ``serving``: the admin route the call sends; 400 when a target's engine does not serve it (a fleet of
+        several engines uses the routes every engine in it serves), before anything is locked or sent."""
         targets = self.registry.live()
         if only is not None:
             targets = [w for w in targets if w.id in only]
@@ -86,16 +90,21 @@ class AdminContext:
                 raise Unavailable(f"none of the {len(only)} targeted worker(s) is live")
         if not targets:
             raise Unavailable(f"no live workers to broadcast to ({len(self.registry)} registered, all dead)")
+        if serving is not None:
+            refuse_unserved(targets, serving)
         return targets
 
     async def refresh_versions(self, workers: Sequence[Worker]) -> None:
         """Read each worker's ``weight_version`` and ``tp_size`` again (after a change, or when unknown)."""
         await asyncio.gather(*(self.prober.refresh_metadata(w) for w in workers))
 
-    async def record_weight_change(self, targets: Sequence[Worker], results: Sequence[WorkerResult[Any]]) -> None:
+    async def record_weight_change(
+        self, targets: Sequence[Worker], results: Sequence[WorkerResult[Any]], *, source_path: str | None = None
+    ) -> None:
         """After a weight change: the targets that succeeded now hold a new fleet version (read back
         from them); targets that failed are pending until an update brings them there, and workers the
-        change did not target keep the version they held (one version staler)."""
+        change did not target keep the version they held (one version staler). ``source_path``: the
+        checkpoint the change loaded (:func:`~router.gateway.fleet.weights.checkpoint_of`)."""
         succeeded = {r.worker for r in results if r.success}
         done = [w for w in targets if w.id in succeeded]
         if done:
@@ -107,6 +116,7 @@ class AdminContext:
                 targets=targeted,
                 checksum=checksum,
                 bystanders=((w.id, w.weights) for w in self.registry if w.id not in targeted and not w.is_dead),
+                source_path=source_path,
             )
 
 

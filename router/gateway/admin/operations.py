@@ -35,6 +35,7 @@ from router.contract.fleet import (
     PrepareFleetAnswer,
     ResetPrefixCacheFleetAnswer,
     ServerInfoFleetAnswer,
+    VllmWeightCheckerFleetAnswer,
     WeightsCheckerFleetAnswer,
     WeightTransferFleetAnswer,
     WeightTransferInitFleetAnswer,
@@ -136,5 +137,13 @@ OPERATIONS: dict[str, Operation] = {
         Operation(ep.SERVER_INFO, answer=ServerInfoFleetAnswer),
         Operation(ep.WEIGHTS_CHECKER, answer=WeightsCheckerFleetAnswer),
         Operation(ep.MODEL_INFO),
+        # vLLM's routes that only vLLM servers serve.
+        Operation(ep.WEIGHT_INFO),
+        Operation(ep.WEIGHT_CHECKER, answer=VllmWeightCheckerFleetAnswer),
+        # Any worker method: a weight update unless the method only reads (COLLECTIVE_RPC_READ).
+        Operation(ep.COLLECTIVE_RPC, fenced=True, changes_weights=True),
+        Operation(ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE),
     )
 }
+#: ``/collective_rpc`` of a method known to leave the weights as they are: serialized, not fenced.
+COLLECTIVE_RPC_READ = Operation(ep.COLLECTIVE_RPC)

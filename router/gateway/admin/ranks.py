@@ -167,7 +167,7 @@ class GroupInitializer:
 
     async def init(self, join: GroupJoin, headers: dict[str, str]) -> Outcome:
         async with AdminRun.open(join.op, self._ctx) as run:
-            targets = self._ctx.live_targets()
+            targets = self._ctx.live_targets(serving=join.op.path)
             # Every target's process is read before it joins: the group record names those processes.
             await self._ctx.refresh_versions(targets)
             slots = plan_ranks(

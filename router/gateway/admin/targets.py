@@ -26,19 +26,21 @@ from multidict import MultiMapping
 
 from router.contract import endpoints as ep
 from router.contract.admin import ModelInfo
+from router.contract.fleet import EngineName
 from router.contract.rl import RlCapabilities, RlRefusal
 from router.gateway.admin.selectors import Selector, SelectorError, parse_selector
+from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.upstream import WorkerClient
 
 #: The query parameters that choose targets; never forwarded to a worker.
 TARGET_PARAMS = frozenset({"workers", "selector"})
 
-#: omni-worker speaks SGLang's admin dialect first (vLLM's routes too, but ``engine`` names one dialect).
-ENGINE = "sglang"
+#: smg's ``engine`` (the admin dialect a worker speaks) for each engine: omni-worker speaks SGLang's first
+#: (vLLM's routes too, but ``engine`` names one dialect).
+RL_ENGINE: dict[EngineName | None, str] = {"omni": "sglang", "sglang": "sglang", "vllm": "vllm", None: "unknown"}
 
-#: What every omni-worker can do for RL control (smg's static capability row).
-CAPABILITIES = RlCapabilities(
+_SGLANG_ROW = RlCapabilities(
     source="static",
     pause_modes=["abort", "retract", "in_place"],
     update_from=["disk", "tensor", "distributed"],
@@ -47,6 +49,21 @@ CAPABILITIES = RlCapabilities(
     sleep_wake=True,
     reports_weight_version=True,
 )
+#: What each engine can do for RL control (smg's static capability rows; vLLM's as 0.32 serves it in dev mode).
+CAPABILITIES: dict[EngineName | None, RlCapabilities] = {
+    "omni": _SGLANG_ROW,
+    "sglang": _SGLANG_ROW,
+    "vllm": RlCapabilities(
+        source="static",
+        pause_modes=["abort", "wait", "keep"],
+        update_from=["disk", "distributed"],
+        abort=True,
+        flush_cache=True,
+        sleep_wake=True,
+        reports_weight_version=True,
+    ),
+    None: RlCapabilities(source="static"),
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +146,7 @@ class WorkerFacts:
         tp = self.tp_size
         return {
             "id": self.worker.id,
-            "engine": ENGINE,
+            "engine": RL_ENGINE[self.worker.engine],
             "role": None,
             "model": self.model_id if self.info is not None else None,
             "model_id": self.model_id if self.info is not None else None,
@@ -148,6 +165,7 @@ class WorkerFacts:
             "omni.disabled": str(self.worker.disabled).lower(),
             "omni.routable": str(self.routable).lower(),
             "omni.source": self.worker.source,
+            "omni.engine": self.worker.engine or "unknown",
         }
         if self.pending is not None:
             labels["omni.pending"] = self.pending
@@ -173,8 +191,8 @@ class FleetFacts:
         ]
 
     async def _info(self, worker: Worker) -> ModelInfo | None:
-        if worker.is_dead:
-            return None
+        if worker.is_dead or not serves(worker, ep.MODEL_INFO.path):
+            return None  # vLLM has no /model_info: its facts are the registry's
         answer = await self._client.call(worker.url, ep.MODEL_INFO, headers=self._headers, cap_s=self._timeout_s)
         return answer.value
 

@@ -75,7 +75,7 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
     async def prepare(self, req: PrepareWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
         async with AdminRun.open(PREPARE, self._ctx) as run:
             self._ended.pop(req.group_name, None)
-            targets = self._ctx.live_targets()
+            targets = self._ctx.live_targets(serving=PREPARE.path)
             self._ctx.groups.check(req.group_name, targets)
             fence = await run.fence_targets(targets)
             assert fence is not None  # prepare is fenced

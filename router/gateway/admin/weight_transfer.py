@@ -87,7 +87,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
         async with AdminRun.open(START, self._ctx) as run:
             group = self._group()
             self._ended.pop(group, None)
-            targets = self._ctx.live_targets()
+            targets = self._ctx.live_targets(serving=START.path)
             self._ctx.groups.check(group, targets)
             fence = await run.fence_targets(targets)
             assert fence is not None  # start is fenced

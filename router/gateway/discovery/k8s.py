@@ -43,6 +43,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+#: The pod label (or annotation) that names the engine its worker runs: ``omni``, ``vllm``, ``sglang`` or ``auto``.
+ENGINE_LABEL = "omni-router.io/engine"
+
 #: A watch session lasts at most this long before a full re-list (a periodic resync, as informers do).
 RESYNC_S = 300.0
 #: Bounds of the back-off between failed lists: the API server is asked again at least this often.
@@ -54,10 +57,12 @@ API_TIMEOUT_S = 10.0
 
 @dataclass(frozen=True, slots=True)
 class PodWorker:
-    """A worker candidate: the URL to reach it and the pod (``namespace/name``) it runs in."""
+    """A worker candidate: the URL to reach it, the pod (``namespace/name``) it runs in, and the engine its
+    pod names (:data:`ENGINE_LABEL`, as a label or an annotation; ``None``: the router's ``--worker-engine``)."""
 
     url: str
     pod: str
+    engine: str | None = None
 
 
 @dataclass(slots=True)
@@ -253,7 +258,7 @@ class KubernetesPods:
                     )
                 continue
             url = pod_url(pod.status.podIP, port)
-            candidates[url] = PodWorker(url=url, pod=name)
+            candidates[url] = PodWorker(url=url, pod=name, engine=pod_engine(pod))
         self.status.pods_seen, self.status.candidates = len(self._pods), len(candidates)
         if candidates != self._published:
             self._published = candidates
@@ -263,6 +268,16 @@ class KubernetesPods:
         self.status.connected = False
         self.status.failures += 1
         self.status.last_error = message
+
+
+def pod_engine(pod: Any) -> str | None:
+    """The engine a pod names for its worker: its :data:`ENGINE_LABEL` label, else that annotation."""
+    meta = pod.metadata
+    for names in (meta.labels, meta.annotations):
+        value = (names or {}).get(ENGINE_LABEL)
+        if value:
+            return str(value)
+    return None
 
 
 def _uid(pod: Any) -> str:

@@ -26,6 +26,7 @@ import asyncio
 import logging
 
 from router.contract.errors import ApiError, Unavailable
+from router.contract.fleet import ENGINE_NAMES, EngineName
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.locked import LockHold
 from router.gateway.admin.update_gate import UpdateGate
@@ -41,8 +42,18 @@ DEPARTED = "discovery no longer lists its pod (deleted, NotReady or terminating)
 class DiscoveredFleet:
     """Keeps the registry's discovered workers equal to discovery's latest candidate set."""
 
-    def __init__(self, registry: WorkerRegistry, gate: UpdateGate, journal: UpdateJournal, health: HealthChecker):
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        gate: UpdateGate,
+        journal: UpdateJournal,
+        health: HealthChecker,
+        *,
+        default_engine: EngineName | None = None,
+    ):
         self._registry = registry
+        self._default_engine = default_engine
+        """The engine of a pod that names none (``None``: detected)."""
         self._gate = gate
         self._journal = journal
         self._health = health
@@ -98,6 +109,17 @@ class DiscoveredFleet:
             except Unavailable:
                 log.info("worker pod changes wait for the update in progress to end")
 
+    def _engine_of(self, pod: PodWorker) -> EngineName | None:
+        """The engine the pod's label names, ``None`` for ``auto``, the default for none or an unknown name."""
+        if pod.engine == "auto":
+            return None
+        for name in ENGINE_NAMES:
+            if pod.engine == name:
+                return name
+        if pod.engine is not None:
+            log.warning("pod %s names an unknown engine %r; using the router's --worker-engine", pod.pod, pod.engine)
+        return self._default_engine
+
     async def _apply(self) -> list[Worker]:
         desired = self._desired
         added: list[Worker] = []
@@ -105,7 +127,7 @@ class DiscoveredFleet:
             wid = worker_id_for(url)
             worker = self._registry.find(wid)
             if worker is None:
-                worker = self._registry.add(url, source="discovery", pod=pod.pod)
+                worker = self._registry.add(url, source="discovery", pod=pod.pod, engine=self._engine_of(pod))
                 if self._journal.names(wid):
                     worker.disabled = True  # an unresolved failed update named this address
                 self._managed[wid] = url

@@ -1,9 +1,11 @@
-"""Health probes and worker metadata (``weight_version``, ``tp_size``).
+"""Health probes and worker metadata (``weight_version``, ``tp_size``, the process identity).
 
-A probe is ``GET /health``, bounded by ``--health-check-timeout-s``; after a good
-probe the checker also reads ``/model_info`` (falling back to ``/server_info`` for
-``tp_size`` on SGLang servers whose ``/model_info`` lacks it). Those reads are part of
-the probe and are bounded by the same timeout: all workers are probed in one round, and
+A probe reads the worker's health route, as its engine serves it (:mod:`router.gateway.engines`:
+omni-worker's JSON ``/health``, vLLM's and SGLang's empty one), bounded by
+``--health-check-timeout-s``; after a good probe the checker also reads the engine's metadata
+routes (omni-worker's ``/model_info``, vLLM's ``/weight_info`` and ``/server_info``, SGLang's
+``/model_info`` and ``/server_info``). A worker whose engine nobody named is detected first.
+Those reads are part of the probe and are bounded by the same timeout: all workers are probed in one round, and
 a worker slow to describe itself must not hold the round (and so delay noticing that
 another worker died) for its endpoints' longer budgets. Workers that an update is targeting
 are probed but their failures are not counted (see ``Worker.update_holds``),
@@ -22,20 +24,19 @@ import asyncio
 import logging
 import random
 
-from router.contract import endpoints as ep
 from router.contract.admin import HealthStatus
+from router.gateway.engines import Engine, detect, engine_of
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
 
-HEALTH_PATH = "/health"
-
 
 class WorkerProber:
-    """Talks to one worker's health and metadata routes.
+    """Talks to one worker's health and metadata routes, through its engine's adapter
+    (:mod:`router.gateway.engines`), which it detects first where nobody named it.
 
-    ``/health`` is open on every worker, so it is probed without credentials; the
+    The health route is open on every engine, so it is probed without credentials; the
     metadata routes get ``headers`` (the router's own worker key), never a caller's key.
     """
 
@@ -45,19 +46,39 @@ class WorkerProber:
         self._headers = headers or {}
 
     async def probe(self, worker: Worker) -> bool:
-        """One health probe; what the worker says of its weights is recorded on the way."""
-        status = await self.health(worker)
+        """One health probe; what the worker says of its weights is recorded on the way (omni-worker's
+        ``/health`` says it; other engines' metadata is read by :meth:`refresh_metadata`)."""
+        engine = await self.engine(worker)
+        if engine is None:
+            return False
+        status = await engine.health(self._workers, worker, self._timeout_s)
         if status is None:
             return False
-        worker.weight_version = status.weight_version or worker.weight_version
-        worker.weight_state = status.weight_state
-        worker.instance_id = status.instance_id
+        if engine.reports_update_state:
+            worker.weight_version = status.weight_version or worker.weight_version
+            worker.weight_state = status.weight_state
+            worker.instance_id = status.instance_id
         return True
 
+    async def engine(self, worker: Worker) -> Engine | None:
+        """The worker's engine adapter, detected now when nobody named it (``None`` while it cannot be told)."""
+        engine = engine_of(worker)
+        if engine is not None:
+            return engine
+        name, how = await detect(self._workers, worker.url, self._headers, self._timeout_s)
+        if name is None:
+            worker.engine_detail = how
+            return None
+        worker.engine, worker.engine_detail = name, None
+        log.info("worker %s (%s) runs %s: %s", worker.id, worker.url, name, how)
+        return engine_of(worker)
+
     async def health(self, worker: Worker) -> HealthStatus | None:
-        """The worker's ``/health`` answer (nothing recorded), or ``None`` when it gave no usable one."""
-        answer = await self._workers.fetch(worker.url, HEALTH_PATH, HealthStatus, headers={}, timeout_s=self._timeout_s)
-        return answer.value
+        """The worker's health answer (nothing recorded), or ``None`` when it gave no usable one."""
+        engine = engine_of(worker)
+        if engine is None:
+            return None
+        return await engine.health(self._workers, worker, self._timeout_s)
 
     def give_up_requests(self, worker: Worker) -> None:
         """The worker stopped answering: its generation requests still waiting would wait for
@@ -68,25 +89,10 @@ class WorkerProber:
 
     async def refresh_metadata(self, worker: Worker) -> bool:
         """Update the worker's version, weight state, instance and ``tp_size``; False if it did not answer."""
-        answer = await self._workers.call(worker.url, ep.MODEL_INFO, headers=self._headers, cap_s=self._timeout_s)
-        info = answer.value
-        if info is not None:
-            worker.weight_version = info.weight_version
-            worker.weight_state = info.weight_state
-            worker.instance_id = info.instance_id
-            if "tp_size" in info.model_fields_set and info.tp_size >= 1:
-                worker.tp_size = info.tp_size
-                return True
-        elif answer.status is None:
-            return False  # unreachable: /server_info is not tried either
-        server = (
-            await self._workers.call(worker.url, ep.SERVER_INFO, headers=self._headers, cap_s=self._timeout_s)
-        ).value
-        if server is not None:
-            if "tp_size" in server.model_fields_set and server.tp_size >= 1:
-                worker.tp_size = server.tp_size
-            return True
-        return False
+        engine = await self.engine(worker)
+        if engine is None:
+            return False
+        return await engine.describe(self._workers, worker, self._headers, self._timeout_s)
 
 
 class HealthChecker:

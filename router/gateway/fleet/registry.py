@@ -26,7 +26,7 @@ from urllib.parse import unquote
 from router.contract import endpoints as ep
 from router.contract.base import canonical_worker_url
 from router.contract.errors import BadRequest, Conflict, NotFound
-from router.contract.fleet import CatchUpStatus, HealthState, WorkerRecord, WorkerSource
+from router.contract.fleet import CatchUpStatus, EngineName, HealthState, WorkerRecord, WorkerSource
 from router.gateway.fleet.weights import FleetWeights, WorkerWeights
 
 #: Broadcasts that change a worker's control state: path → (field, value) once it succeeded there.
@@ -62,6 +62,13 @@ class Worker:
 
     id: str
     url: str
+    engine: EngineName | None = None
+    """The server behind the URL (:mod:`router.gateway.engines`); ``None`` until detected."""
+    engine_detail: str | None = None
+    """Why the engine is not known yet, or what its server lacks (shown in ``GET /workers``)."""
+    admin_paths: frozenset[str] | None = None
+    """The admin routes this worker's server serves, where its engine's probe found out (vLLM with or
+    without the project's plugin); ``None``: every route of its engine."""
     health: HealthState = "unhealthy"
     disabled: bool = False
     inflight: int = 0
@@ -129,13 +136,20 @@ class WorkerRegistry:
         return self._workers.values()
 
     def add(
-        self, raw_url: str, *, disabled: bool = False, source: WorkerSource = "static", pod: str | None = None
+        self,
+        raw_url: str,
+        *,
+        disabled: bool = False,
+        source: WorkerSource = "static",
+        pod: str | None = None,
+        engine: EngineName | None = None,
     ) -> Worker:
+        """Register a worker; ``engine`` ``None``: detected by the health checker before it is probed."""
         url = normalize_url(raw_url)
         wid = worker_id_for(url)
         if wid in self._workers:
             raise Conflict(f"worker {url} is already registered as {wid}")
-        worker = Worker(id=wid, url=url, disabled=disabled, source=source, pod=pod)
+        worker = Worker(id=wid, url=url, disabled=disabled, source=source, pod=pod, engine=engine)
         self._workers[wid] = worker
         return worker
 
@@ -197,6 +211,8 @@ class WorkerRegistry:
             health=worker.health,
             disabled=worker.disabled,
             inflight=worker.inflight,
+            engine=worker.engine,
+            engine_detail=worker.engine_detail,
             weight_version=worker.weight_version,
             tp_size=worker.tp_size,
             weight_state=worker.weight_state,

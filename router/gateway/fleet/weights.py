@@ -39,7 +39,11 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
+from router.contract import endpoints as ep
+from router.contract.admin import UpdateWeightsFromDiskRequest
+from router.contract.base import WireRequest
 from router.contract.fleet import FleetVersionEntry
+from router.contract.vllm_rl import CollectiveRpcRequest
 from router.gateway.state.durable import DurableRecord, as_record
 
 log = logging.getLogger(__name__)
@@ -233,6 +237,7 @@ class FleetWeights:
         *,
         checksum: str | None = None,
         bystanders: Iterable[tuple[str, WorkerWeights]] = (),
+        source_path: str | None = None,
     ) -> None:
         """A weight change succeeded on ``holders``: they hold a new fleet entry.
 
@@ -241,7 +246,8 @@ class FleetWeights:
         meant for the whole fleet, and every other holder is dropped (pending until an update).
         ``bystanders``: the workers outside ``targets`` as they report now; read only for the first
         change, when there is no record yet: their boot weights were the fleet's, so they are
-        recorded on a boot entry (:data:`BOOT_SEQUENCE`) one version behind, not left pending."""
+        recorded on a boot entry (:data:`BOOT_SEQUENCE`) one version behind, not left pending.
+        ``source_path``: the checkpoint the new weights were loaded from (:func:`checkpoint_of`)."""
         reports = [(wid, w) for wid, w in holders if w.instance_id is not None]
         if not reports:
             return
@@ -251,7 +257,13 @@ class FleetWeights:
         if previous is None and targets is not None:
             previous = _boot_record(bystanders, set(targets))
         sequence = (previous.latest.sequence if previous is not None else BOOT_SEQUENCE) + 1
-        entry = FleetEntry(sequence=sequence, weight_version=version, changed_at=time.time(), checksum=checksum)
+        entry = FleetEntry(
+            sequence=sequence,
+            weight_version=version,
+            changed_at=time.time(),
+            checksum=checksum,
+            source_path=source_path,
+        )
         kept: dict[str, Holder] = {}
         if targets is not None and previous is not None:
             moved = set(targets)
@@ -301,6 +313,24 @@ def _boot_record(bystanders: Iterable[tuple[str, WorkerWeights]], targets: set[s
     label = Counter(h.weight_version for h in boot.values()).most_common(1)[0][0]
     entry = FleetEntry(sequence=BOOT_SEQUENCE, weight_version=label, changed_at=time.time())
     return FleetRecord(history=[entry], holders=boot)
+
+
+#: Weight changes that keep the weights the fleet had (a new label, memory restored): the new entry can be read
+#: again from wherever the previous one could.
+_SAME_WEIGHTS = frozenset(e.path for e in (ep.UPDATE_WEIGHT_VERSION, ep.RESUME_MEMORY_OCCUPATION, ep.WAKE_UP))
+
+
+def checkpoint_of(path: str, request: WireRequest, record: FleetRecord | None) -> str | None:
+    """The checkpoint a weight change sent by ``request`` to route ``path`` loaded the weights from: an
+    update from disk's ``model_path``, vLLM's ``reload_weights`` path, the previous entry's for a change that
+    keeps the weights; ``None`` for weights that came over a group or in tensors (no file holds them)."""
+    if isinstance(request, UpdateWeightsFromDiskRequest):
+        return request.model_path
+    if isinstance(request, CollectiveRpcRequest):
+        return request.checkpoint_path
+    if path in _SAME_WEIGHTS and record is not None:
+        return record.latest.source_path
+    return None
 
 
 def agreed_checksum(bodies: Iterable[object]) -> str | None:

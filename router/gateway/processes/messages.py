@@ -12,7 +12,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from router.contract.fleet import HealthState
+from router.contract.fleet import EngineName, HealthState
 from router.gateway.fleet.weights import FleetRecord
 
 
@@ -25,6 +25,7 @@ class WorkerView(_Message):
 
     id: str
     url: str
+    engine: EngineName | None
     health: HealthState
     disabled: bool
     departed: str | None

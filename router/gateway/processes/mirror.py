@@ -20,6 +20,7 @@ def view_of(registry: WorkerRegistry, version: int) -> RoutingSnapshot:
         WorkerView(
             id=w.id,
             url=w.url,
+            engine=w.engine,
             health=w.health,
             disabled=w.disabled,
             departed=w.departed,
@@ -50,6 +51,7 @@ def apply(registry: WorkerRegistry, snapshot: RoutingSnapshot) -> list[Worker]:
     gone = [registry.remove(w.id) for w in registry if w.id not in wanted]
     for view in snapshot.workers:
         worker = registry.find(view.id) or registry.add(view.url)
+        worker.engine = view.engine
         worker.health = view.health
         worker.disabled = view.disabled
         worker.departed = view.departed

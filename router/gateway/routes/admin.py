@@ -42,6 +42,7 @@ from router.contract.vllm import (
     UpdateWeightsRequest,
 )
 from router.contract.vllm_dev import AbortRequestsResult
+from router.contract.vllm_rl import CollectiveRpcRequest, VllmWeightCheckerRequest
 from router.contract.vllm_server import ServerInfoRequest
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_model, query_fields, read_json
@@ -55,7 +56,7 @@ from router.gateway import keys
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
-from router.gateway.admin.operations import OPERATIONS, Operation
+from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.ranks import GroupJoin
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
 
@@ -148,6 +149,45 @@ async def get_weight_version(request: web.Request) -> web.Response:
     req = await _parse(request, op)
     status, body = await request.app[keys.VIEWS].weight_version(_call(request, op, req))
     return _json(status, body)
+
+
+async def weight_info(request: web.Request) -> web.Response:
+    """vLLM's ``/weight_info``: the version every worker holds, 409 when they differ (as ``/get_weight_version``)."""
+    op = OPERATIONS[ep.WEIGHT_INFO.path]
+    status, body = await request.app[keys.VIEWS].weight_version(await _targeted(request, op), op)
+    return _json(status, body)
+
+
+async def vllm_weight_checker(request: web.Request) -> web.Response:
+    op = OPERATIONS[ep.WEIGHT_CHECKER.path]
+    call = await _targeted(request, op)
+    assert isinstance(call.request, VllmWeightCheckerRequest)
+    outcome = await request.app[keys.VIEWS].vllm_weight_checker(call.request, call)
+    return _json(outcome.status, outcome.answer)
+
+
+async def collective_rpc(request: web.Request) -> web.Response:
+    """vLLM's ``/collective_rpc``, admin-only: any worker method can change the weights, so the call is a fenced,
+    journaled weight update (its targets recorded on a new fleet version) unless the method is known to read only."""
+    write = OPERATIONS[ep.COLLECTIVE_RPC.path]
+    req: CollectiveRpcRequest = await parse_request(request, write)
+    op = COLLECTIVE_RPC_READ if req.reads_only else write
+    workers = await fleet_facts(request.app).resolve(target_query(request.query))
+    call = _call(request, op, req, only_ids(workers))
+    return await _detached(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
+
+
+async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
+    """vLLM's ``/shutdown_weight_transfer_engine`` on every worker; the router then forgets the group vLLM's
+    init built (a later ``/start_weight_update`` needs a new ``/init_weight_transfer_engine``)."""
+    op = OPERATIONS[ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.path]
+    call = _call(request, op, await _parse(request, op))
+    admin = request.app[keys.ADMIN]
+    outcome = await request.app[keys.TASKS].run_detached(broadcast(admin, op, call), name=op.name)
+    group = admin.groups.latest("vllm")
+    if group is not None and any(r.success for r in outcome.answer.results):
+        await admin.groups.dropped(group)
+    return _json(outcome.status, outcome.answer)
 
 
 async def server_info(request: web.Request) -> web.Response:
@@ -278,12 +318,17 @@ _SPECIAL: dict[str, Handler] = {
     ep.IS_PAUSED.path: is_paused_or_sleeping,
     ep.IS_SLEEPING.path: is_paused_or_sleeping,
     ep.ABORT_REQUESTS.path: abort_requests,
+    ep.WEIGHT_INFO.path: weight_info,
+    ep.WEIGHT_CHECKER.path: vllm_weight_checker,
+    ep.COLLECTIVE_RPC.path: collective_rpc,
+    ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.path: shutdown_weight_transfer_engine,
 }
 
 #: The router's answer where it is not the workers' answers lifted to the fleet.
 _ANSWERS: dict[str, type[BaseModel]] = {
     ep.MODEL_INFO.path: FleetModelInfo,
     ep.GET_WEIGHT_VERSION.path: FleetWeightVersion,
+    ep.WEIGHT_INFO.path: FleetWeightVersion,
 }
 
 

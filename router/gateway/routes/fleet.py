@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router.contract.errors import Conflict
 from router.contract.fleet import (
     AddWorkerRequest,
+    EngineName,
     JournalResolveRequest,
     JournalView,
     LeaderView,
@@ -42,10 +45,22 @@ async def _take_out(request: web.Request, worker: Worker) -> None:
         raise
 
 
-async def _add(request: web.Request, url: str, disabled: bool) -> Worker:
+def _engine(app: web.Application, asked: EngineName | Literal["auto"] | None) -> EngineName | None:
+    """The engine a new worker is registered with: the one asked for, ``None`` to detect it (``auto``), or
+    the router's ``--worker-engine`` when the caller named none."""
+    if asked is None:
+        return app[keys.CONFIG].fixed_engine
+    if asked == "auto":
+        return None
+    return asked
+
+
+async def _add(
+    request: web.Request, url: str, disabled: bool, engine: EngineName | Literal["auto"] | None = None
+) -> Worker:
     _guard_registry_change(request)
     app = request.app
-    worker = app[keys.REGISTRY].add(url, disabled=disabled, source="api")
+    worker = app[keys.REGISTRY].add(url, disabled=disabled, source="api", engine=_engine(app, engine))
     if app[keys.JOURNAL].names(worker.id):
         worker.disabled = True  # an unresolved failed update named this worker
     # First probe outside the update lock: a blackholed worker must not stall updates.
@@ -61,7 +76,7 @@ async def list_workers(request: web.Request) -> web.Response:
 
 async def add_worker(request: web.Request) -> web.Response:
     req = await parse_body(request, AddWorkerRequest)
-    worker = await _add(request, req.url, req.disabled)
+    worker = await _add(request, req.url, req.disabled, req.engine)
     return web.json_response(request.app[keys.REGISTRY].record(worker).model_dump(), status=201)
 
 

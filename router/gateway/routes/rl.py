@@ -41,7 +41,7 @@ from router.gateway import keys
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import OPERATIONS, Operation
-from router.gateway.admin.targets import CAPABILITIES, ENGINE, TargetQuery, WorkerFacts, target_query
+from router.gateway.admin.targets import CAPABILITIES, RL_ENGINE, TargetQuery, WorkerFacts, target_query
 from router.gateway.fleet.registry import Worker
 from router.gateway.routes.admin import fleet_facts, forwarded_query, parse_request
 
@@ -77,7 +77,7 @@ def _entry(facts: WorkerFacts) -> RlWorkerEntry:
         id=w.id,
         url=w.url,
         base_url=w.url,
-        engine=ENGINE,
+        engine=RL_ENGINE[w.engine],
         model_id=facts.model_id,
         tp_size=facts.tp_size,
         dp_size=1,
@@ -85,7 +85,7 @@ def _entry(facts: WorkerFacts) -> RlWorkerEntry:
         health=facts.health,
         weight_version=facts.weight_version,
         labels=facts.labels(),
-        capabilities=CAPABILITIES,
+        capabilities=CAPABILITIES[w.engine],
     )
 
 

@@ -43,6 +43,7 @@ from router.contract.errors import ApiError, Unavailable
 from router.contract.generate import INSTANCE_HEADER
 from router.contract.vllm_tokens import REQUEST_ID_HEADER
 from router.gateway.config import RouterConfig
+from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing import versions
@@ -142,10 +143,14 @@ class GenerateProxy:
         policy: VersionPolicy = versions.LATEST_ONLY,
         tried: set[str] | frozenset[str] = frozenset(),
         session: str | None = None,
+        path: str | None = None,
     ) -> Worker:
-        """One worker for a request under ``policy``, not among ``tried``; 503 (with who holds what) when none."""
-        candidates = versions.candidates(self._registry, policy, tried, self._metrics.filtered)
+        """One worker for a request under ``policy`` whose engine serves ``path``, not among ``tried``; 503
+        (with who holds what) when none."""
+        candidates = versions.candidates(self._registry, policy, tried, self._metrics.filtered, path)
         if not candidates:
+            if path is not None:
+                versions.refuse_unserved_route(self._registry, path)
             self._metrics.refused_by_policy(policy.kind)
             raise versions.refusal(self._registry, policy, describe_fleet(self._registry))
         if session is not None and self._affinity is not None:
@@ -175,7 +180,7 @@ class GenerateProxy:
         headers = self._upstream_headers(request)
         session = None if self._affinity is None else session_key(request.headers, fields)
         # The first attempt runs bare (no retry machinery): that is nearly every request.
-        worker = self.pick(policy, session=session)
+        worker = self.pick(policy, session=session, path=path)
         try:
             return await self._attempt(request, worker, path, body, headers, abort, policy)
         except _Retryable as exc:
@@ -205,7 +210,7 @@ class GenerateProxy:
                         raise first  # the bare attempt's failure is the policy's attempt 1: it backs off from here
                     self._metrics.retries.labels(last.kind).inc()
                     try:
-                        worker = self.pick(policy, tried, session)
+                        worker = self.pick(policy, tried, session, path)
                     except Unavailable:
                         break  # every routable worker was tried
                     tried.add(worker.id)
@@ -335,7 +340,9 @@ class GenerateProxy:
         return resp
 
     def _abort_on_worker(self, worker: Worker, abort: AbortCall | None) -> None:
-        if abort is None:
+        """Stop the request on its worker: the abort route where its engine serves one (vLLM's OpenAI routes
+        have none: vLLM ends a request whose connection closed, as the router's does here)."""
+        if abort is None or not serves(worker, abort.endpoint.path):
             return
         self._metrics.client_aborts.inc()
         self._tasks.spawn(self._send_abort(worker, abort), name=f"abort-{worker.id}")

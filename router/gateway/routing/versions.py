@@ -27,7 +27,8 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
 
-from router.contract.errors import BadRequest, Unavailable
+from router.contract.errors import BadRequest, NotFound, Unavailable
+from router.gateway.engines import GENERATION_PATHS
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import BOOT_SEQUENCE, FleetWeights
 
@@ -39,7 +40,7 @@ PolicyKind = Literal["latest-only", "max-staleness", "min-version", "any"]
 POLICY_FORMS = "latest-only, max-staleness:K (K >= 0), min-version:V or any"
 
 #: Why a worker was left out of a request's candidates (the ``reason`` label of the metric).
-FILTER_REASONS = ("paused", "fenced", "unhealthy", "pending", "stale", "unversioned")
+FILTER_REASONS = ("paused", "fenced", "unhealthy", "pending", "stale", "unversioned", "engine")
 
 _MAX_CACHED_FLOORS = 256
 
@@ -184,18 +185,26 @@ def admits(registry: WorkerRegistry, policy: VersionPolicy, worker: Worker) -> b
 
 
 def candidates(
-    registry: WorkerRegistry, policy: VersionPolicy, tried: Collection[str], filtered: dict[str, int]
+    registry: WorkerRegistry,
+    policy: VersionPolicy,
+    tried: Collection[str],
+    filtered: dict[str, int],
+    path: str | None = None,
 ) -> list[Worker]:
     """The workers a request under ``policy`` may go to (running ones first, see the module docstring).
 
-    ``filtered`` counts, by reason, each worker left out (only when one is, so a healthy fleet costs nothing)."""
+    ``path``: the generation route asked for; a worker whose engine does not serve it is left out (SGLang has
+    no vLLM token route, vLLM no ``/generate``). ``filtered`` counts, by reason, each worker left out (only
+    when one is, so a healthy fleet costs nothing)."""
     floor = floor_of(policy, registry.fleet)
     running: list[Worker] = []
     paused: list[Worker] = []
     for worker in registry.workers():
         if tried and worker.id in tried:
             continue
-        if not _serves(registry, worker, floor):
+        if path is not None and path not in GENERATION_PATHS[worker.engine]:
+            filtered["engine"] = filtered.get("engine", 0) + 1
+        elif not _serves(registry, worker, floor):
             reason = rejection(registry, worker, floor) or "fenced"
             filtered[reason] = filtered.get(reason, 0) + 1
         elif worker.paused or worker.asleep:
@@ -205,6 +214,17 @@ def candidates(
     if running and paused:
         filtered["paused"] = filtered.get("paused", 0) + len(paused)
     return running or paused
+
+
+def refuse_unserved_route(registry: WorkerRegistry, path: str) -> None:
+    """404 when the fleet's engines are known and none of them serves the generation route ``path`` (a vLLM
+    fleet has no ``/generate``); a fleet that may still serve it later (an engine not known yet) is left to
+    the 503 of :func:`refusal`."""
+    engines = {w.engine for w in registry.workers()}
+    if not engines or None in engines or any(path in GENERATION_PATHS[e] for e in engines):
+        return
+    names = ", ".join(sorted(e for e in engines if e is not None))
+    raise NotFound(f"{path} is served by none of the fleet's engines ({names}); see docs/engines.md for their routes")
 
 
 def refusal(registry: WorkerRegistry, policy: VersionPolicy, fleet_state: str) -> Unavailable:

@@ -8,6 +8,7 @@ is never probed with ``dict.get``: the answer carries the parse failure as its `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -63,6 +64,31 @@ def decode_answer(model: type[M], status: int, raw: bytes) -> WorkerAnswer[M]:
         return WorkerAnswer(status, body, None)
     text = raw.decode("utf-8", errors="replace").strip()
     return WorkerAnswer(status, None, f"answered {status}" + (f": {text[:300]}" if text else ""))
+
+
+def decode_plain(model: type[M], status: int, raw: bytes) -> WorkerAnswer[M]:
+    """:func:`decode_answer` for SGLang's and vLLM's admin routes, which also answer success without JSON:
+    a 2xx whose body is empty, JSON ``null`` or plain text (SGLang's ``/flush_cache``, ``/abort_request``,
+    ``/release_memory_occupation``; vLLM's ``/sleep``, ``/collective_rpc``) is a success (those servers answer
+    a failure with an error status): the model's defaults with ``success`` true and the text as ``message``. A model that cannot be built without fields (a read that must say something) keeps
+    the error, and so does a 2xx JSON object that is not the model."""
+    answer = decode_answer(model, status, raw)
+    if answer.body is not None or not 200 <= status < 300:
+        return answer
+    text = raw.strip()
+    if text.startswith((b"{", b"[")):
+        return answer
+    fields: dict[str, object] = {"success": True} if "success" in model.model_fields else {}
+    if text not in (b"", b"null"):
+        fields["message"] = text.decode("utf-8", errors="replace")
+    try:
+        body = model.model_validate(fields)
+    except ValidationError:
+        return answer
+    return WorkerAnswer(status, body, None)
+
+
+Decoder = Callable[[type[M], int, bytes], WorkerAnswer[M]]
 
 
 def unreachable(exc: BaseException, timeout_s: float) -> WorkerAnswer[M]:

@@ -32,7 +32,7 @@ from typing import Any, TypeVar
 
 from router.contract.base import WireRequest, WireResponse
 from router.contract.endpoints import Endpoint
-from router.gateway.upstream.answer import WorkerAnswer, decode_answer, unreachable
+from router.gateway.upstream.answer import Decoder, WorkerAnswer, decode_answer, unreachable
 from router.gateway.upstream.lean_http import HttpUpstream
 from router.gateway.upstream.transport import Transport, UpstreamError, UpstreamResponse
 from router.gateway.upstream.via_aiohttp import AiohttpUpstream
@@ -91,15 +91,28 @@ class WorkerClient:
         body: bytes | None = None,
         headers: dict[str, str],
         timeout_s: float,
+        decode: Decoder[M] = decode_answer,
     ) -> WorkerAnswer[M]:
-        """One whole exchange decoded as ``model``; a failure is the answer's ``error``, never raised."""
+        """One whole exchange decoded as ``model`` (by ``decode``: the worker's engine may answer success
+        without JSON); a failure is the answer's ``error``, never raised."""
         try:
             status, raw = await self._transport(base_url, self._calls).fetch(
                 method, base_url, path, body, headers, timeout_s=timeout_s
             )
         except UNREACHABLE as exc:
             return unreachable(exc, timeout_s)
-        return decode_answer(model, status, raw)
+        return decode(model, status, raw)
+
+    async def status(self, base_url: str, path: str, *, headers: dict[str, str], timeout_s: float) -> int | None:
+        """The status of one ``GET`` whose body says nothing (vLLM's and SGLang's ``/health``); ``None``
+        when no answer came."""
+        try:
+            status, _ = await self._transport(base_url, self._calls).fetch(
+                "GET", base_url, path, None, headers, timeout_s=timeout_s
+            )
+        except UNREACHABLE:
+            return None
+        return status
 
     async def call(
         self,
@@ -109,6 +122,8 @@ class WorkerClient:
         *,
         headers: dict[str, str],
         cap_s: float | None = None,
+        query: str = "",
+        decode: Decoder[M] = decode_answer,
     ) -> WorkerAnswer[M]:
         """One call of a contract endpoint, waiting as long as its budget gives the router (or
         ``cap_s``, when the caller's own deadline is shorter).
@@ -124,8 +139,16 @@ class WorkerClient:
         timeout_s = endpoint.budget.router_wait(endpoint.timeout_of(request) if request is not None else None)
         if cap_s is not None:
             timeout_s = min(timeout_s, cap_s)
+        path = f"{endpoint.path}?{query}" if query else endpoint.path
         return await self.fetch(
-            base_url, endpoint.path, endpoint.response, method=method, body=body, headers=headers, timeout_s=timeout_s
+            base_url,
+            path,
+            endpoint.response,
+            method=method,
+            body=body,
+            headers=headers,
+            timeout_s=timeout_s,
+            decode=decode,
         )
 
     def cut_generation(self, base_url: str, message: str) -> int:

@@ -1,0 +1,127 @@
+"""Catch-up from a checkpoint path: a joiner whose engine cannot load from a peer (vLLM, SGLang) loads the
+fleet's weights from the checkpoint the fleet last loaded them from (``FleetVersionEntry.source_path``).
+
+Neither vLLM 0.32 nor SGLang 0.5.23 streams its weights to a peer through a route this router can
+drive (SGLang's remote-instance loading needs a group the two servers build between themselves), so
+the only source they share with the fleet is the checkpoint itself. It exists when the fleet's current
+weights came from one: an update from disk, vLLM's ``reload_weights``, or a relabel or memory resume of
+such weights; weights that came over a group or in tensors have no file, and a joiner then waits,
+pending, for the trainer's next sync.
+
+The load, per engine (the fleet's label is set by the same call where the engine takes one):
+
+- vLLM: ``POST /collective_rpc {"method": "reload_weights", "kwargs": {"weights_path": P}}``, then
+  ``POST /update_weight_version {"new_version": label}``;
+- SGLang and omni-worker: ``POST /update_weights_from_disk {"model_path": P, "weight_version": label,
+  "abort_all_requests": false}`` (SGLang's relabel would abort every request by default).
+
+The check before the joiner is recorded: its metadata read again shows the same process serving the
+fleet's label, and, where a verified holder of the fleet's entry runs the same engine with the same
+ranks, the two report the same weights (vLLM's per-tensor SHA-256 from ``/weight_checker``, SGLang's and
+omni-worker's per-rank checksums from ``/weights_checker``). Without such a holder the label is all that
+is checked, and the joiner's answer says so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from router.contract import endpoints as ep
+from router.contract.admin import (
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+    WeightsCheckerRequest,
+    WeightsCheckerResult,
+)
+from router.contract.base import WireRequest
+from router.contract.endpoints import Endpoint
+from router.contract.fleet import FleetVersionEntry
+from router.contract.vllm_rl import CollectiveRpcRequest, VllmWeightCheckerRequest, VllmWeightCheckerResult
+from router.gateway.engines import engine_of, serves
+from router.gateway.fleet.registry import Worker
+from router.gateway.upstream import WorkerClient
+from router.gateway.upstream.answer import decode_answer
+
+
+class PathLoadFailed(Exception):
+    """The load or its check failed; the message says why."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadStep:
+    endpoint: Endpoint[Any, Any]
+    request: WireRequest
+
+
+def steps(worker: Worker, entry: FleetVersionEntry) -> list[LoadStep] | None:
+    """The calls that load ``entry``'s checkpoint into ``worker`` with the fleet's label; ``None`` when its
+    engine has no way to (or the entry has no checkpoint)."""
+    path = entry.source_path
+    if path is None:
+        return None
+    label = entry.weight_version
+    try:
+        if worker.engine == "vllm" and serves(worker, ep.COLLECTIVE_RPC.path):
+            load = CollectiveRpcRequest.model_validate({"method": "reload_weights", "kwargs": {"weights_path": path}})
+            relabel = [] if label is None else [LoadStep(ep.UPDATE_WEIGHT_VERSION, _relabel(label))]
+            return [LoadStep(ep.COLLECTIVE_RPC, load), *relabel]
+        if worker.engine in ("sglang", "omni") and serves(worker, ep.UPDATE_WEIGHTS_FROM_DISK.path):
+            fields: dict[str, Any] = {"model_path": path, "abort_all_requests": False}
+            if label is not None:
+                fields["weight_version"] = label
+            return [LoadStep(ep.UPDATE_WEIGHTS_FROM_DISK, UpdateWeightsFromDiskRequest.model_validate(fields))]
+    except ValidationError:
+        return None
+    return None
+
+
+def _relabel(label: str) -> UpdateWeightVersionRequest:
+    return UpdateWeightVersionRequest(new_version=label, abort_all_requests=False)
+
+
+async def load(client: WorkerClient, worker: Worker, plan: list[LoadStep], headers: dict[str, str]) -> None:
+    """Run ``plan`` on ``worker`` in order; :class:`PathLoadFailed` at the first call that did not succeed."""
+    engine = engine_of(worker)
+    decode = engine.decode if engine is not None else decode_answer
+    for step in plan:
+        answer = await client.call(worker.url, step.endpoint, step.request, headers=headers, decode=decode)
+        if answer.value is None or not answer.value.ok:
+            why = answer.error or (answer.body.model_dump_json()[:300] if answer.body is not None else "no answer")
+            raise PathLoadFailed(f"{step.endpoint.path} failed: {why}")
+
+
+async def same_weights(client: WorkerClient, joiner: Worker, holder: Worker, headers: dict[str, str]) -> bool | None:
+    """Whether ``joiner`` now holds the weights ``holder`` does, by the checksums their engine reports;
+    ``None`` when they cannot be compared (another engine or layout, or no checksum answered)."""
+    if joiner.engine != holder.engine or joiner.tp_size != holder.tp_size:
+        return None
+    engine = engine_of(joiner)
+    if engine is None:
+        return None
+    if joiner.engine == "vllm":
+        ask: tuple[Endpoint[Any, Any], WireRequest] = (
+            ep.WEIGHT_CHECKER,
+            VllmWeightCheckerRequest(action="checksum"),
+        )
+    else:
+        ask = (ep.WEIGHTS_CHECKER, WeightsCheckerRequest(action="checksum"))
+    answers = await asyncio.gather(
+        *(client.call(w.url, ask[0], ask[1], headers=headers, decode=engine.decode) for w in (joiner, holder))
+    )
+    digests = [_digest(a.value) for a in answers]
+    if any(d is None for d in digests):
+        return None
+    return digests[0] == digests[1]
+
+
+def _digest(body: object) -> tuple[object, ...] | None:
+    """What a checker answer says of the weights, in a form two answers compare by equality."""
+    if isinstance(body, VllmWeightCheckerResult):
+        return tuple(sorted(body.checksums.items())) if body.checksums else None
+    if isinstance(body, WeightsCheckerResult):
+        return tuple(body.checksums_per_rank()) or None
+    return None

@@ -1,0 +1,64 @@
+"""What the router needs to know of one kind of inference server, behind one small class per engine.
+
+The fleet logic (health thresholds, the update lock, fences, the journal, the version record,
+routing) is the same for every worker; what differs by engine is only how the router *reads* a
+worker and which of the router's routes the worker serves:
+
+- **health**: which path a probe reads and what counts as an answer (omni-worker's ``/health`` is
+  JSON; vLLM's and SGLang's are an empty 200);
+- **metadata**: where the weight version, the process identity, the ranks a worker holds in a
+  weight-update group and the memory state come from (:meth:`Engine.describe`);
+- **answers**: how an admin answer is decoded into its contract model (SGLang and vLLM answer some
+  routes with an empty body, ``null`` or plain text: :func:`~router.gateway.upstream.answer.decode_plain`);
+- **routes**: the admin and generation routes its servers serve. The router sends a worker only
+  routes its engine serves, so a mixed fleet can use exactly the routes every engine in it serves
+  (a call that some target's engine lacks is refused before anything is locked, fenced or sent).
+
+Each engine is a stateless singleton (:mod:`router.gateway.engines`); what it learns about a
+worker is written on the :class:`~router.gateway.fleet.registry.Worker`.
+"""
+
+from __future__ import annotations
+
+from router.contract.admin import HealthStatus
+from router.contract.fleet import EngineName
+from router.gateway.fleet.registry import Worker
+from router.gateway.upstream import WorkerClient
+from router.gateway.upstream.answer import Decoder, decode_plain
+
+HEALTH_PATH = "/health"
+
+
+class Engine:
+    """One kind of inference server (subclasses set the class attributes and :meth:`describe`)."""
+
+    name: EngineName
+    admin_paths: frozenset[str]
+    """The router's admin routes this engine's servers serve (before capabilities found per worker)."""
+    generation_paths: frozenset[str]
+    """The generation routes the proxy may send to it."""
+    reports_update_state: bool = False
+    """Its ``/health`` says whether a prepared receive or an open update is alive (omni-worker's does): a held
+    update reads it to end early. For other engines only an unanswered probe or the update's window ends it."""
+    decode: Decoder = staticmethod(decode_plain)
+
+    def health_path(self, worker: Worker) -> str:
+        """The path a probe reads (SGLang's ``/health`` parks while generation is paused)."""
+        return HEALTH_PATH
+
+    async def health(self, client: WorkerClient, worker: Worker, timeout_s: float) -> HealthStatus | None:
+        """One probe: the worker's state when it serves (what it says of its weights, if it says anything),
+        ``None`` when it gave no usable answer. vLLM and SGLang answer any 2xx when they serve."""
+        status = await client.status(worker.url, self.health_path(worker), headers={}, timeout_s=timeout_s)
+        if status is None or not 200 <= status < 300:
+            return None
+        return HealthStatus(status="ok")
+
+    async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
+        """Read the worker's weight version, process identity, group ranks and memory state onto ``worker``;
+        False when it did not answer. Every read is bounded by ``timeout_s`` (a probe round waits for it)."""
+        raise NotImplementedError
+
+    def admin_paths_of(self, worker: Worker) -> frozenset[str]:
+        """The admin routes this worker serves: the engine's, or what :meth:`describe` found it serves."""
+        return worker.admin_paths if worker.admin_paths is not None else self.admin_paths

@@ -1,0 +1,70 @@
+"""SGLang (0.5.23): the admin dialect omni-worker also speaks, read the way a real SGLang server answers.
+
+- **health**: ``GET /health`` is an empty 200. While generation is paused it parks every new
+  generate, the probe's one-token health generation included, for ``SGLANG_HEALTH_CHECK_TIMEOUT``
+  (20 s) and then answers 503 and marks the server unhealthy; so a worker the router paused is probed
+  on ``GET /model_info`` instead, which answers without the scheduler.
+- **metadata**: ``GET /model_info`` (``weight_version``; SGLang has no ``/get_weight_version``) and
+  ``GET /server_info`` (``tp_size`` × ``pp_size``; ``startup_time`` as the process identity). SGLang
+  does not report released memory: the router's own record of its release broadcast stands for it.
+- **answers**: ``/flush_cache`` is text, ``/abort_request`` an empty 200, the memory routes JSON
+  ``null``; admin failures are 400 ``{"success": false, "message"}``. SGLang's rollback after a failed
+  ``/update_weights_from_disk`` reloads from the path that failed (the model path is replaced before the
+  load), so such a failure is never taken as weights left intact: the worker stays fenced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.contract import endpoints as ep
+from router.contract.sglang_server import SglangServerIdentity
+from router.gateway.engines.base import HEALTH_PATH, Engine
+from router.gateway.fleet.registry import Worker
+from router.gateway.upstream import WorkerClient
+
+SGLANG_ADMIN = frozenset(
+    e.path
+    for e in (
+        ep.MODEL_INFO,
+        ep.SERVER_INFO,
+        ep.UPDATE_WEIGHT_VERSION,
+        ep.PAUSE_GENERATION,
+        ep.CONTINUE_GENERATION,
+        ep.ABORT_REQUEST,
+        ep.FLUSH_CACHE,
+        ep.UPDATE_WEIGHTS_FROM_DISK,
+        ep.UPDATE_WEIGHTS_FROM_TENSOR,
+        ep.WEIGHTS_CHECKER,
+        ep.RELEASE_MEMORY_OCCUPATION,
+        ep.RESUME_MEMORY_OCCUPATION,
+        ep.INIT_WEIGHTS_UPDATE_GROUP,
+        ep.DESTROY_WEIGHTS_UPDATE_GROUP,
+        ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
+        ep.BEGIN_WEIGHT_UPDATE,
+        ep.END_WEIGHT_UPDATE,
+    )
+)
+SGLANG_GENERATION = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+
+
+class SglangEngine(Engine):
+    name = "sglang"
+    admin_paths = SGLANG_ADMIN
+    generation_paths = SGLANG_GENERATION
+
+    def health_path(self, worker: Worker) -> str:
+        return ep.MODEL_INFO.path if worker.paused else HEALTH_PATH
+
+    async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
+        info, server = await asyncio.gather(
+            client.call(worker.url, ep.MODEL_INFO, headers=headers, cap_s=timeout_s, decode=self.decode),
+            client.fetch(worker.url, ep.SERVER_INFO.path, SglangServerIdentity, headers=headers, timeout_s=timeout_s),
+        )
+        if info.value is None or server.value is None:
+            return False
+        worker.weight_version = info.value.weight_version
+        worker.weight_state = "released" if worker.asleep else "serving"
+        worker.tp_size = max(1, server.value.tp_size) * max(1, server.value.pp_size)
+        worker.instance_id = server.value.instance_id()
+        return True

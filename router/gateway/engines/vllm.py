@@ -1,0 +1,118 @@
+"""vLLM (0.32 and later, ``vllm serve`` with ``VLLM_SERVER_DEV_MODE=1`` for its RL and dev routes).
+
+- **health**: ``GET /health`` is an empty 200 while the engine serves (503 once it died); a paused
+  engine still answers 200.
+- **metadata**: ``GET /weight_info`` (the version label, ``"default"`` until one is set),
+  ``GET /server_info?config_format=json`` (``vllm_config.instance_id``, new at every start: the process
+  identity; tensor × pipeline parallel size: the ranks it takes in a weight-update group) and
+  ``GET /is_sleeping`` (weights released). Without dev mode none of these exist: the worker is routed
+  on its boot weights until the fleet's first weight change and is pending after it, since the router
+  cannot tell which weights it holds.
+- **routes**: vLLM's RL and dev routes; with this project's plugin (``worker/vllm_plugin``, found by
+  ``GET /prepare_weights_update`` answering 405 rather than 404) also the two-phase sync's.
+- **answers**: empty and plain-text 200s are successes (``/sleep``, ``/collective_rpc``); a failure is
+  vLLM's ``{"error": {"message"}}``, 500 for a worker-side error such as an update out of order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from router.contract import endpoints as ep
+from router.contract.vllm_rl import VllmServerIdentity
+from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
+from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
+from router.gateway.engines.base import Engine
+from router.gateway.fleet.registry import Worker
+from router.gateway.upstream import WorkerClient
+
+VLLM_ADMIN = frozenset(
+    e.path
+    for e in (
+        ep.PAUSE,
+        ep.RESUME,
+        ep.IS_PAUSED,
+        ep.ABORT_REQUESTS,
+        ep.INIT_WEIGHT_TRANSFER_ENGINE,
+        ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE,
+        ep.START_WEIGHT_UPDATE,
+        ep.UPDATE_WEIGHTS,
+        ep.FINISH_WEIGHT_UPDATE,
+        ep.UPDATE_WEIGHT_VERSION,
+        ep.WEIGHT_INFO,
+        ep.WEIGHT_CHECKER,
+        ep.GET_WORLD_SIZE,
+        ep.COLLECTIVE_RPC,
+        ep.SLEEP,
+        ep.WAKE_UP,
+        ep.IS_SLEEPING,
+        ep.RESET_PREFIX_CACHE,
+        ep.SERVER_INFO,
+    )
+)
+#: What the project's vLLM plugin adds: the two-phase sync, served with this project's contract.
+PLUGIN_ADMIN = frozenset(
+    e.path
+    for e in (
+        ep.INIT_WEIGHTS_UPDATE_GROUP,
+        ep.DESTROY_WEIGHTS_UPDATE_GROUP,
+        ep.PREPARE_WEIGHTS_UPDATE,
+        ep.COMPLETE_WEIGHTS_UPDATE,
+        ep.ABORT_WEIGHTS_UPDATE,
+    )
+)
+VLLM_GENERATION = frozenset(
+    {"/v1/completions", "/v1/chat/completions", TOKENS_GENERATE_PATH, TOKENIZE_PATH, DETOKENIZE_PATH}
+)
+#: A POST-only route answers a GET with 405 where it exists and 404 where it does not: a probe that changes nothing.
+PLUGIN_PROBE_PATH = ep.PREPARE_WEIGHTS_UPDATE.path
+IDENTITY_QUERY = "config_format=json"
+
+
+class VllmEngine(Engine):
+    name = "vllm"
+    admin_paths = VLLM_ADMIN
+    generation_paths = VLLM_GENERATION
+
+    async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
+        version, identity, sleeping = await asyncio.gather(
+            client.call(worker.url, ep.WEIGHT_INFO, headers=headers, cap_s=timeout_s, decode=self.decode),
+            client.fetch(
+                worker.url,
+                f"{ep.SERVER_INFO.path}?{IDENTITY_QUERY}",
+                VllmServerIdentity,
+                headers=headers,
+                timeout_s=timeout_s,
+            ),
+            client.call(worker.url, ep.IS_SLEEPING, headers=headers, cap_s=timeout_s, decode=self.decode),
+        )
+        if version.status is None:
+            return False
+        if version.value is None:
+            worker.engine_detail = (
+                f"vLLM's RL routes are off (GET /weight_info: {version.error}); start it with "
+                "VLLM_SERVER_DEV_MODE=1, or the router cannot tell which weights it holds"
+            )
+            worker.weight_version = worker.instance_id = None
+            worker.admin_paths = frozenset()
+            return True
+        worker.weight_version = version.value.weight_version
+        asleep = sleeping.value is not None and sleeping.value.is_sleeping
+        worker.weight_state = "released" if asleep else "serving"
+        info = identity.value
+        if info is None:
+            return False
+        parallel = info.vllm_config.parallel_config
+        worker.tp_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
+        instance = info.vllm_config.instance_id
+        if instance != worker.instance_id or worker.admin_paths is None:
+            # A new process may run with or without the plugin: look again.
+            worker.admin_paths = await self._served(client, worker, timeout_s)
+        worker.instance_id = instance
+        return True
+
+    async def _served(self, client: WorkerClient, worker: Worker, timeout_s: float) -> frozenset[str]:
+        status = await client.status(worker.url, PLUGIN_PROBE_PATH, headers={}, timeout_s=timeout_s)
+        plugin = status == 405
+        worker.engine_detail = None if plugin else "no omni-router plugin: the two-phase sync is not served"
+        return VLLM_ADMIN | PLUGIN_ADMIN if plugin else VLLM_ADMIN
