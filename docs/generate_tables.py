@@ -23,7 +23,7 @@ if str(ROOT) not in sys.path:
 
 from router import __version__  # noqa: E402
 from router.contract.budget import DEFAULT_LOCK_WAIT_S, HOP_MARGIN_S  # noqa: E402
-from router.contract.endpoints import WORKER_ADMIN, Endpoint  # noqa: E402
+from router.contract.endpoints import VLLM_ONLY_ADMIN, WORKER_ADMIN, Endpoint  # noqa: E402
 from router.contract.web.openapi import Route, openapi_route  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "endpoints.md"
@@ -57,6 +57,27 @@ def _admin_table(endpoints: Iterable[Endpoint]) -> list[str]:
             f"| {_timeout_cell(e)} | {_seconds(e.budget.router_wait())} "
             f"| {_seconds(e.budget.client_wait(lock_wait_s=lock))} | {'yes' if e.serialized else ''} |"
         )
+    return rows
+
+
+def _engine_table() -> list[str]:
+    """Which engine serves which of the router's admin and generation routes (the router's own table)."""
+    from router.gateway.engines import ENGINES
+    from router.gateway.engines.vllm import PLUGIN_ADMIN
+
+    names = list(ENGINES)
+    rows = ["| route | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+
+    def cell(name: str, path: str, served: frozenset[str]) -> str:
+        if path in served:
+            return "yes"
+        return "with the plugin" if name == "vllm" and path in PLUGIN_ADMIN else ""
+
+    for e in (*WORKER_ADMIN, *VLLM_ONLY_ADMIN):
+        rows.append(f"| `{e.path}` | " + " | ".join(cell(n, e.path, ENGINES[n].admin_paths) for n in names) + " |")
+    generation = sorted({p for engine in ENGINES.values() for p in engine.generation_paths})
+    for path in generation:
+        rows.append(f"| `{path}` | " + " | ".join(cell(n, path, ENGINES[n].generation_paths) for n in names) + " |")
     return rows
 
 
@@ -103,7 +124,18 @@ def render() -> str:
         "`timeout_s` waits for the rest of the prepared receive window. `/prepare_weights_update`",
         "answers once the receive runs: its `timeout_s` bounds the receive that follows, not the call.",
         "",
-        *_admin_table(WORKER_ADMIN),
+        *_admin_table((*WORKER_ADMIN, *VLLM_ONLY_ADMIN)),
+        "",
+        "## Routes by engine",
+        "",
+        "The router sends a worker only the routes its engine serves (`router/gateway/engines/`): an",
+        "admin call that some target's engine does not serve is refused (400) before anything is locked,",
+        "fenced or sent, and a generation request goes only to workers whose engine serves its route (404",
+        "when none of the fleet's engines does). A fleet of several engines therefore takes exactly the",
+        "routes every engine in it serves ([engines.md](engines.md)). vLLM serves its RL and dev routes",
+        "only with `VLLM_SERVER_DEV_MODE=1`, and the two-phase sync with this project's plugin.",
+        "",
+        *_engine_table(),
         "",
         "## omni-router routes",
         "",

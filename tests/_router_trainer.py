@@ -3,8 +3,8 @@ and test_client_recovery).
 
     python -m tests._router_trainer CONFIG_JSON
 
-Loads the tiny checkpoint, and for each configured step perturbs every tensor,
-then runs ``RouterClient.sync_weights`` (group init on the first step, pause,
+Loads the tiny checkpoint, and for each configured step perturbs every tensor
+(unless ``"perturb": false``: then it sends the checkpoint as it is), then runs ``RouterClient.sync_weights`` (group init on the first step, pause,
 prepare/broadcast/complete or the single-phase calls, verify, continue) with
 the transfer package's sender doing the broadcasts. Writes a JSON report.
 
@@ -109,9 +109,10 @@ def main(cfg: dict) -> dict:
             die_at = options.get("die_at_bucket")
             tamper = {k: options[k] for k in ("short_by", "long_by") if k in options}
             tamper_at = options.get("at", 1) if tamper else None
-            with torch.no_grad():
-                for t in tensors.values():
-                    t.add_(0.001 * (step + 1))
+            if cfg.get("perturb", True):
+                with torch.no_grad():
+                    for t in tensors.values():
+                        t.add_(0.001 * (step + 1))
             expected = sent_checksum(tensors.items())
 
             def broadcast(i: int, fmt=fmt, fail_at=fail_at, die_at=die_at, tamper_at=tamper_at, tamper=tamper) -> None:

@@ -8,6 +8,7 @@ state in ways others would notice starts its own through ``worker_factory``.
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,9 @@ from tests.procs import ManagedProcess, start_worker
 #: The client-compatibility tier (``make test-clients``) runs in its own virtualenv, where the
 #: released RL clients are installed; the main suite's environment has none of them.
 collect_ignore = [] if importlib.util.find_spec("trl") is not None else ["clients"]
+#: The engine tier (``make test-engines``) runs real vLLM servers in its own virtualenv.
+if os.environ.get("OMNI_ENGINE_TIER") != "1":
+    collect_ignore.append("engines")
 
 
 @pytest.fixture(scope="session")

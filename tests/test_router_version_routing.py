@@ -79,10 +79,11 @@ def worker_row(url: str, worker_url: str) -> dict[str, Any]:
     return by_url(url, ADMIN_KEY)[worker_url]
 
 
-def roll_all_but(url: str, proc: ManagedProcess, left_behind: str, version: str) -> None:
-    """Update every worker but ``left_behind`` to ``version`` through the router, then register it again."""
+def roll_all_but(url: str, proc: ManagedProcess, left_behind: str, version: str, model: Any) -> None:
+    """Update every worker but ``left_behind`` to ``version`` through the router (an update from disk: a relabel
+    alone names the same weights anew), then register it again."""
     admin(url, f"/workers/{escaped(left_behind)}", None, "DELETE")
-    admin(url, "/update_weight_version", {"new_version": version})
+    admin(url, "/update_weights_from_disk", {"model_path": str(model), "weight_version": version})
     admin(url, "/workers", {"url": left_behind})
     wait_for(lambda: worker_row(url, left_behind)["health"] == "healthy", 30, proc, "the worker back and probed")
 
@@ -91,7 +92,7 @@ def test_each_policy_decides_whether_the_worker_left_behind_serves(router, fleet
     proc, url = router
     current, behind = fleet.urls
     admin(url, "/update_weight_version", {"new_version": "v1"})
-    roll_all_but(url, proc, behind, "v2")
+    roll_all_but(url, proc, behind, "v2", fleet.model)
     rows = by_url(url, ADMIN_KEY)
     ids = {u: rows[u]["id"] for u in fleet.urls}
     assert rows[behind]["staleness"] == 1 and rows[current]["staleness"] == 0, rows
@@ -106,7 +107,7 @@ def test_each_policy_decides_whether_the_worker_left_behind_serves(router, fleet
     headers = {"x-smg-version-policy": "any"}  # SGLang Model Gateway's spelling of the header
     assert {call(url, "/generate", headers=headers)[2][SERVED_BY] for _ in range(4)} == set(ids.values())
 
-    roll_all_but(url, proc, behind, "v3")
+    roll_all_but(url, proc, behind, "v3", fleet.model)
     assert worker_row(url, behind)["staleness"] == 2
     assert served_under(url, "max-staleness:1") == {ids[current]}
     assert served_under(url, "max-staleness:2") == set(ids.values())
@@ -121,7 +122,7 @@ def test_no_eligible_worker_is_a_503_that_says_why_and_a_bad_policy_a_400(router
     proc, url = router
     current, behind = fleet.urls
     admin(url, "/update_weight_version", {"new_version": "v1"})
-    roll_all_but(url, proc, behind, "v2")
+    roll_all_but(url, proc, behind, "v2", fleet.model)
     admin(url, f"/workers/{escaped(current)}", {"disabled": True}, "PUT")
 
     status, body, headers = call(url, "/generate", headers={"X-Version-Policy": "max-staleness:0"})
@@ -170,8 +171,11 @@ def test_weights_changed_behind_the_router_or_a_restart_serve_under_no_policy(ro
     wait_for(back_unrecorded, 30, proc, "the router to see the restarted worker back, unrecorded")
     status, body, _ = call(url, "/generate", headers={"X-Version-Policy": "any"})
     assert status == 503 and "unrecorded weights" in body["error"]["message"], body
-    # Whole again: one update through the router brings both to a recorded version.
+    # A new label vouches for no weights: both stay unrecorded after a relabel through the router.
     admin(url, "/update_weight_version", {"new_version": "v2"})
+    assert all(worker_row(url, u)["fleet_sequence"] is None for u in fleet.urls)
+    # Whole again: one update through the router brings both to a recorded version.
+    admin(url, "/update_weights_from_disk", {"model_path": str(fleet.model), "weight_version": "v3"})
     assert served_under(url, "latest-only") == set(ids.values())
 
 
@@ -209,7 +213,7 @@ def test_data_planes_route_by_policy_and_their_counts_reach_the_metrics(fleet: F
     try:
         current, behind = fleet.urls
         admin(url, "/update_weight_version", {"new_version": "v1"})
-        roll_all_but(url, proc, behind, "v2")
+        roll_all_but(url, proc, behind, "v2", fleet.model)
         ids = {u: w["id"] for u, w in by_url(url, ADMIN_KEY).items()}
         assert served_under(url, None, 6) == {ids[current]}
         assert served_under(url, "max-staleness:1", 6) == set(ids.values())

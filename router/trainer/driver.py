@@ -275,7 +275,7 @@ class WeightSync:
         if complete is not None:
             report.checksums = dict(complete.checksums)
         if self.verify:
-            self._stage("verify", lambda: self._verify(report), uncertain=True)
+            self._stage("verify", lambda: self._verify(report, complete), uncertain=True)
         self._stage("continue", self.client.continue_generation, uncertain=True)
         report.seconds = round(time.perf_counter() - start, 4)
         return report
@@ -345,11 +345,23 @@ class WeightSync:
             done,
         )
 
-    def _verify(self, report: SyncReport) -> None:
-        checked = self.client.weights_checker("checksum")
-        report.checksums = dict(checked.worker_checksums) or report.checksums
-        report.rank_checksums = ranks = {w: list(v) for w, v in checked.rank_checksums.items()}
-        report.fleet_identical = bool(checked.identical)
+    def _verify(self, report: SyncReport, complete: CompleteFleetAnswer | None) -> None:
+        """The workers hold what the trainer sent: read back with ``/weights_checker``, or, for a fleet with
+        workers that cannot read their weights back in the trainer's scheme (vLLM's are re-laid-out as they
+        load), the checksums each rank reported of what it loaded (``complete`` with ``return_checksum``)."""
+        try:
+            checked = self.client.weights_checker("checksum")
+        except RouterCallError as exc:
+            if complete is None or not _unserved(exc):
+                raise
+            report.rank_checksums = ranks = _applied_checksums(complete)
+            report.fleet_identical = (
+                bool(ranks) and all(ranks.values()) and len({frozenset(v) for v in ranks.values()}) == 1
+            )
+        else:
+            report.checksums = dict(checked.worker_checksums) or report.checksums
+            report.rank_checksums = ranks = {w: list(v) for w, v in checked.rank_checksums.items()}
+            report.fleet_identical = bool(checked.identical)
         if not report.fleet_identical:
             raise SyncError("verify", f"workers hold different weights: {report.checksums}", weights_uncertain=True)
         if self.expected_checksum is not None:
@@ -364,6 +376,25 @@ class WeightSync:
             self.client.continue_generation()
         except RouterCallError as exc:
             log.warning("could not resume generation after a failed sync: %s", exc)
+
+
+def _unserved(exc: RouterCallError) -> bool:
+    """The router refused the call because some worker's engine does not serve it (nothing was sent)."""
+    return exc.status == 400 and exc.error is not None and "unserved" in (exc.error.model_extra or {})
+
+
+def _applied_checksums(complete: CompleteFleetAnswer) -> dict[str, list[str]]:
+    """Each worker's per-rank checksums of the weights it applied, as its complete reported them."""
+    applied: dict[str, list[str]] = {}
+    for result in complete.results:
+        body = result.body
+        if body is None:
+            applied[result.worker] = []
+        elif body.rank_checksums:
+            applied[result.worker] = [r.checksum for r in body.rank_checksums]
+        else:
+            applied[result.worker] = [body.checksum] if body.checksum else []
+    return applied
 
 
 def _attempt(fn: Callable[[], Any]) -> str:

@@ -217,6 +217,9 @@ class BucketReceiver:
         failure: str | None = None  # the first failed apply or mismatched bucket: nothing is applied after it
         reusable = False  # set once no broadcast can still be writing into the buffers
         try:
+            if self.device.type == "cuda":
+                # A new thread starts on device 0: a rank on another GPU must issue its collectives there.
+                torch.cuda.set_device(self.device)
             buffers = pool.lease(biggest, count, self.device)
             self._set_state(ReceiveState.RECEIVING)
             self._running.set()

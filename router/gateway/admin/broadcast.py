@@ -12,6 +12,7 @@ live targets only; one that cannot target a subset (:attr:`Operation.targetable`
 
 from __future__ import annotations
 
+from router.contract import endpoints as ep
 from router.contract.errors import BadRequest
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
@@ -19,6 +20,8 @@ from router.gateway.admin.groups import group_name_of
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import Operation
 from router.gateway.fleet.weights import checkpoint_of
+
+RELABEL = ep.UPDATE_WEIGHT_VERSION.path
 
 
 async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcome:
@@ -35,6 +38,11 @@ async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcom
             ctx.groups.check(group, targets)
         if op.ends_group:
             targets = ctx.groups.members_among(group, targets) or targets
+        # A relabel vouches for no weights: only targets that held recorded ones keep holding them.
+        fleet = ctx.registry.fleet
+        vouched = (
+            [w.id for w in targets if fleet.verified_sequence(w.id, w) is not None] if op.path == RELABEL else None
+        )
         await run.fence_targets(targets)
         try:
             results = await run.fan_out(targets, call)
@@ -45,5 +53,5 @@ async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcom
         outcome = await run.settle(results)
         if op.changes_weights:
             source = checkpoint_of(op.path, call.request, ctx.registry.fleet.record)
-            await ctx.record_weight_change(targets, results, source_path=source)
+            await ctx.record_weight_change(targets, results, source_path=source, relabel_of=vouched)
         return outcome

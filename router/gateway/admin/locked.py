@@ -99,12 +99,18 @@ class AdminContext:
         await asyncio.gather(*(self.prober.refresh_metadata(w) for w in workers))
 
     async def record_weight_change(
-        self, targets: Sequence[Worker], results: Sequence[WorkerResult[Any]], *, source_path: str | None = None
+        self,
+        targets: Sequence[Worker],
+        results: Sequence[WorkerResult[Any]],
+        *,
+        source_path: str | None = None,
+        relabel_of: Collection[str] | None = None,
     ) -> None:
         """After a weight change: the targets that succeeded now hold a new fleet version (read back
         from them); targets that failed are pending until an update brings them there, and workers the
         change did not target keep the version they held (one version staler). ``source_path``: the
-        checkpoint the change loaded (:func:`~router.gateway.fleet.weights.checkpoint_of`)."""
+        checkpoint the change loaded (:func:`~router.gateway.fleet.weights.checkpoint_of`); ``relabel_of``: see
+        :meth:`~router.gateway.fleet.weights.FleetWeights.changed`."""
         succeeded = {r.worker for r in results if r.success}
         done = [w for w in targets if w.id in succeeded]
         if done:
@@ -117,6 +123,7 @@ class AdminContext:
                 checksum=checksum,
                 bystanders=((w.id, w.weights) for w in self.registry if w.id not in targeted and not w.is_dead),
                 source_path=source_path,
+                relabel_of=relabel_of,
             )
 
 

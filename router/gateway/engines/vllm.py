@@ -4,8 +4,10 @@
   engine still answers 200.
 - **metadata**: ``GET /weight_info`` (the version label, ``"default"`` until one is set),
   ``GET /server_info?config_format=json`` (``vllm_config.instance_id``, new at every start: the process
-  identity; tensor × pipeline parallel size: the ranks it takes in a weight-update group) and
-  ``GET /is_sleeping`` (weights released). Without dev mode none of these exist: the worker is routed
+  identity; tensor × pipeline parallel size: the ranks it takes in a weight-update group). Whether its
+  weights are released is the router's own record of its ``/sleep`` and ``/wake_up`` broadcasts: vLLM's
+  ``/is_sleeping`` is also true while generation is merely paused. Without dev mode none of these exist: the
+  worker is routed
   on its boot weights until the fleet's first weight change and is pending after it, since the router
   cannot tell which weights it holds.
 - **routes**: vLLM's RL and dev routes; with this project's plugin (``worker/vllm_plugin``, found by
@@ -50,10 +52,13 @@ VLLM_ADMIN = frozenset(
         ep.SERVER_INFO,
     )
 )
-#: What the project's vLLM plugin adds: the two-phase sync, served with this project's contract.
+#: What the project's vLLM plugin adds: the two-phase sync and SGLang's pause and continue (which its trainers
+#: send), served with this project's contract.
 PLUGIN_ADMIN = frozenset(
     e.path
     for e in (
+        ep.PAUSE_GENERATION,
+        ep.CONTINUE_GENERATION,
         ep.INIT_WEIGHTS_UPDATE_GROUP,
         ep.DESTROY_WEIGHTS_UPDATE_GROUP,
         ep.PREPARE_WEIGHTS_UPDATE,
@@ -75,7 +80,7 @@ class VllmEngine(Engine):
     generation_paths = VLLM_GENERATION
 
     async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
-        version, identity, sleeping = await asyncio.gather(
+        version, identity = await asyncio.gather(
             client.call(worker.url, ep.WEIGHT_INFO, headers=headers, cap_s=timeout_s, decode=self.decode),
             client.fetch(
                 worker.url,
@@ -84,7 +89,6 @@ class VllmEngine(Engine):
                 headers=headers,
                 timeout_s=timeout_s,
             ),
-            client.call(worker.url, ep.IS_SLEEPING, headers=headers, cap_s=timeout_s, decode=self.decode),
         )
         if version.status is None:
             return False
@@ -97,8 +101,7 @@ class VllmEngine(Engine):
             worker.admin_paths = frozenset()
             return True
         worker.weight_version = version.value.weight_version
-        asleep = sleeping.value is not None and sleeping.value.is_sleeping
-        worker.weight_state = "released" if asleep else "serving"
+        worker.weight_state = "released" if worker.asleep else "serving"
         info = identity.value
         if info is None:
             return False

@@ -238,6 +238,7 @@ class FleetWeights:
         checksum: str | None = None,
         bystanders: Iterable[tuple[str, WorkerWeights]] = (),
         source_path: str | None = None,
+        relabel_of: Collection[str] | None = None,
     ) -> None:
         """A weight change succeeded on ``holders``: they hold a new fleet entry.
 
@@ -247,13 +248,23 @@ class FleetWeights:
         ``bystanders``: the workers outside ``targets`` as they report now; read only for the first
         change, when there is no record yet: their boot weights were the fleet's, so they are
         recorded on a boot entry (:data:`BOOT_SEQUENCE`) one version behind, not left pending.
-        ``source_path``: the checkpoint the new weights were loaded from (:func:`checkpoint_of`)."""
+        ``source_path``: the checkpoint the new weights were loaded from (:func:`checkpoint_of`).
+        ``relabel_of``: the change only set a new label (``/update_weight_version``), and these are the targets
+        that held recorded weights before it: a new label vouches for no weights, so any other target stays
+        pending. When it reached exactly the workers that hold the latest entry, and all of them, it names that
+        entry anew instead of adding one: vLLM's update is a reload followed by a relabel, and a worker left out
+        of both must be one version stale, not two."""
+        previous = self._record
         reports = [(wid, w) for wid, w in holders if w.instance_id is not None]
+        if relabel_of is not None:
+            reports = [(wid, w) for wid, w in reports if wid in relabel_of]
         if not reports:
             return
         versions = Counter(w.weight_version for _, w in reports)
         version = versions.most_common(1)[0][0]
-        previous = self._record
+        if relabel_of is not None and previous is not None and _names_latest_anew(previous, reports, targets):
+            await self._save(_relabelled(previous, reports, version))
+            return
         if previous is None and targets is not None:
             previous = _boot_record(bystanders, set(targets))
         sequence = (previous.latest.sequence if previous is not None else BOOT_SEQUENCE) + 1
@@ -273,7 +284,9 @@ class FleetWeights:
             if w.weight_version == version and w.instance_id:
                 kept[wid] = Holder(instance_id=w.instance_id, sequence=sequence, weight_version=version)
         history = [*(previous.history if previous is not None else []), entry][-HISTORY_LIMIT:]
-        record = FleetRecord(history=history, holders=kept)
+        await self._save(FleetRecord(history=history, holders=kept))
+
+    async def _save(self, record: FleetRecord) -> None:
         self.record = record
         # The in-memory record decides routing whether or not the store takes it now.
         await self._stored.save(record.model_dump_json(indent=1).encode())
@@ -298,6 +311,28 @@ class FleetWeights:
         self.record = updated
         await self._stored.save(updated.model_dump_json(indent=1).encode())
         return True
+
+
+def _names_latest_anew(
+    record: FleetRecord, reports: list[tuple[str, WorkerWeights]], targets: Collection[str] | None
+) -> bool:
+    """A relabel that reached every holder of the latest entry, and only them, each still the same process."""
+    latest = record.latest.sequence
+    holding = {wid: h for wid, h in record.holders.items() if h.sequence == latest}
+    reported = dict(reports)
+    if set(reported) != set(holding) or (targets is not None and set(targets) != set(reported)):
+        return False
+    labels = {w.weight_version for w in reported.values()}
+    return len(labels) == 1 and all(holding[wid].instance_id == w.instance_id for wid, w in reported.items())
+
+
+def _relabelled(record: FleetRecord, reports: list[tuple[str, WorkerWeights]], version: str | None) -> FleetRecord:
+    latest = record.latest.model_copy(update={"weight_version": version, "changed_at": time.time()})
+    holders = dict(record.holders)
+    for wid, w in reports:
+        assert w.instance_id is not None
+        holders[wid] = Holder(instance_id=w.instance_id, sequence=latest.sequence, weight_version=version)
+    return FleetRecord(history=[*record.history[:-1], latest], holders=holders)
 
 
 def _boot_record(bystanders: Iterable[tuple[str, WorkerWeights]], targets: set[str]) -> FleetRecord | None:
