@@ -55,8 +55,10 @@ GENERATE_REPLY = json.dumps(
 def standin_app() -> web.Application:
     """A contract-speaking stand-in worker (benchmark only): fixed, instant answers."""
     ok = json.dumps({"success": True, "message": "ok"}).encode()
-    info = json.dumps({"model_path": "standin", "weight_version": "default", "tp_size": 1}).encode()
-    health = json.dumps({"status": "ok", "weight_version": "default", "weight_state": "serving"}).encode()
+    # An omni-worker's process identity, so that the router detects the stand-ins as omni-workers.
+    instance = {"instance_id": "standin"}
+    info = json.dumps({"model_path": "standin", "weight_version": "default", "tp_size": 1, **instance}).encode()
+    health = json.dumps({"status": "ok", "weight_version": "default", "weight_state": "serving", **instance}).encode()
 
     async def reply_ok(_: web.Request) -> web.Response:
         return web.Response(body=ok, content_type="application/json")

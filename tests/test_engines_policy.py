@@ -131,6 +131,17 @@ def test_a_call_some_target_cannot_serve_is_refused_naming_them() -> None:
     assert serves(vllm, ep.COLLECTIVE_RPC.path) and not serves(omni, ep.COLLECTIVE_RPC.path)
 
 
+def test_a_paused_sglang_worker_is_probed_where_its_scheduler_is_not_needed() -> None:
+    """SGLang's /health generates a token through the scheduler, which parks while generation is paused."""
+    from router.gateway.engines import ENGINES
+
+    sglang = _worker("sglang")
+    assert ENGINES["sglang"].health_path(sglang) == "/health"
+    sglang.paused = True
+    assert ENGINES["sglang"].health_path(sglang) == ep.MODEL_INFO.path
+    assert ENGINES["vllm"].health_path(_worker("vllm", paused=True)) == "/health"  # vLLM answers while paused
+
+
 def _routable(registry: WorkerRegistry, engine: str, port: int) -> Worker:
     worker = registry.add(f"http://127.0.0.1:{port}", engine=engine)  # type: ignore[arg-type]
     worker.health, worker.weight_state, worker.instance_id = "healthy", "serving", f"i-{port}"

@@ -110,7 +110,9 @@ def test_a_refused_refit_is_207_and_changes_nothing(router: tuple[list[str], str
 
 def test_a_failed_pause_keeps_the_uncertain_worker_fenced_after_smgs_resume(router: tuple[list[str], str]) -> None:
     (first, second), url = router
-    status, added = http_json("POST", url + "/workers", {"url": UNREACHABLE}, headers=auth(KEY), timeout=10)
+    # An omni-worker that stopped answering (named: an unreachable worker's engine cannot be detected).
+    body = {"url": UNREACHABLE, "engine": "omni"}
+    status, added = http_json("POST", url + "/workers", body, headers=auth(KEY), timeout=10)
     assert status == 201, added
     rl = smg_rl.RL(url, api_key=KEY, timeout=120)
     try:

@@ -47,31 +47,14 @@ def vllm_server(
     env: Mapping[str, str] | None = None,
     ready_timeout_s: float = READY_TIMEOUT_S,
 ) -> Iterator[VllmServer]:
-    """A vLLM server for ``checkpoint``, ready once ``/health`` answers 200; stopped on exit."""
-    port = free_port()
-    argv = [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(checkpoint),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        *SMALL_SERVER_ARGS,
-        *extra_args,
-    ]
-    environment = {**SMALL_SERVER_ENV, "VLLM_NO_USAGE_STATS": "1", **(env or {})}
-    # A proxy set for the outside world must not capture loopback calls (vLLM's own or the tests').
-    environment["NO_PROXY"] = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1", "localhost"]))
-    proc = ManagedProcess(f"vllm-{port}", argv, env=environment).start()
-    url = f"http://127.0.0.1:{port}"
+    """A vLLM server for ``checkpoint`` (the plugin's environment on), ready once ``/health`` answers 200;
+    stopped on exit."""
+    server = start_vllm(checkpoint, extra_args=extra_args, env=env)
     try:
-        proc.wait_http_ready(url + "/health", timeout=ready_timeout_s)
-        yield VllmServer(url=url, model=str(checkpoint), proc=proc)
+        wait_ready([server], ready_timeout_s)
+        yield server
     finally:
-        proc.stop(timeout=30.0)
+        server.proc.stop(timeout=30.0)
 
 
 #: What a server needs for the project's plugin: vLLM's RL routes, the endpoint plugin, the worker extension.

@@ -27,8 +27,8 @@ from typing import Any
 
 import pytest
 
-from tests.engines._checkpoints import hf_greedy, write_checkpoint
-from tests.engines._vllm_server import VllmServer, vllm_server
+from tests.engines._vllm_server import PLUGIN_ARGS, VllmServer, vllm_server
+from tests.engines.conftest import PROMPT, TOKENS
 from tests.procs import free_port, http_json
 
 pytestmark = [
@@ -37,26 +37,9 @@ pytestmark = [
     pytest.mark.timeout(900),
 ]
 
-PLUGIN_ENV = {"VLLM_PLUGINS": "omni_router", "VLLM_SERVER_DEV_MODE": "1"}
-PLUGIN_ARGS = ("--worker-extension-cls", "worker.vllm_plugin.extension.OmniWeightSyncExtension")
-PROMPT = [256, 72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]  # <s> "Hello, world"
-TOKENS = 12
 TRAINER_TIMEOUT_S = 240.0
 #: Small buckets, so that a sync of the tiny model still has several of them.
 BUCKET_BYTES = 256 * 1024
-
-
-@pytest.fixture(scope="module")
-def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("vllm-ckpts")
-    return {"a": write_checkpoint(root / "a", seed=0), "b": write_checkpoint(root / "b", seed=1)}
-
-
-@pytest.fixture(scope="module")
-def reference(ckpts: dict[str, Path]) -> dict[str, list[int]]:
-    ref = {name: hf_greedy(path, PROMPT, TOKENS) for name, path in ckpts.items()}
-    assert ref["a"] != ref["b"], "the two checkpoints must generate differently for the test to mean anything"
-    return ref
 
 
 def _cuda() -> bool:
@@ -69,7 +52,7 @@ def _cuda() -> bool:
 def server(request: pytest.FixtureRequest, ckpts: dict[str, Path]) -> Iterator[VllmServer]:
     """One server at a time: every test runs against tensor parallelism 1, then 2 (each rank joins the group)."""
     tp: int = request.param
-    env = dict(PLUGIN_ENV)
+    env: dict[str, str] = {}
     if tp > 1:
         if _cuda():
             import torch

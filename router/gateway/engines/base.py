@@ -46,10 +46,16 @@ class Engine:
         """The path a probe reads (SGLang's ``/health`` parks while generation is paused)."""
         return HEALTH_PATH
 
-    async def health(self, client: WorkerClient, worker: Worker, timeout_s: float) -> HealthStatus | None:
+    async def health(
+        self, client: WorkerClient, worker: Worker, timeout_s: float, headers: dict[str, str]
+    ) -> HealthStatus | None:
         """One probe: the worker's state when it serves (what it says of its weights, if it says anything),
-        ``None`` when it gave no usable answer. vLLM and SGLang answer any 2xx when they serve."""
-        status = await client.status(worker.url, self.health_path(worker), headers={}, timeout_s=timeout_s)
+        ``None`` when it gave no usable answer. vLLM and SGLang answer any 2xx when they serve. ``/health`` is
+        open on every engine and is probed without credentials; a route that stands in for it (SGLang's
+        ``/model_info`` while paused) gets ``headers``, the router's own worker key."""
+        path = self.health_path(worker)
+        sent = {} if path == HEALTH_PATH else headers
+        status = await client.status(worker.url, path, headers=sent, timeout_s=timeout_s)
         if status is None or not 200 <= status < 300:
             return None
         return HealthStatus(status="ok")

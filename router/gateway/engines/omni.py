@@ -25,7 +25,9 @@ class OmniEngine(Engine):
     reports_update_state = True
     decode = staticmethod(decode_answer)
 
-    async def health(self, client: WorkerClient, worker: Worker, timeout_s: float) -> HealthStatus | None:
+    async def health(
+        self, client: WorkerClient, worker: Worker, timeout_s: float, headers: dict[str, str]
+    ) -> HealthStatus | None:
         answer = await client.fetch(worker.url, HEALTH_PATH, HealthStatus, headers={}, timeout_s=timeout_s)
         return answer.value
 

@@ -5,7 +5,8 @@ omni-worker's JSON ``/health``, vLLM's and SGLang's empty one), bounded by
 ``--health-check-timeout-s``; after a good probe the checker also reads the engine's metadata
 routes (omni-worker's ``/model_info``, vLLM's ``/weight_info`` and ``/server_info``, SGLang's
 ``/model_info`` and ``/server_info``). A worker whose engine nobody named is detected first.
-Those reads are part of the probe and are bounded by the same timeout: all workers are probed in one round, and
+Those reads are part of the probe and are bounded by the same timeout: all workers are probed in
+one round, and
 a worker slow to describe itself must not hold the round (and so delay noticing that
 another worker died) for its endpoints' longer budgets. Workers that an update is targeting
 are probed but their failures are not counted (see ``Worker.update_holds``),
@@ -51,7 +52,7 @@ class WorkerProber:
         engine = await self.engine(worker)
         if engine is None:
             return False
-        status = await engine.health(self._workers, worker, self._timeout_s)
+        status = await engine.health(self._workers, worker, self._timeout_s, self._headers)
         if status is None:
             return False
         if engine.reports_update_state:
@@ -78,7 +79,7 @@ class WorkerProber:
         engine = engine_of(worker)
         if engine is None:
             return None
-        return await engine.health(self._workers, worker, self._timeout_s)
+        return await engine.health(self._workers, worker, self._timeout_s, self._headers)
 
     def give_up_requests(self, worker: Worker) -> None:
         """The worker stopped answering: its generation requests still waiting would wait for

@@ -67,11 +67,13 @@ def decode_answer(model: type[M], status: int, raw: bytes) -> WorkerAnswer[M]:
 
 
 def decode_plain(model: type[M], status: int, raw: bytes) -> WorkerAnswer[M]:
-    """:func:`decode_answer` for SGLang's and vLLM's admin routes, which also answer success without JSON:
-    a 2xx whose body is empty, JSON ``null`` or plain text (SGLang's ``/flush_cache``, ``/abort_request``,
-    ``/release_memory_occupation``; vLLM's ``/sleep``, ``/collective_rpc``) is a success (those servers answer
-    a failure with an error status): the model's defaults with ``success`` true and the text as ``message``. A model that cannot be built without fields (a read that must say something) keeps
-    the error, and so does a 2xx JSON object that is not the model."""
+    """:func:`decode_answer` for SGLang's and vLLM's admin routes, which also answer success without JSON.
+
+    A 2xx whose body is empty, JSON ``null`` or plain text (SGLang's ``/flush_cache``, ``/abort_request``,
+    ``/release_memory_occupation``; vLLM's ``/sleep``, ``/collective_rpc``) is a success, since those servers
+    answer a failure with an error status: the model's defaults with ``success`` true and the text as
+    ``message``. A model that cannot be built without fields (a read that must say something) keeps the
+    error, and so does a 2xx JSON object that is not the model."""
     answer = decode_answer(model, status, raw)
     if answer.body is not None or not 200 <= status < 300:
         return answer
