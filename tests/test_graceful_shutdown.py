@@ -33,7 +33,7 @@ from router.trainer.rendezvous import alongside
 from router.trainer.sender import TrainerWeightSender
 from tests._router_fixtures import start_router, wait_for
 from tests._worker_helpers import Worker
-from tests.procs import ManagedProcess, cli, free_port
+from tests.procs import ManagedProcess, cli, free_port, http_json
 
 #: Added to a grace for "the process exited in time": a bound against hangs, not a timing claim.
 MARGIN_S = 20.0
@@ -146,8 +146,10 @@ def pool() -> Iterator[ThreadPoolExecutor]:
 
 def _held(worker: Worker, pool: ThreadPoolExecutor, url: str, bodies: list[dict[str, Any]]) -> list[Future[Any]]:
     """Send ``bodies`` to ``url`` while ``worker`` is paused: they are admitted (a stream has its
-    headers) and queued, and cannot end before the test continues generation, or by a cut or abort."""
-    worker.ok("POST", "/pause_generation", {"mode": "in_place"})
+    headers) and queued, and cannot end before the test continues generation, or by a cut or abort.
+    The pause goes through ``url``: a router continues a worker paused behind its back."""
+    status, body = http_json("POST", url + "/pause_generation", {"mode": "in_place"}, timeout=30)
+    assert status == 200, body
     futures = [pool.submit(call, url, body) for body in bodies]
     count = len(bodies)
     worker.wait_state(lambda s: s["num_waiting_reqs"] == count, what=f"{count} requests held")

@@ -17,6 +17,7 @@ import pytest
 from router.contract.fleet import JournalState, JournalTarget
 from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal
 from router.gateway.fleet.registry import normalize_url, worker_id_for
+from router.gateway.fleet.weights import FLEET_FILE
 from router.gateway.state.durable import DurableState
 from tests._router_fixtures import (
     ADMIN_KEY,
@@ -133,5 +134,47 @@ def test_router_starts_on_a_crash_journal_it_cannot_rewrite(pair, tmp_path):
         assert status == 200 and body["resolved"], body
         assert not (state_dir / JOURNAL_FILE).exists()
         wait_for(lambda: {generate_via(url)[2] for _ in range(6)} == {journaled_id, other_id}, timeout=20)
+    finally:
+        proc.stop()
+
+
+def test_a_state_path_that_is_a_file_refuses_updates_and_keeps_serving(pair, tmp_path):
+    """ENOTDIR on every read means no record was ever written there: a clean start, not a lost journal. Before,
+    the router recorded an update of unknown path as failed, fenced every worker and served nothing."""
+    ids = {worker_id_for(normalize_url(u)) for u in pair}
+    not_a_dir = tmp_path / "state"
+    not_a_dir.write_text("an operator's mistake: a file where the state directory should be")
+    proc, url = start_router(pair, admin_key=ADMIN_KEY, state_dir=not_a_dir)
+    try:
+        storage = http_json("GET", url + "/health")[1]["state_storage"]
+        assert storage["healthy"] is False and "is not a directory" in storage["error"], storage
+        assert "is not a directory" in proc.log_text()
+        assert http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"] is None
+        assert {generate_via(url)[2] for _ in range(6)} == ids  # generation goes on, on every worker
+        status, body = http_json("POST", url + "/pause_generation", {"mode": "abort"}, headers=auth(), timeout=30)
+        assert status == 503 and "update journal" in body["error"]["message"], body
+        workers = http_json("GET", url + "/workers", headers=auth())[1]["workers"]
+        assert not any(w["disabled"] or w["pending"] or w["paused"] for w in workers), workers
+    finally:
+        proc.stop()
+
+
+def test_an_unreadable_fleet_record_is_brought_back_by_the_operators_resolve(pair, tmp_path):
+    """A record that exists and cannot be parsed is unknown: every worker is pending (fail closed), with what to
+    do in GET /workers; the operator's resolve records the workers as they report now."""
+    ids = {worker_id_for(normalize_url(u)) for u in pair}
+    state_dir = tmp_path / "state"
+    state_dir.mkdir()
+    (state_dir / FLEET_FILE).write_text("{ not json")
+    proc, url = start_router(pair, admin_key=ADMIN_KEY, state_dir=state_dir)
+    try:
+        workers = http_json("GET", url + "/workers", headers=auth())[1]["workers"]
+        assert all("could not be read" in (w["pending"] or "") for w in workers), workers
+        assert all("/weight_update_journal/resolve" in w["pending"] for w in workers)
+        assert http_json("POST", url + "/generate", {"text": "hi"})[0] == 503
+        status, body = http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": True}, headers=auth())
+        assert status == 200 and body["fleet_record_rebuilt"] and body["resolved"], body
+        assert {generate_via(url)[2] for _ in range(6)} == ids
+        assert json.loads((state_dir / FLEET_FILE).read_text())["holders"].keys() == ids
     finally:
         proc.stop()

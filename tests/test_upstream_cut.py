@@ -100,3 +100,28 @@ async def _close(transport: Transport) -> None:
         transport.close()
     elif isinstance(transport, AiohttpUpstream):
         await transport.close()
+
+
+@pytest.mark.parametrize("kind", [0, 1], ids=["lean", "aiohttp"])
+async def test_cutting_the_unanswered_leaves_a_begun_answer_running(worker, kind):
+    """A worker found paused: the request still waiting for its head goes elsewhere, the begun stream runs on."""
+    worker_url, arrived = worker
+    transport = transports()[kind]
+    try:
+        stream = await transport.request("POST", worker_url, "/stalled", b"{}", {}, timeout_s=REQUEST_TIMEOUT_S)
+        waiting = asyncio.ensure_future(
+            transport.request("POST", worker_url, "/silent", b"{}", {}, timeout_s=REQUEST_TIMEOUT_S)
+        )
+        async with asyncio.timeout(10):
+            await arrived.wait()
+        transport.cut(worker_url, "worker w-x is paused", unanswered_only=True)
+        async with asyncio.timeout(10):
+            with pytest.raises(UpstreamError, match="is paused"):
+                await waiting
+        chunks = stream.chunks()
+        async with asyncio.timeout(10):
+            assert await anext(chunks) == b"data: first\n\n"  # not cut: its answer had begun
+        transport.cut(worker_url, "the test is over")
+        stream.release()
+    finally:
+        await _close(transport)

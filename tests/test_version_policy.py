@@ -136,6 +136,18 @@ def test_min_version_admits_the_named_entry_and_later_ones_and_numbers_compare()
     assert "recorded versions: 1, 2" in caught.value.message
 
 
+def test_min_version_reads_labels_as_trainers_write_them() -> None:
+    """``step-12``, ``v12``, ``rollout_12``: the trailing integer orders them; one not published yet admits none
+    (the caller retries later: a 503), never a 400."""
+    registry, (a, b) = fleet_of(2)
+    update(registry, [a, b], "step-9")
+    update(registry, [a], "step-12", targets=[a])
+    assert served(registry, "min-version:step-10") == {a.id}
+    assert served(registry, "min-version:v9") == {a.id, b.id}  # another spelling, the same number
+    assert served(registry, "min-version:rollout_12") == {a.id}
+    assert served(registry, "min-version:step-13") == set()  # not published yet: no worker, no 400
+
+
 def test_a_reused_label_does_not_make_old_weights_current() -> None:
     registry, (a, b) = fleet_of(2)
     update(registry, [a, b], "default")

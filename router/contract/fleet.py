@@ -83,6 +83,9 @@ class WorkerRecord(WireResponse):
     """How many fleet versions behind the current one it is (0: current)."""
     paused: bool = False
     """Its generation is paused by the router's last pause broadcast (requests to it wait until it continues)."""
+    reported_paused: bool | None = None
+    """Whether the worker itself says its generation is paused (``None``: it does not say). Paused while the
+    router has not paused it, it takes no traffic until the router has continued it."""
     asleep: bool = False
     """Its memory is released by the router's last sleep or release broadcast."""
     source: WorkerSource = "static"
@@ -458,3 +461,5 @@ class JournalResolved(WireResponse):
     success: bool
     resolved: bool
     workers: list[WorkerRecord] = Field(default_factory=list)
+    fleet_record_rebuilt: bool = False
+    """The fleet-weights record was unreadable and the workers, as they report now, were recorded anew."""

@@ -34,6 +34,7 @@ from router.contract.web.openapi import Route, openapi_route, paths_with_access,
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
 from router.gateway.admin.catch_up import catch_up_ctx
+from router.gateway.admin.control_sync import control_sync_ctx
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
 from router.gateway.admin.groups import GROUPS_FILE, WeightGroups
@@ -296,6 +297,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(upstream_ctx)
     app.cleanup_ctx.append(discovery_ctx)
     app.cleanup_ctx.append(catch_up_ctx)  # after the worker client: stopped before it closes
+    app.cleanup_ctx.append(control_sync_ctx)
     if leader is not None:
         leader.install(app)  # last: its takeover needs everything above
     return app

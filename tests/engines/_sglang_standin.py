@@ -33,6 +33,8 @@ class SglangStandin:
     url: str
     model_path: str
     proc: ManagedProcess
+    module: str | None = None
+    """The server module when it is not the stand-in (``sglang.launch_server``)."""
 
     def log_text(self, tail: int = 6000) -> str:
         return self.proc.log_text(tail)
@@ -61,13 +63,15 @@ def start_standin(
     port: int | None = None,
     extra_args: Sequence[str] = (),
     env: Mapping[str, str] | None = None,
+    module: str | None = None,
 ) -> SglangStandin:
-    """Start a stand-in without waiting (several start at once): wait with ``proc.wait_http_ready(url + "/ready")``."""
+    """Start a stand-in without waiting (several start at once): wait with ``proc.wait_http_ready(url + "/ready")``.
+    ``module``: another server module with the same flags (``sglang.launch_server``: a real SGLang on a GPU)."""
     port = port or free_port()
-    argv = [sys.executable, "-m", "tests.engines.sglang_standin", "--model-path", str(checkpoint)]
+    argv = [sys.executable, "-m", module or "tests.engines.sglang_standin", "--model-path", str(checkpoint)]
     argv += ["--host", "127.0.0.1", "--port", str(port), *extra_args]
     environment = dict(env or {})
     environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))
     environment["NO_PROXY"] = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1", "localhost"]))
     proc = ManagedProcess(f"sglang-standin-{port}", argv, env=environment).start()
-    return SglangStandin(url=f"http://127.0.0.1:{port}", model_path=str(checkpoint), proc=proc)
+    return SglangStandin(url=f"http://127.0.0.1:{port}", model_path=str(checkpoint), proc=proc, module=module)

@@ -38,9 +38,24 @@ SERVER_ENV = {"SGLANG_HEALTH_CHECK_TIMEOUT": str(HEALTH_TIMEOUT_S)}
 GENERATE = {"input_ids": [256, 72, 101, 108, 108, 111], "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
 
 
-@pytest.fixture(scope="module")
-def pair(ckpts: dict[str, Path]) -> Iterator[list[SglangStandin]]:
-    servers = [start_standin(ckpts["a"], extra_args=SERVER_ARGS, env=SERVER_ENV) for _ in range(2)]
+def _real_sglang_here() -> bool:
+    """A GPU and SGLang's GPU stack: the real server can run (the stand-in stands in for it everywhere else)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available() and importlib.util.find_spec("sgl_kernel") is not None
+
+
+@pytest.fixture(scope="module", params=["standin", pytest.param("real", marks=pytest.mark.gpu)])
+def pair(request: pytest.FixtureRequest, ckpts: dict[str, Path]) -> Iterator[list[SglangStandin]]:
+    """Two SGLang servers on checkpoint A: the stand-in, and where a GPU and SGLang's GPU stack are present,
+    real ``sglang.launch_server`` processes (the same tests, against SGLang's scheduler and model)."""
+    real = request.param == "real"
+    if real and not _real_sglang_here():
+        pytest.skip("a real SGLang server needs a CUDA device and SGLang's GPU stack (sgl_kernel)")
+    module = "sglang.launch_server" if real else None
+    servers = [start_standin(ckpts["a"], extra_args=SERVER_ARGS, env=SERVER_ENV, module=module) for _ in range(2)]
     try:
         for server in servers:
             server.proc.wait_http_ready(server.url + "/ready", timeout=180)
@@ -132,7 +147,7 @@ def test_a_restarted_server_loads_the_fleets_checkpoint_before_it_takes_traffic(
     port = int(pair[1].url.rsplit(":", 1)[1])
     before = router.workers()[1]["instance_id"]
     pair[1].proc.stop(timeout=STOP_TIMEOUT_S)
-    pair[1] = start_standin(ckpts["a"], port=port, extra_args=SERVER_ARGS, env=SERVER_ENV)
+    pair[1] = start_standin(ckpts["a"], port=port, extra_args=SERVER_ARGS, env=SERVER_ENV, module=pair[0].module)
     pair[1].proc.wait_http_ready(pair[1].url + "/ready", timeout=180)
     wait_for(lambda: router.workers()[1]["instance_id"] not in (None, before), 60, router.proc, "the new process")
     wait_for(lambda: router.workers()[1]["fleet_sequence"] is not None, 120, router.proc, "the catch-up")

@@ -223,9 +223,11 @@ class AdminRun:
         kept = () if not_implemented else (*verdict.kept, *doubtful)
         all_refused = verdict.all_refused and not doubtful
         self.kept = kept
+        # The control effect first: once the fence is lowered a probe may read the workers, and one the router
+        # paused must not look paused behind its back.
+        self.ctx.registry.observe_control(self.op.path, (r.worker for r in results if r.success))
         if self.fence is not None:
             await self.fence.settle(kept, summarize([r for r in failed if r.worker in kept]))
-        self.ctx.registry.observe_control(self.op.path, (r.worker for r in results if r.success))
         self.outcome = "success" if not failed else "refused" if all_refused else "failure"
         if not failed:
             return Outcome(200, fleet_answer(self.op, results, "ok", **fields))

@@ -2,9 +2,11 @@
 
 Read once, when the worker is registered, and again at each probe until it answers:
 
-1. ``GET /model_info`` answers with omni-worker's process identity (``instance_id``) → omni; with
-   SGLang's fields (``model_path`` and ``weight_version``) and no ``instance_id`` → sglang;
-2. otherwise ``GET /version`` answers ``{"version": ...}`` (vLLM serves it always, dev mode or not) → vllm.
+1. ``GET /health`` (open on every engine) answers JSON with a process identity (``instance_id``) → omni
+   (vLLM's and SGLang's answer an empty body);
+2. ``GET /model_info`` answers with omni-worker's ``instance_id`` → omni; with SGLang's fields
+   (``model_path`` and ``weight_version``) and no ``instance_id`` → sglang;
+3. otherwise ``GET /version`` answers ``{"version": ...}`` (vLLM serves it always, dev mode or not) → vllm.
 
 Nothing here changes the worker; an answer that fits none of them leaves the engine unknown, and the
 worker is not routed until it is known (``GET /workers`` says why).
@@ -33,6 +35,11 @@ async def detect(
     client: WorkerClient, url: str, headers: dict[str, str], timeout_s: float
 ) -> tuple[EngineName | None, str]:
     """The engine at ``url`` and how it was told (or why it could not be)."""
+    health = await client.fetch(url, "/health", _ModelInfoFields, headers={}, timeout_s=timeout_s)
+    if health.status is None:
+        return None, f"not reachable: {health.error}"
+    if health.value is not None and set(health.value.model_extra or {}) >= OMNI_KEYS:
+        return "omni", "GET /health has omni-worker's fields"
     info = await client.fetch(url, "/model_info", _ModelInfoFields, headers=headers, timeout_s=timeout_s)
     if info.status is None:
         return None, f"not reachable: {info.error}"

@@ -39,6 +39,7 @@ class OmniEngine(Engine):
             worker.weight_version = info.weight_version
             worker.weight_state = info.weight_state
             worker.instance_id = info.instance_id
+            worker.reported_paused = info.is_paused
             if "tp_size" in info.model_fields_set and info.tp_size >= 1:
                 worker.tp_size = info.tp_size
                 return True

@@ -4,8 +4,9 @@
   generate, the probe's one-token health generation included, for ``SGLANG_HEALTH_CHECK_TIMEOUT``
   (20 s) and then answers 503 and marks the server unhealthy; so a worker the router paused is probed
   on ``GET /model_info`` instead, which answers without the scheduler.
-- **metadata**: ``GET /model_info`` (``weight_version``; SGLang has no ``/get_weight_version``) and
-  ``GET /server_info`` (``tp_size`` × ``pp_size``; ``startup_time`` as the process identity). SGLang
+- **metadata**: ``GET /model_info`` (``weight_version``; SGLang has no ``/get_weight_version``),
+  ``GET /server_info`` (``tp_size`` × ``pp_size``; ``startup_time`` as the process identity) and
+  ``GET /ready`` (503 while paused: SGLang has no ``/is_paused``). SGLang
   does not report released memory: the router's own record of its release broadcast stands for it.
 - **answers**: ``/flush_cache`` is text, ``/abort_request`` an empty 200, the memory routes JSON
   ``null``; admin failures are 400 ``{"success": false, "message"}``. SGLang's rollback after a failed
@@ -46,6 +47,8 @@ SGLANG_ADMIN = frozenset(
     )
 )
 SGLANG_GENERATION = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
+#: 200 only while generation runs and SGLang counts itself healthy (``TokenizerManager.is_ready``); no key needed.
+READY_PATH = "/ready"
 
 
 class SglangEngine(Engine):
@@ -57,9 +60,10 @@ class SglangEngine(Engine):
         return ep.MODEL_INFO.path if worker.paused else HEALTH_PATH
 
     async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
-        info, server = await asyncio.gather(
+        info, server, ready = await asyncio.gather(
             client.call(worker.url, ep.MODEL_INFO, headers=headers, cap_s=timeout_s, decode=self.decode),
             client.fetch(worker.url, ep.SERVER_INFO.path, SglangServerIdentity, headers=headers, timeout_s=timeout_s),
+            client.status(worker.url, READY_PATH, headers={}, timeout_s=timeout_s),
         )
         if info.value is None or server.value is None:
             return False
@@ -67,4 +71,6 @@ class SglangEngine(Engine):
         worker.weight_state = "released" if worker.asleep else "serving"
         worker.tp_size = max(1, server.value.tp_size) * max(1, server.value.pp_size)
         worker.instance_id = server.value.instance_id()
+        # /ready is 503 while paused (or while SGLang counts itself unhealthy, which a continue does not harm).
+        worker.reported_paused = {200: False, 503: True}.get(ready) if ready is not None else None
         return True

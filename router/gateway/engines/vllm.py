@@ -4,7 +4,8 @@
   engine still answers 200.
 - **metadata**: ``GET /weight_info`` (the version label, ``"default"`` until one is set),
   ``GET /server_info?config_format=json`` (``vllm_config.instance_id``, new at every start: the process
-  identity; tensor × pipeline parallel size: the ranks it takes in a weight-update group). Whether its
+  identity; tensor × pipeline parallel size: the ranks it takes in a weight-update group) and
+  ``GET /is_paused`` (whether its scheduler is paused). Whether its
   weights are released is the router's own record of its ``/sleep`` and ``/wake_up`` broadcasts: vLLM's
   ``/is_sleeping`` is also true while generation is merely paused. Without dev mode none of these exist: the
   worker is routed
@@ -80,7 +81,7 @@ class VllmEngine(Engine):
     generation_paths = VLLM_GENERATION
 
     async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
-        version, identity = await asyncio.gather(
+        version, identity, paused = await asyncio.gather(
             client.call(worker.url, ep.WEIGHT_INFO, headers=headers, cap_s=timeout_s, decode=self.decode),
             client.fetch(
                 worker.url,
@@ -89,6 +90,7 @@ class VllmEngine(Engine):
                 headers=headers,
                 timeout_s=timeout_s,
             ),
+            client.call(worker.url, ep.IS_PAUSED, headers=headers, cap_s=timeout_s, decode=self.decode),
         )
         if version.status is None:
             return False
@@ -102,6 +104,7 @@ class VllmEngine(Engine):
             return True
         worker.weight_version = version.value.weight_version
         worker.weight_state = "released" if worker.asleep else "serving"
+        worker.reported_paused = paused.value.is_paused if paused.value is not None else None
         info = identity.value
         if info is None:
             return False

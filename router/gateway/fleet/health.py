@@ -52,6 +52,7 @@ class WorkerProber:
         engine = await self.engine(worker)
         if engine is None:
             return False
+        changes = worker.control_changes
         status = await engine.health(self._workers, worker, self._timeout_s, self._headers)
         if status is None:
             return False
@@ -59,6 +60,8 @@ class WorkerProber:
             worker.weight_version = status.weight_version or worker.weight_version
             worker.weight_state = status.weight_state
             worker.instance_id = status.instance_id
+            worker.reported_paused = status.is_paused
+        _drop_stale_pause_read(worker, changes)
         return True
 
     async def engine(self, worker: Worker) -> Engine | None:
@@ -88,12 +91,33 @@ class WorkerProber:
         if cut:
             log.warning("worker %s is dead: ended %d request(s) in flight on it", worker.id, cut)
 
+    def give_up_parked(self, worker: Worker) -> None:
+        """The worker says it is paused while the router has not paused it: its requests that got no answer
+        yet would wait until someone continues it; end them now (the proxy retries them elsewhere). Answers
+        already begun resume with it."""
+        cut = self._workers.cut_generation(
+            worker.url, f"worker {worker.id} is paused (it would park the request)", unanswered_only=True
+        )
+        log.warning("worker %s is paused although the router did not pause it: out of rotation", worker.id)
+        if cut:
+            log.warning("worker %s: %d request(s) still waiting for it go elsewhere", worker.id, cut)
+
     async def refresh_metadata(self, worker: Worker) -> bool:
         """Update the worker's version, weight state, instance and ``tp_size``; False if it did not answer."""
         engine = await self.engine(worker)
         if engine is None:
             return False
-        return await engine.describe(self._workers, worker, self._headers, self._timeout_s)
+        changes = worker.control_changes
+        answered = await engine.describe(self._workers, worker, self._headers, self._timeout_s)
+        _drop_stale_pause_read(worker, changes)
+        return answered
+
+
+def _drop_stale_pause_read(worker: Worker, changes: int) -> None:
+    """A pause or continue of the router's succeeded while the read was in flight: what the worker said
+    before it is stale; its answer to the router's broadcast stands."""
+    if worker.control_changes != changes:
+        worker.reported_paused = worker.paused
 
 
 class HealthChecker:
@@ -105,6 +129,7 @@ class HealthChecker:
         self._interval = interval_s
 
     async def check(self, worker: Worker) -> None:
+        parked = worker.paused_behind_router
         ok = await self._prober.probe(worker)
         if self._registry.observe_probe(worker, ok):
             log.info("worker %s (%s) is now %s", worker.id, worker.url, worker.health)
@@ -112,6 +137,8 @@ class HealthChecker:
                 self._prober.give_up_requests(worker)
         if ok and worker.update_holds == 0:
             await self._prober.refresh_metadata(worker)
+        if ok and worker.update_holds == 0 and worker.paused_behind_router and not parked:
+            self._prober.give_up_parked(worker)
 
     async def check_all(self) -> None:
         workers = list(self._registry)

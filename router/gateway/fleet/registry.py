@@ -42,6 +42,13 @@ CONTROL_EFFECTS: dict[str, tuple[str, bool]] = {
 }
 
 
+#: Why a worker that says it is paused takes no traffic while the router has not paused it.
+PAUSED_BEHIND_ROUTER = (
+    "its generation is paused although the router did not pause it (it would park every request): the router "
+    "continues it before it takes traffic again"
+)
+
+
 def normalize_url(raw: str) -> str:
     """Validate a worker base URL and return its canonical form (``http://host:port``); 400 when it
     breaks the contract's rule (:func:`~router.contract.base.canonical_worker_url`)."""
@@ -92,6 +99,14 @@ class Worker:
     that targets it counts it as failed; it leaves the registry once no update holds the lock."""
     paused: bool = False
     """Its generation was paused by the router's last successful pause broadcast (SGLang or vLLM)."""
+    control_changes: int = 0
+    """Counts the router's successful control broadcasts to it: a probe that was in flight across one read
+    the state before it, and what it read is not kept (:meth:`WorkerRegistry.observe_control`)."""
+    reported_paused: bool | None = None
+    """What the worker itself last said of its generation (its probe: omni-worker's ``/health``, vLLM's
+    ``/is_paused``, SGLang's ``/ready``): paused, running, or ``None`` when it does not say. A worker that
+    reports paused while the router has not paused it (it applied a pause it received while it was stopped,
+    or someone paused it directly) would park every request sent to it: it takes none until it runs again."""
     asleep: bool = False
     """Its memory was released (``/sleep``, ``/release_memory_occupation``) by the router's broadcast."""
     catch_up: CatchUpStatus | None = None
@@ -100,6 +115,11 @@ class Worker:
     @property
     def is_dead(self) -> bool:
         return self.health == "dead"
+
+    @property
+    def paused_behind_router(self) -> bool:
+        """It says its generation is paused, and no pause or sleep of the router's explains it."""
+        return self.reported_paused is True and not self.paused and not self.asleep
 
     @property
     def weights(self) -> WorkerWeights:
@@ -179,11 +199,15 @@ class WorkerRegistry:
 
     def pending_reason(self, worker: Worker) -> str | None:
         """Why ``worker`` may not take generation traffic although it is healthy, or ``None``."""
+        if worker.paused_behind_router:
+            return PAUSED_BEHIND_ROUTER
         return self.fleet.why_not_serving(worker.id, worker)
 
     def is_routable(self, worker: Worker) -> bool:
-        """Eligible under the default version policy, ``latest-only`` (paused workers included)."""
+        """Eligible under the default version policy, ``latest-only`` (workers the router paused included)."""
         if worker.health != "healthy" or worker.disabled or worker.removed or worker.departed is not None:
+            return False
+        if worker.paused_behind_router:
             return False
         sequence = self.fleet.verified_sequence(worker.id, worker)
         return sequence is not None and sequence >= self.fleet.latest_sequence
@@ -198,6 +222,9 @@ class WorkerRegistry:
             worker = self._workers.get(wid)
             if worker is not None:
                 setattr(worker, name, value)
+                worker.control_changes += 1
+                if name == "paused":
+                    worker.reported_paused = value  # it just answered so: no need to wait for its next probe
 
     def routable(self) -> list[Worker]:
         return [w for w in self._workers.values() if self.is_routable(w)]
@@ -221,6 +248,7 @@ class WorkerRegistry:
             fleet_sequence=sequence,
             staleness=None if sequence is None else self.fleet.latest_sequence - sequence,
             paused=worker.paused,
+            reported_paused=worker.reported_paused,
             asleep=worker.asleep,
             source=worker.source,
             pod=worker.pod,

@@ -134,6 +134,10 @@ class FleetWeights:
 
     def __init__(self, state: DurableRecord | Path | None):
         self._stored = as_record(state, FLEET_FILE)
+        self.unreadable: str | None = None
+        """Why the stored record could not be read at start (it exists but does not parse, or reading it
+        failed): until an operator vouches for the fleet (:meth:`vouch`) or an update records the workers
+        anew, no worker holds a recorded version."""
         self._record: FleetRecord | None = None
         self._by_label: dict[str | None, int] = {}
         self.latest_sequence = BOOT_SEQUENCE
@@ -165,10 +169,12 @@ class FleetWeights:
         self.record = self._load()
 
     def _load(self) -> FleetRecord | None:
+        self.unreadable = None
         try:
             data = self._stored.load()
             return None if data is None else FleetRecord.model_validate_json(data)
         except (OSError, ValueError, ValidationError) as exc:
+            self.unreadable = f"{type(exc).__name__}: {exc}"[:500]
             # Without the record no worker can be shown to hold a recorded version: trust none.
             log.error(
                 "fleet weights record in %s is unreadable (%s); every worker is pending until an update",
@@ -200,6 +206,12 @@ class FleetWeights:
             return "pending", f"its weights are {reported.weight_state}"
         if reported.instance_id is None:
             return "unversioned", "it has not reported its weights yet"
+        if self.unreadable is not None:
+            return "pending", (
+                f"the fleet-weights record in {self._stored.location} could not be read ({self.unreadable}): an "
+                "operator who vouches for the fleet resolves it (POST /weight_update_journal/resolve), or an update "
+                "through the router records the workers anew"
+            )
         record = self._record
         holder = None if record is None else record.holders.get(worker_id)
         if holder is None or holder.instance_id != reported.instance_id:
@@ -290,6 +302,17 @@ class FleetWeights:
         self.record = record
         # The in-memory record decides routing whether or not the store takes it now.
         await self._stored.save(record.model_dump_json(indent=1).encode())
+
+    async def vouch(self, reports: Iterable[tuple[str, WorkerWeights]]) -> bool:
+        """An operator vouches for the fleet while the stored record is unreadable: the workers as they report
+        now become a new record (those on the most common label hold it; the rest stay pending). False when
+        there was nothing to replace."""
+        if self.unreadable is None:
+            return False
+        self.record = None
+        self.unreadable = None
+        await self.changed(reports)
+        return True
 
     async def caught_up(self, worker_id: str, weights: WorkerWeights, sequence: int) -> bool:
         """A worker loaded the weights of entry ``sequence`` from a verified holder: record it as a holder.

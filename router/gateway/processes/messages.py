@@ -34,6 +34,7 @@ class WorkerView(_Message):
     instance_id: str | None
     tp_size: int | None
     paused: bool = False
+    reported_paused: bool | None = None
     asleep: bool = False
 
 

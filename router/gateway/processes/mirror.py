@@ -29,6 +29,7 @@ def view_of(registry: WorkerRegistry, version: int) -> RoutingSnapshot:
             instance_id=w.instance_id,
             tp_size=w.tp_size,
             paused=w.paused,
+            reported_paused=w.reported_paused,
             asleep=w.asleep,
         )
         for w in registry
@@ -60,6 +61,7 @@ def apply(registry: WorkerRegistry, snapshot: RoutingSnapshot) -> list[Worker]:
         worker.instance_id = view.instance_id
         worker.tp_size = view.tp_size
         worker.paused = view.paused
+        worker.reported_paused = view.reported_paused
         worker.asleep = view.asleep
     registry.fleet.record = snapshot.fleet
     return gone

@@ -11,11 +11,13 @@ from router.contract.errors import Conflict
 from router.contract.fleet import (
     AddWorkerRequest,
     EngineName,
+    JournalResolved,
     JournalResolveRequest,
     JournalView,
     LeaderView,
     UpdateWorkerRequest,
     WorkerList,
+    WorkerRecord,
     WorkerUrlQuery,
 )
 from router.contract.web.parsing import parse_body, parse_model
@@ -183,17 +185,22 @@ async def resolve_journal(request: web.Request) -> web.Response:
         raise Conflict('nothing resolved: send {"acknowledge": true} to confirm the fleet is consistent')
     _guard_registry_change(request)
     journal = request.app[keys.JOURNAL]
+    registry = request.app[keys.REGISTRY]
     pending = journal.pending
-    restored = []
+    restored: list[WorkerRecord] = []
     if pending is not None:
-        registry = request.app[keys.REGISTRY]
         for target in pending.targets:
             worker = registry.find(target.id)
             if worker is not None:
                 worker.disabled = target.previous_disabled
-                restored.append(registry.record(worker).model_dump())
+                restored.append(registry.record(worker))
         await journal.clear()
-    return web.json_response({"success": True, "resolved": pending is not None, "workers": restored})
+    # The same vouching covers a fleet-weights record that could not be read: the workers become its holders.
+    rebuilt = await registry.fleet.vouch((w.id, w.weights) for w in registry if not w.is_dead)
+    answer = JournalResolved(
+        success=True, resolved=pending is not None or rebuilt, workers=restored, fleet_record_rebuilt=rebuilt
+    )
+    return web.json_response(answer.model_dump())
 
 
 async def metrics(request: web.Request) -> web.Response:

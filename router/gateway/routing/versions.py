@@ -23,6 +23,7 @@ dictionary lookup, not a walk of the history.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Literal
@@ -100,13 +101,19 @@ def policy_from_headers(value: str | None, default: VersionPolicy) -> VersionPol
     return policy
 
 
+#: A label's trailing integer, as trainers write versions: ``step-12``, ``v12``, ``rollout_12``, ``12``.
+_TRAILING_INTEGER = re.compile(r"(\d{1,18})$")
+
+
 def _number(label: str | None) -> float | None:
+    """The number a label stands for: the label itself when it is one (``1.5``), else its trailing integer."""
     if label is None:
         return None
     try:
         value = float(label)
     except ValueError:
-        return None
+        found = _TRAILING_INTEGER.search(label)
+        return float(found.group(1)) if found is not None else None
     return value if math.isfinite(value) else None
 
 
@@ -142,7 +149,7 @@ def _resolve(policy: VersionPolicy, fleet: FleetWeights) -> int | None:
     if target is None:
         labels = sorted({e.weight_version for e in history if e.weight_version is not None})
         raise BadRequest(
-            f"{POLICY_HEADER}: min-version {wanted[:100]!r} is not a version the router recorded, and not a number "
+            f"{POLICY_HEADER}: min-version {wanted[:100]!r} is not a version the router recorded, and has no number "
             f"to compare; recorded versions: {', '.join(labels) or 'none yet'}",
             known_versions=labels,
         )
@@ -159,6 +166,8 @@ def rejection(registry: WorkerRegistry, worker: Worker, floor: int | None) -> st
         return "unhealthy"
     if worker.disabled or worker.removed or worker.departed is not None:
         return "fenced"
+    if worker.paused_behind_router:
+        return "paused"
     sequence = registry.fleet.verified_sequence(worker.id, worker)
     if sequence is None:
         return registry.fleet.why_unverified(worker.id, worker)[0]
@@ -170,6 +179,8 @@ def rejection(registry: WorkerRegistry, worker: Worker, floor: int | None) -> st
 def _serves(registry: WorkerRegistry, worker: Worker, floor: int | None) -> bool:
     """``rejection(...) is None``, without building a reason: the per-request path."""
     if worker.health != "healthy" or worker.disabled or worker.removed or worker.departed is not None:
+        return False
+    if worker.reported_paused is True and not (worker.paused or worker.asleep):  # paused behind the router
         return False
     sequence = registry.fleet.verified_sequence(worker.id, worker)
     return sequence is not None and floor is not None and sequence >= floor

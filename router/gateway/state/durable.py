@@ -132,6 +132,11 @@ class DurableState:
     def __init__(self, store: StateStore | None):
         self.store = store
         self._records: dict[str, DurableRecord] = {}
+        self.problem = None if store is None else store.problem()
+        """Why the store can take no record at all (a state path that is not a directory): every write fails,
+        so updates are refused (503) while generation goes on; reported on ``/health``, logged once here."""
+        if self.problem is not None:
+            log.error("%s: the router serves, and refuses updates until it is one", self.problem)
 
     @classmethod
     def in_directory(cls, directory: Path | None) -> DurableState:
@@ -148,7 +153,10 @@ class DurableState:
             return None
         unsaved = sorted(r.name for r in self._records.values() if r.unsaved)
         errors = [f"{r.name}: {r.error}" for r in self._records.values() if r.unsaved and r.error]
-        return StorageView(healthy=not unsaved, location=self.store.location, unsaved=unsaved, error="; ".join(errors))
+        if self.problem is not None:
+            errors.insert(0, self.problem)
+        healthy = not unsaved and self.problem is None
+        return StorageView(healthy=healthy, location=self.store.location, unsaved=unsaved, error="; ".join(errors))
 
     async def retry_unsaved(self) -> None:
         for record in list(self._records.values()):
@@ -158,6 +166,8 @@ class DurableState:
     async def keep_retrying(self, interval_s: float = RETRY_S) -> None:
         while True:
             await asyncio.sleep(interval_s)
+            if self.problem is not None and self.store is not None:
+                self.problem = await asyncio.to_thread(self.store.problem)  # an operator may have fixed it
             await self.retry_unsaved()
 
     async def retry_ctx(self, _app: object) -> AsyncIterator[None]:

@@ -22,8 +22,12 @@ class StateStore(Protocol):
         """Where the records are, for logs and status views."""
         ...
 
+    def problem(self) -> str | None:
+        """Why no record can be written at all (checked at start and while records are unsaved), or ``None``."""
+        ...
+
     def read(self, name: str) -> bytes | None:
-        """The record's content, or ``None`` when there is none."""
+        """The record's content, or ``None`` when none was ever written there."""
         ...
 
     def write(self, name: str, data: bytes) -> None: ...
@@ -43,11 +47,19 @@ class DirectoryStore:
     def location(self) -> str:
         return str(self.directory)
 
+    def problem(self) -> str | None:
+        """Why no record can be written here at all (the state path is not a directory), or ``None``."""
+        if self.directory.exists() and not self.directory.is_dir():
+            return f"--state-dir {self.directory} is not a directory"
+        return None
+
     def read(self, name: str) -> bytes | None:
         path = self.directory / name
         try:
             return path.read_bytes()
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
+            # No such file, or the state path (or a folder on it) is not a directory: nothing was ever
+            # written there. A record that exists and cannot be read still raises.
             return None
 
     def write(self, name: str, data: bytes) -> None:

@@ -151,11 +151,13 @@ class WorkerClient:
             decode=decode,
         )
 
-    def cut_generation(self, base_url: str, message: str) -> int:
+    def cut_generation(self, base_url: str, message: str, *, unanswered_only: bool = False) -> int:
         """End the generation requests in flight to one worker (the prober found it dead): a request
         still without an answer fails as if its connection broke, so the proxy retries it elsewhere,
-        and a stream already relaying ends with an error event. Admin calls keep their own bounds."""
-        return self._transport(base_url, self._streams).cut(base_url, message)
+        and a stream already relaying ends with an error event. Admin calls keep their own bounds.
+        ``unanswered_only``: only the requests whose answer has not begun (a worker found paused: the
+        others resume with it)."""
+        return self._transport(base_url, self._streams).cut(base_url, message, unanswered_only=unanswered_only)
 
     async def close(self) -> None:
         """Close every pooled connection and the aiohttp session (after the calls in flight)."""

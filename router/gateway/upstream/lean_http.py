@@ -251,13 +251,19 @@ class HttpUpstream:
             _, conn = await loop.create_connection(LeanConnection, key[0], key[1])
         return conn
 
-    def cut(self, base_url: str, message: str) -> int:
-        """End every request in flight to one worker now: whoever waits for its head or body gets
-        :class:`UpstreamError` (``message``). Returns how many were cut."""
-        busy = self._busy.pop(self._target(base_url)[0], set())
-        for conn in busy:
+    def cut(self, base_url: str, message: str, *, unanswered_only: bool = False) -> int:
+        """End every request in flight to one worker now (``unanswered_only``: those whose response head has
+        not arrived): whoever waits for its head or body gets :class:`UpstreamError` (``message``). Returns how
+        many were cut."""
+        key = self._target(base_url)[0]
+        busy = self._busy.get(key, set())
+        chosen = {conn for conn in busy if not conn.status} if unanswered_only else set(busy)
+        busy -= chosen
+        if not busy:
+            self._busy.pop(key, None)
+        for conn in chosen:
             conn.cut(message)
-        return len(busy)
+        return len(chosen)
 
     def _checkin(self, key: tuple[str, int], conn: LeanConnection) -> None:
         busy = self._busy.get(key)

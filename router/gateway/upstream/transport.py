@@ -90,8 +90,9 @@ class Transport(Protocol):
         """One whole exchange: ``(status, body)``; the deadline covers it all."""
         ...
 
-    def cut(self, base_url: str, message: str) -> int:
-        """End the requests in flight to one worker: their waits raise :class:`UpstreamError` (``message``)."""
+    def cut(self, base_url: str, message: str, *, unanswered_only: bool = False) -> int:
+        """End the requests in flight to one worker: their waits raise :class:`UpstreamError` (``message``).
+        ``unanswered_only``: only those whose answer has not begun (the rest run on)."""
         ...
 
 

@@ -149,11 +149,14 @@ class AiohttpUpstream:
             answers = self._answers[base_url] = set()
         return _AiohttpResponse(resp, answers)
 
-    def cut(self, base_url: str, message: str) -> int:
-        """End every request in flight to one worker (see the module docstring); how many were cut."""
+    def cut(self, base_url: str, message: str, *, unanswered_only: bool = False) -> int:
+        """End every request in flight to one worker (see the module docstring; ``unanswered_only``: those
+        still waiting for their answer's head); how many were cut (answers begun, when not only the unanswered)."""
         signal = self._cut_signals.pop(base_url, None)
         if signal is not None and not signal.done():
             signal.set_result(message)
+        if unanswered_only:
+            return 0
         answers = self._answers.pop(base_url, set())
         for answer in answers:
             answer.cut(message)

@@ -1,0 +1,152 @@
+"""A worker paused behind the router's back is brought back to the fleet's state before it takes traffic.
+
+A worker can say its generation is paused while the router has not paused it: it was stopped
+(SIGSTOP, a stall) while the router broadcast a pause, and applied that pause when it ran again
+after the router had continued the rest of the fleet; or someone paused it directly. SGLang, vLLM
+and omni-worker park every request sent to a paused engine, so such a worker takes no traffic
+(:attr:`~router.gateway.fleet.registry.Worker.paused_behind_router`; its requests that got no
+answer yet were sent elsewhere when the probe found it), and this loop brings it to the fleet's state:
+
+- the fleet runs (the router paused none of the other live workers): the worker is continued with
+  its engine's route (SGLang's ``/continue_generation``, which omni-worker serves too; vLLM's
+  ``/resume``), under the admin update lock, then read again; it takes traffic once it says it runs;
+- the fleet is paused by the router (an update in progress): the pause the worker reports is the
+  fleet's, so the router records it as its own; the fleet's continue then reaches it with the rest.
+
+A continue changes no weights, so nothing is fenced or journaled. Failures back off per worker as
+catch-ups do (:func:`~router.gateway.admin.catch_up.backoff_s`); the reason stays in ``GET /workers``
+(``pending``). A worker that is fenced (an operator decides), dead, departed or held by an update is
+left alone. It runs only in the control process, and, with ``--leader-election``, only on the leader.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from router.contract import endpoints as ep
+from router.contract.admin import ContinueRequest
+from router.contract.errors import Unavailable
+from router.contract.vllm import EmptyVllmRequest
+from router.gateway import keys
+from router.gateway.admin.catch_up import LOCK_WAIT_S, SCAN_S, backoff_s
+from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.engines import engine_of, serves
+from router.gateway.fleet.registry import Worker
+from router.gateway.leader.gate import LeaderGate
+from router.gateway.upstream import WorkerClient
+from router.gateway.upstream.answer import decode_answer
+
+log = logging.getLogger(__name__)
+
+LOCK_HOLDER = "continuing a worker paused behind the router"
+
+
+class ControlSync:
+    """The scan loop and one continue at a time (see the module docstring)."""
+
+    def __init__(
+        self, ctx: AdminContext, workers: WorkerClient, *, headers: dict[str, str], leader: LeaderGate | None = None
+    ):
+        self._ctx = ctx
+        self._workers = workers
+        self._headers = headers
+        self._leader = leader
+        self._next_try: dict[str, tuple[int, float]] = {}
+        """Worker id → (failed attempts, when the next may start)."""
+
+    def eligible(self, worker: Worker) -> bool:
+        return (
+            worker.paused_behind_router
+            and worker.health != "dead"
+            and not worker.disabled
+            and not worker.removed
+            and worker.departed is None
+            and worker.update_holds == 0
+        )
+
+    def fleet_paused(self, worker: Worker) -> bool:
+        """The router has paused the rest of the live fleet (an update is under way)."""
+        others = [w for w in self._ctx.registry.live() if w.id != worker.id and not w.disabled]
+        return bool(others) and all(w.paused for w in others)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.scan()
+            except Exception:
+                log.exception("control-state scan failed")
+            await asyncio.sleep(SCAN_S)
+
+    async def scan(self) -> None:
+        if self._leader is not None and not self._leader.is_open:
+            return
+        now = time.monotonic()
+        for worker in self._ctx.registry:
+            if not self.eligible(worker):
+                self._next_try.pop(worker.id, None)
+                continue
+            if self.fleet_paused(worker):
+                worker.paused = True  # the fleet's own state: its continue will reach this worker too
+                continue
+            attempts, at = self._next_try.get(worker.id, (0, 0.0))
+            if at <= now:
+                await self.bring_back(worker, attempts)
+                return  # one at a time
+
+    async def bring_back(self, worker: Worker, attempts: int) -> bool:
+        """Continue ``worker`` under the update lock and read it again; True once it says it runs."""
+        try:
+            lock = await LockHold.take(self._ctx.gate, LOCK_HOLDER, timeout_s=LOCK_WAIT_S)
+        except Unavailable:
+            return False  # an update holds the lock; look again at the next scan
+        try:
+            if not self.eligible(worker):
+                return True
+            error = await self._continue(worker)
+            if error is None:
+                await self._ctx.prober.refresh_metadata(worker)
+                if not worker.paused_behind_router:
+                    self._next_try.pop(worker.id, None)
+                    log.info("worker %s (%s) was paused behind the router: continued", worker.id, worker.url)
+                    return True
+                error = "it still says it is paused"
+        finally:
+            lock.release()
+        delay = backoff_s(attempts + 1)
+        self._next_try[worker.id] = (attempts + 1, time.monotonic() + delay)
+        log.warning("continuing worker %s failed (%s); next try in %.0fs", worker.id, error, delay)
+        return False
+
+    async def _continue(self, worker: Worker) -> str | None:
+        """Send the worker's engine its continue route; why it failed, or ``None``."""
+        engine = engine_of(worker)
+        decode = engine.decode if engine is not None else decode_answer
+        if serves(worker, ep.CONTINUE_GENERATION.path):
+            sglang = await self._workers.call(
+                worker.url, ep.CONTINUE_GENERATION, ContinueRequest(), headers=self._headers, decode=decode
+            )
+            ok, error = sglang.value is not None and sglang.value.ok, sglang.error
+        else:
+            vllm = await self._workers.call(
+                worker.url, ep.RESUME, EmptyVllmRequest(), headers=self._headers, decode=decode
+            )
+            ok, error = vllm.value is not None and vllm.value.ok, vllm.error
+        return None if ok else error or "no usable answer"
+
+
+async def control_sync_ctx(app: web.Application) -> AsyncIterator[None]:
+    """An aiohttp cleanup context: the scan loop for as long as the app runs."""
+    sync = ControlSync(
+        app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
+    )
+    task = asyncio.get_running_loop().create_task(sync.run(), name="control-state-sync")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
