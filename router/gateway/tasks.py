@@ -8,8 +8,9 @@ bookkeeping (restore or fail closed) instead of being cancelled halfway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 from router.contract.errors import ApiError
@@ -17,6 +18,28 @@ from router.contract.errors import ApiError
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+async def every(pause_s: Callable[[], float], step: Callable[[], Awaitable[object]], what: str) -> None:
+    """Run ``step`` now, then again after each ``pause_s()`` seconds, until cancelled: the app's background
+    loops (probes, catch-up, control state). A failed step is logged and never ends the loop."""
+    while True:
+        try:
+            await step()
+        except Exception:
+            log.exception("%s failed", what)
+        await asyncio.sleep(pause_s())
+
+
+@contextlib.asynccontextmanager
+async def running(coro: Coroutine[Any, Any, object], name: str) -> AsyncIterator[asyncio.Task[object]]:
+    """``coro`` as a task for as long as the context lasts (an aiohttp cleanup context's body), cancelled after."""
+    task = asyncio.get_running_loop().create_task(coro, name=name)
+    try:
+        yield task
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
 
 
 class TaskSet:

@@ -44,7 +44,6 @@ replica's gate is open: a standby changes no worker.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -63,6 +62,7 @@ from router.gateway.admin.locked import AdminContext, LockHold
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.leader.gate import LeaderGate
+from router.gateway.tasks import every, running
 from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -160,12 +160,7 @@ class JoinerSync:
 
     async def run(self) -> None:
         """Scan every :data:`SCAN_S` and catch up the first worker whose turn it is."""
-        while True:
-            try:
-                await self.scan()
-            except Exception:
-                log.exception("catch-up scan failed")
-            await asyncio.sleep(SCAN_S)
+        await every(lambda: SCAN_S, self.scan, "catch-up scan")
 
     async def scan(self) -> None:
         if self._leader is not None and not self._leader.is_open:
@@ -352,9 +347,5 @@ async def catch_up_ctx(app: web.Application) -> AsyncIterator[None]:
     sync = JoinerSync(
         app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
     )
-    task = asyncio.get_running_loop().create_task(sync.run(), name="catch-up-joiners")
-    try:
+    async with running(sync.run(), "catch-up-joiners"):
         yield
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)

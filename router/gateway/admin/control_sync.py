@@ -21,7 +21,6 @@ left alone. It runs only in the control process, and, with ``--leader-election``
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -38,6 +37,7 @@ from router.gateway.admin.locked import AdminContext, LockHold
 from router.gateway.engines import engine_of, serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.leader.gate import LeaderGate
+from router.gateway.tasks import every, running
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import decode_answer
 
@@ -75,12 +75,7 @@ class ControlSync:
         return bool(others) and all(w.paused for w in others)
 
     async def run(self) -> None:
-        while True:
-            try:
-                await self.scan()
-            except Exception:
-                log.exception("control-state scan failed")
-            await asyncio.sleep(SCAN_S)
+        await every(lambda: SCAN_S, self.scan, "control-state scan")
 
     async def scan(self) -> None:
         if self._leader is not None and not self._leader.is_open:
@@ -144,9 +139,5 @@ async def control_sync_ctx(app: web.Application) -> AsyncIterator[None]:
     sync = ControlSync(
         app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
     )
-    task = asyncio.get_running_loop().create_task(sync.run(), name="control-state-sync")
-    try:
+    async with running(sync.run(), "control-state-sync"):
         yield
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)

@@ -28,6 +28,7 @@ import random
 from router.contract.admin import HealthStatus
 from router.gateway.engines import Engine, detect, engine_of
 from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.tasks import every
 from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
@@ -146,10 +147,5 @@ class HealthChecker:
             await asyncio.gather(*(self.check(w) for w in workers))
 
     async def run(self) -> None:
-        """The background loop; the first round runs at once so start-up is quick."""
-        while True:
-            try:
-                await self.check_all()
-            except Exception:
-                log.exception("health check round failed")
-            await asyncio.sleep(self._interval * random.uniform(0.8, 1.2))
+        """The background loop; the first round runs at once so start-up is quick (rounds jittered ±20 %)."""
+        await every(lambda: self._interval * random.uniform(0.8, 1.2), self.check_all, "health check round")
