@@ -214,9 +214,11 @@ def test_a_killed_data_plane_loses_only_its_own_requests(fleet):
         killed = time.monotonic()  # from here on its sockets are closed
         wait_for(lambda: data_plane_pids(fleet.router).get(1) != victim, 30, fleet.router, "a restart")
         wait_for(lambda: sum(1 for r in load.records if r[0] > killed + 2) >= 20, 25, what="load after the restart")
-    # At most the requests in flight at the kill (one per client thread) failed, and none after.
+    # Only requests that met the dying process failed, and none sent after it was gone: per client thread, the
+    # one in flight at the kill and at most one more sent while it was exiting (its listening socket still took
+    # the connection, into a queue nobody would read).
     failed = load.errors + [(sent, str(status)) for sent, status, _ in load.records if status != 200]
-    assert len(failed) <= 4, failed
+    assert len(failed) <= 2 * 4, failed
     assert all(sent <= killed for sent, _ in failed), failed
 
 
