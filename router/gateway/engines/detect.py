@@ -19,8 +19,8 @@ from router.contract.fleet import EngineName
 from router.gateway.upstream import WorkerClient
 
 
-class _ModelInfoFields(WireResponse):
-    """Whatever ``/model_info`` answered, read for the keys that tell the engines apart."""
+class _AnyFields(WireResponse):
+    """Whatever ``/health`` or ``/model_info`` answered, read for the keys that tell the engines apart."""
 
 
 class _VersionAnswer(WireResponse):
@@ -35,12 +35,12 @@ async def detect(
     client: WorkerClient, url: str, headers: dict[str, str], timeout_s: float
 ) -> tuple[EngineName | None, str]:
     """The engine at ``url`` and how it was told (or why it could not be)."""
-    health = await client.fetch(url, "/health", _ModelInfoFields, headers={}, timeout_s=timeout_s)
+    health = await client.fetch(url, "/health", _AnyFields, headers={}, timeout_s=timeout_s)
     if health.status is None:
         return None, f"not reachable: {health.error}"
     if health.value is not None and set(health.value.model_extra or {}) >= OMNI_KEYS:
         return "omni", "GET /health has omni-worker's fields"
-    info = await client.fetch(url, "/model_info", _ModelInfoFields, headers=headers, timeout_s=timeout_s)
+    info = await client.fetch(url, "/model_info", _AnyFields, headers=headers, timeout_s=timeout_s)
     if info.status is None:
         return None, f"not reachable: {info.error}"
     if info.value is not None:
