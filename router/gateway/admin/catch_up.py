@@ -61,6 +61,7 @@ from router.gateway.admin import catch_up_path
 from router.gateway.admin.locked import AdminContext, LockHold
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
+from router.gateway.fleet.weights import FleetWeights
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.tasks import every, running
 from router.gateway.upstream import WorkerClient
@@ -276,11 +277,7 @@ class JoinerSync:
             raise CatchUpFailed("it did not answer /model_info after the load")
         if joiner.instance_id != instance:
             raise CatchUpFailed("its process changed during the load")
-        if not await fleet.caught_up(joiner.id, joiner.weights, entry.sequence):
-            raise CatchUpFailed(
-                f"not recorded: the fleet moved past version {entry.sequence}, or it reports "
-                f"weight_version {joiner.weight_version!r} ({joiner.weight_state})"
-            )
+        await _record(fleet, joiner, entry.sequence)
         return body.bytes_received
 
     async def _load_path(self, joiner: Worker, attempts: int) -> None:
@@ -314,11 +311,7 @@ class JoinerSync:
                 raise CatchUpFailed(f"its checksums differ from {holder.id}'s, which holds the fleet's weights")
             if same:
                 break
-        if not await fleet.caught_up(joiner.id, joiner.weights, entry.sequence):
-            raise CatchUpFailed(
-                f"not recorded: the fleet moved past version {entry.sequence}, or it reports "
-                f"weight_version {joiner.weight_version!r} ({joiner.weight_state})"
-            )
+        await _record(fleet, joiner, entry.sequence)
 
 
 def _why(error: str | None, body: UpdateWeightsFromPeerResult | None) -> str:
@@ -349,3 +342,17 @@ async def catch_up_ctx(app: web.Application) -> AsyncIterator[None]:
     )
     async with running(sync.run(), "catch-up-joiners"):
         yield
+
+
+async def _record(fleet: FleetWeights, joiner: Worker, sequence: int) -> None:
+    """Record ``joiner`` as a holder of entry ``sequence``, or :class:`CatchUpFailed`.
+
+    The status is cleared in the same event-loop step that makes the joiner a holder (the record
+    changes before the store is written), so ``GET /workers`` never shows a routable worker still
+    "copying"; a refusal sets the failed status right after."""
+    joiner.catch_up = None
+    if not await fleet.caught_up(joiner.id, joiner.weights, sequence):
+        raise CatchUpFailed(
+            f"not recorded: the fleet moved past version {sequence}, or it reports "
+            f"weight_version {joiner.weight_version!r} ({joiner.weight_state})"
+        )
