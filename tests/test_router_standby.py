@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import signal
 import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from router.trainer import RouterCallError, RouterClient
 from tests._k8s_standin import StandInApiServer
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, wait_for, workers
 from tests._weight_sync_fixtures import WORKER_ARGS
-from tests.procs import ManagedProcess, cli, free_port, http_json
+from tests.procs import ManagedProcess, free_port, http_json
 
 NS = "omni"
 LEASE = "omni-router-leader"
@@ -72,13 +72,14 @@ class Replicas:
     root: Path
     started: list[ManagedProcess] = field(default_factory=list)
 
-    def start(self, name: str, worker_urls: list[str] | None = None) -> tuple[ManagedProcess, str]:
+    def start(
+        self, name: str, worker_urls: list[str] | None = None, data_planes: int = 1
+    ) -> tuple[ManagedProcess, str]:
         no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1"]))
         kubeconfig = self.api.write_kubeconfig(self.root / f"kubeconfig-{name}", namespace=NS, token=token_of(name))
         env = {"KUBECONFIG": str(kubeconfig), "NO_PROXY": no_proxy, "POD_NAME": name}
-        proc, url = start_router(
-            worker_urls or [], admin_key=ADMIN_KEY, extra_args=ELECTION_ARGS, env=env, wait_healthy=0
-        )
+        args = [*ELECTION_ARGS, "--data-plane-processes", str(data_planes)]
+        proc, url = start_router(worker_urls or [], admin_key=ADMIN_KEY, extra_args=args, env=env, wait_healthy=0)
         self.started.append(proc)
         return proc, url
 
@@ -120,12 +121,12 @@ def wait_role(url: str, proc: ManagedProcess, wanted: str, timeout: float = TAKE
 
 
 def leader_and_standby(
-    replicas: Replicas, worker_urls: list[str] | None = None
+    replicas: Replicas, worker_urls: list[str] | None = None, data_planes: int = 1
 ) -> tuple[tuple[ManagedProcess, str], ...]:
     """router-a leads, router-b stands by (both see the same workers)."""
-    a = replicas.start("router-a", worker_urls)
+    a = replicas.start("router-a", worker_urls, data_planes)
     wait_role(a[1], a[0], "leader")
-    b = replicas.start("router-b", worker_urls)
+    b = replicas.start("router-b", worker_urls, data_planes)
     wait_for(lambda: call(b[1] + "/health")[1].get("leader", {}).get("holder") == "router-a", 10, b[0], "b sees a")
     return a, b
 
@@ -156,12 +157,6 @@ def assert_standby_refusal(status: int, body: Any, headers: dict[str, str], hold
 def test_high_availability_settings_are_checked_before_start(settings: dict[str, Any], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         RouterConfig(**settings).validate()
-
-
-def test_leader_election_runs_one_process() -> None:
-    argv = [cli("omni-router"), *ELECTION_ARGS, "--data-plane-processes", "2", "--port", str(free_port())]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--leader-election runs the router in one process" in done.stderr
 
 
 # -- a standby refuses, the leader serves ------------------------------------------------------------------------
@@ -267,11 +262,20 @@ def test_leader_killed_mid_update_the_standby_takes_over_with_its_targets_fenced
 # -- the leader cut off from the API ---------------------------------------------------------------------------
 
 
+def admin_accepted(url: str) -> bool:
+    return call(url + "/workers", timeout=2)[0] == 200
+
+
+def generation_accepted(url: str) -> bool:
+    return generate_via(url, max_new_tokens=1, timeout=5)[0] == 200
+
+
 @dataclass
 class Poller:
-    """Asks one replica for an admin route every 50 ms; records (sent, answered, accepted) per call."""
+    """Asks one replica every 50 ms (an admin route by default); records (sent, answered, accepted) per call."""
 
     url: str
+    accepts: Callable[[str], bool] = admin_accepted
     samples: list[tuple[float, float, bool]] = field(default_factory=list)
     stop: threading.Event = field(default_factory=threading.Event)
 
@@ -280,7 +284,7 @@ class Poller:
         while not self.stop.is_set() and time.monotonic() < deadline:
             sent = time.monotonic()
             try:
-                accepted = call(self.url + "/workers", timeout=2)[0] == 200
+                accepted = self.accepts(self.url)
             except OSError:
                 accepted = False
             self.samples.append((sent, time.monotonic(), accepted))
@@ -316,6 +320,70 @@ def test_a_leader_cut_off_from_the_api_stops_before_the_standby_serves(api, repl
     # Never a moment when both accepted admin calls: the old leader's last acceptance ended before the new one's first began.
     assert last_a < first_b, (last_a - cut, first_b - cut)
     assert last_a - cut < RENEW_S + 1  # it stopped within its renew deadline of the cut
+
+
+# -- the standby with data-plane processes ---------------------------------------------------------------------
+
+
+def data_plane_pids(proc: ManagedProcess) -> set[int]:
+    """The processes the router's control process runs as its children: its data planes."""
+    assert proc.proc is not None
+    pids: set[int] = set()
+    for task in Path(f"/proc/{proc.proc.pid}/task").iterdir():
+        pids.update(int(p) for p in (task / "children").read_text().split())
+    return {pid for pid in pids if running(pid)}
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie (an orphan's exit is reaped by whoever adopted it, maybe never here)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_data_planes_serve_only_while_their_control_process_leads(api, replicas, pair) -> None:
+    (a, a_url), (b, b_url) = leader_and_standby(replicas, pair, data_planes=2)
+    wait_for(lambda: len(data_plane_pids(a)) == 2 and len(data_plane_pids(b)) == 2, 30, b, "two data planes each")
+    a_planes = data_plane_pids(a)
+    wait_for(lambda: all(w["health"] == "healthy" for w in workers(a_url, ADMIN_KEY)), 30, a, "workers healthy")
+    assert all(generate_via(a_url)[0] == 200 for _ in range(8))  # spread over both of a's data planes
+
+    # The standby's data planes refuse generation as its control process refuses the rest.
+    for _ in range(8):
+        assert_standby_refusal(*call(b_url + "/generate", "POST", {"text": "hi"}), holder="router-a")
+    status, body, _ = call(b_url + "/readiness")
+    assert status == 503 and "standby" in body["reason"]
+
+    # The leader cut off from the API: its data planes stop generating before the standby's start.
+    pollers = [Poller(a_url, generation_accepted), Poller(b_url, generation_accepted)]
+    threads = [threading.Thread(target=p.run, daemon=True) for p in pollers]
+    for t in threads:
+        t.start()
+    try:
+        wait_for(lambda: bool(pollers[0].accepted()), 10, a, "the leader generates")
+        cut = time.monotonic()
+        api.block_token(token_of("router-a"), hang_s=30)
+        wait_role(b_url, b, "leader")
+        assert a.proc is not None and a.proc.wait(timeout=10) == 1
+        wait_for(lambda: bool(pollers[1].accepted()), 10, b, "the new leader's data planes generate")
+    finally:
+        for p in pollers:
+            p.stop.set()
+        for t in threads:
+            t.join(10)
+    last_a = max(answered for _, answered, _ in pollers[0].accepted())
+    first_b = min(sent for sent, _, _ in pollers[1].accepted())
+    assert last_a < first_b, (last_a - cut, first_b - cut)
+    assert last_a - cut < RENEW_S + 1
+    wait_for(lambda: not any(running(pid) for pid in a_planes), 15, a, "the old leader's data planes exit")
+
+    # One of the new leader's data planes killed: the other serves, the control process starts it again.
+    victim = min(data_plane_pids(b))
+    os.kill(victim, signal.SIGKILL)
+    wait_for(lambda: len(data_plane_pids(b) - {victim}) == 2, 30, b, "the data plane restarted")
+    assert all(generate_via(b_url)[0] == 200 for _ in range(8))
+    assert role(b_url) == "leader"
 
 
 # -- the state store -------------------------------------------------------------------------------------------

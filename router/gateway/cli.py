@@ -402,12 +402,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         return 0
-    if processes > 1 and config.leader_election:
-        # A standby's data planes would serve generation from their snapshots: one process, whose gate answers all.
-        if args.data_plane_processes != "auto":
-            log.error("cannot start: --leader-election runs the router in one process (--data-plane-processes 1)")
-            return 2
-        processes = 1
     k8s_flag = _kubernetes_flag(config)
     if k8s_flag is not None:
         try:  # the state store and the election are built with the app: refuse before, in one line

@@ -100,6 +100,16 @@ class LeaseElector:
             return 0.0
         return max(0.0, self._observed_at + self.settings.duration_s - self._clock())
 
+    def free_at(self) -> float:
+        """The moment (this host's monotonic clock) from which the lease could be taken; 0 when nobody holds it."""
+        return 0.0 if self.holder is None else self._observed_at + self.settings.duration_s
+
+    def renewed_until(self) -> float | None:
+        """The moment (this host's monotonic clock) at which this replica's leadership ends unless renewed
+        again; ``None`` when it has not renewed. Data planes close their gate at it (``holds_lease``)."""
+        sent = self._last_renew_sent
+        return None if sent is None else sent + self.settings.renew_deadline_s
+
     def holds_lease(self) -> bool:
         """Whether this replica renewed the lease within its renew deadline, on this process's clock.
 

@@ -52,6 +52,8 @@ class LeaderGate:
     def __init__(self, lease: LeaseView):
         self._lease = lease
         self.role: LeaderRole = "standby"
+        self.passes = set(ANSWERED_BY_A_STANDBY)
+        """The routes a closed gate lets through (the control process adds its data planes' own route)."""
 
     @property
     def is_open(self) -> bool:
@@ -87,7 +89,7 @@ class LeaderGate:
     def answer(self, request: web.Request) -> web.Response | None:
         """What a closed gate answers for ``request``; ``None`` lets it through (the gate is open, or the
         route is one a standby serves). Run before the access check: nothing runs on a standby either way."""
-        if request.path in ANSWERED_BY_A_STANDBY or self.is_open:
+        if request.path in self.passes or self.is_open:
             return None
         if request.path == "/readiness":
             return web.json_response({"status": "not_ready", "reason": self.why_closed()}, status=503)

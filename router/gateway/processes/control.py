@@ -3,7 +3,8 @@
 :func:`attach_data_planes` turns a router app (what :func:`~router.gateway.app.create_app`
 builds) into the control process of a router with data-plane processes: the hub's route on its
 Unix socket, the hub's publisher in the app's cleanup context, and the hub as the admin
-operations' :class:`~router.gateway.admin.locked.FenceBarrier`. Everything else in the app
+operations' :class:`~router.gateway.admin.locked.FenceBarrier`, and, with leader election, the
+gate's state in every snapshot (:mod:`.leader_mirror`). Everything else in the app
 is unchanged; it is simply reached through the data planes.
 """
 
@@ -13,6 +14,7 @@ from aiohttp import web
 
 from router.gateway import keys
 from router.gateway.processes.hub import HUB_PATH, DataPlaneHub
+from router.gateway.processes.leader_mirror import gate_view
 from router.gateway.processes.supervisor import DataPlaneSupervisor
 
 #: How long a fenced operation waits for every data plane's acknowledgement before it fails closed.
@@ -22,7 +24,15 @@ DEFAULT_ACK_TIMEOUT_S = 5.0
 def attach_data_planes(
     app: web.Application, supervisor: DataPlaneSupervisor, *, ack_timeout_s: float = DEFAULT_ACK_TIMEOUT_S
 ) -> DataPlaneHub:
-    hub = DataPlaneHub(app[keys.REGISTRY], ack_timeout_s=ack_timeout_s, restart=supervisor.restart)
+    gate, elector = app.get(keys.LEADER_GATE), app.get(keys.ELECTOR)
+    if gate is not None:  # a standby's data planes connect too: they learn from it that they must refuse
+        gate.passes.add(HUB_PATH)
+    hub = DataPlaneHub(
+        app[keys.REGISTRY],
+        ack_timeout_s=ack_timeout_s,
+        restart=supervisor.restart,
+        gate=(lambda: gate_view(gate, elector)) if gate is not None and elector is not None else None,
+    )
     supervisor.on_exit = hub.forget
     app[keys.DATA_PLANES] = hub
     app.router.add_get(HUB_PATH, hub.handle)

@@ -4,7 +4,8 @@ It serves the routes whose access is ``generation`` (``/generate``, the OpenAI a
 token routes) with the same :class:`~router.gateway.routing.proxy.GenerateProxy` as the single
 process, over a :class:`~router.gateway.fleet.registry.WorkerRegistry` that mirrors the control
 process's; ``/liveness`` and ``/readiness`` answer for this process; every other route is relayed
-to the control process (:mod:`.forward`).
+to the control process (:mod:`.forward`). With leader election, the control process's gate is
+mirrored here (:mod:`.leader_mirror`): a standby's data planes refuse what its control process does.
 
 :class:`ControlLink` keeps the mirror: it applies each snapshot on the event loop and only then
 acknowledges it, reports this process's load and the restarts its instance check sees, and
@@ -34,9 +35,11 @@ from router.gateway.app import routes, service_headers
 from router.gateway.config import RouterConfig
 from router.gateway.edge import edge_middleware, route_label
 from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics
 from router.gateway.processes.forward import ControlForwarder
 from router.gateway.processes.hub import HUB_PATH, KEEPALIVE_S, LOAD_EVERY_S, SILENT_S
+from router.gateway.processes.leader_mirror import MirroredLease, apply_gate, mirrored_gate
 from router.gateway.processes.messages import (
     TO_DATA_PLANE,
     Ack,
@@ -64,9 +67,16 @@ class ControlLink:
     """This process's WebSocket to the control process (see the module docstring)."""
 
     def __init__(
-        self, socket_path: str, index: int, registry: WorkerRegistry, metrics: RouterMetrics, admin_key: str | None
+        self,
+        socket_path: str,
+        index: int,
+        registry: WorkerRegistry,
+        metrics: RouterMetrics,
+        admin_key: str | None,
+        gate: tuple[LeaderGate, MirroredLease] | None = None,
     ):
         self.socket_path = socket_path
+        self.gate = gate
         # The hub's route sits behind the control process's admin key, like every non-open route.
         self._headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.index = index
@@ -128,6 +138,8 @@ class ControlLink:
         if snapshot.version < self.version:
             return  # never go back to an older state (a keepalive raced a newer snapshot)
         apply(self.registry, snapshot)
+        if self.gate is not None:
+            apply_gate(*self.gate, snapshot.gate)
         self.version = snapshot.version
         # Applied synchronously above: from here no pick, and no first byte, goes to a fenced worker.
         self.post(Ack(version=snapshot.version).model_dump_json())
@@ -182,6 +194,8 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
     registry = WorkerRegistry()
     metrics = RouterMetrics(registry, fleet_gauges=False)
     table = routes()
+    # With leader election a standby's data planes refuse as its control process does (.leader_mirror).
+    gate = mirrored_gate() if config.leader_election else None
     app = web.Application(
         middlewares=[
             edge_middleware(
@@ -193,11 +207,12 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
                 ),
                 metrics,
                 counted=_served_here,
+                gate=gate[0].answer if gate is not None else None,
             )
         ],
         client_max_size=MAX_BODY_BYTES,
     )
-    link = ControlLink(socket_path, index, registry, metrics, config.admin_api_key)
+    link = ControlLink(socket_path, index, registry, metrics, config.admin_api_key, gate)
     forwarder = ControlForwarder(socket_path)
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry

@@ -38,6 +38,7 @@ from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.processes.messages import (
     TO_CONTROL,
     Ack,
+    GateView,
     LoadElsewhere,
     LoadReport,
     ScrapeAnswer,
@@ -73,12 +74,21 @@ class _Plane:
 class DataPlaneHub:
     """Snapshots out, acknowledgements and load in, for every connected data plane."""
 
-    def __init__(self, registry: WorkerRegistry, *, ack_timeout_s: float, restart: Callable[[int, str], None]):
+    def __init__(
+        self,
+        registry: WorkerRegistry,
+        *,
+        ack_timeout_s: float,
+        restart: Callable[[int, str], None],
+        gate: Callable[[], GateView] | None = None,
+    ):
         self._registry = registry
+        self._gate = gate
+        """The leader gate's state for each snapshot (``--leader-election``; :mod:`.leader_mirror`)."""
         self.ack_timeout_s = ack_timeout_s
         self._restart = restart
         self._planes: dict[int, _Plane] = {}
-        self._snapshot = view_of(registry, 1)
+        self._snapshot = view_of(registry, 1, self._gate_view())
         self._scrape_ids = itertools.count(1)
         self._scrapes: dict[int, dict[int, asyncio.Future[str]]] = {}
 
@@ -100,11 +110,14 @@ class DataPlaneHub:
 
     def _refresh(self) -> bool:
         """Take the registry's routing state as the next version if it changed; True if it did."""
-        fresh = view_of(self._registry, self._snapshot.version + 1)
+        fresh = view_of(self._registry, self._snapshot.version + 1, self._gate_view())
         if same_routing(fresh, self._snapshot):
             return False
         self._snapshot = fresh
         return True
+
+    def _gate_view(self) -> GateView | None:
+        return self._gate() if self._gate is not None else None
 
     async def publish(self, *, always: bool = False) -> int:
         """Send the current routing state to every live data plane (if it changed, or ``always``)."""

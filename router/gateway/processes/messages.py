@@ -1,6 +1,7 @@
 """What the control process and the data-plane processes say to each other (one WebSocket each).
 
-Control → data plane: :class:`RoutingSnapshot` (versioned; acknowledged), :class:`LoadElsewhere`
+Control → data plane: :class:`RoutingSnapshot` (versioned; acknowledged; with the leader gate's
+state under ``--leader-election``), :class:`LoadElsewhere`
 (the other processes' requests in flight per worker, for ``least_inflight``), :class:`ScrapeRequest`.
 Data plane → control: :class:`Ack`, :class:`LoadReport`, :class:`WorkerRestarted`, :class:`ScrapeAnswer`.
 Each is parsed once, at the socket, into one of these models.
@@ -12,7 +13,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
-from router.contract.fleet import EngineName, HealthState
+from router.contract.fleet import EngineName, HealthState, LeaderRole
 from router.gateway.fleet.weights import FleetRecord
 
 
@@ -38,11 +39,29 @@ class WorkerView(_Message):
     asleep: bool = False
 
 
+class GateView(_Message):
+    """The control process's leader gate (``--leader-election``), so a data plane answers as it would.
+
+    Times are on ``time.monotonic()``, which on Linux is CLOCK_MONOTONIC: one clock for every process
+    on the host, so a data plane closes at the very moment its control process's leadership ends,
+    whether or not another snapshot reaches it first."""
+
+    role: LeaderRole
+    holder: str | None
+    identity: str
+    open_until: float | None
+    """When the leader's last renewal stops counting (its renew deadline); ``None``: it has not renewed."""
+    free_at: float
+    """When the lease could be taken as seen by the control process (0: nobody holds it): the Retry-After."""
+
+
 class RoutingSnapshot(_Message):
     type: Literal["snapshot"] = "snapshot"
     version: int
     workers: list[WorkerView]
     fleet: FleetRecord | None
+    gate: GateView | None = None
+    """``None`` without leader election: the data planes serve whenever their control process does."""
 
 
 class LoadElsewhere(_Message):

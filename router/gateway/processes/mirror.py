@@ -11,10 +11,10 @@ next snapshot, which the control process builds from its own probes and the repo
 from __future__ import annotations
 
 from router.gateway.fleet.registry import Worker, WorkerRegistry
-from router.gateway.processes.messages import RoutingSnapshot, WorkerView
+from router.gateway.processes.messages import GateView, RoutingSnapshot, WorkerView
 
 
-def view_of(registry: WorkerRegistry, version: int) -> RoutingSnapshot:
+def view_of(registry: WorkerRegistry, version: int, gate: GateView | None = None) -> RoutingSnapshot:
     """The control process's routing state as a snapshot (removed workers are left out)."""
     workers = [
         WorkerView(
@@ -35,12 +35,12 @@ def view_of(registry: WorkerRegistry, version: int) -> RoutingSnapshot:
         for w in registry
         if not w.removed
     ]
-    return RoutingSnapshot(version=version, workers=workers, fleet=registry.fleet.record)
+    return RoutingSnapshot(version=version, workers=workers, fleet=registry.fleet.record, gate=gate)
 
 
 def same_routing(a: RoutingSnapshot, b: RoutingSnapshot) -> bool:
     """Whether two snapshots say the same (their versions aside)."""
-    return a.workers == b.workers and a.fleet == b.fleet
+    return a.workers == b.workers and a.fleet == b.fleet and a.gate == b.gate
 
 
 def apply(registry: WorkerRegistry, snapshot: RoutingSnapshot) -> list[Worker]:
