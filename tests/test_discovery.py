@@ -13,6 +13,7 @@ the admin lock is registered when the update ends.
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +25,7 @@ import pytest
 from router.gateway import keys
 from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
+from router.gateway.fleet.registry import worker_id_for
 from tests._k8s_standin import StandInApiServer
 from tests._polling import until
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, wait_for, workers
@@ -237,3 +239,40 @@ async def test_a_pod_that_appears_during_an_update_is_registered_when_it_ends(
         gate.release()
     await registered(2)
     assert [w.url for w in registry] == [a, b]
+
+
+async def test_a_departed_worker_leaves_the_registry_only_after_the_fence_barrier(
+    api: StandInApiServer, pod_workers: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aiohttp_client: Any
+) -> None:
+    for name, value in client_env(api, tmp_path).items():
+        monkeypatch.setenv(name, value)
+    a, b = pod_workers
+    api.add_pod("worker-a", namespace=NS, labels=LABELS, **as_pod(a))
+    api.add_pod("worker-b", namespace=NS, labels=LABELS, **as_pod(b))
+    config = RouterConfig(
+        admin_api_key=ADMIN_KEY, service_discovery="k8s", selector=LABELS, health_check_interval_s=0.5
+    )
+    app = create_app(config)
+    await aiohttp_client(app)
+    registry = app[keys.REGISTRY]
+    await until(lambda: len(registry) == 2, SETTLE_S, "both pods registered")
+
+    # The barrier of a router with data planes, held open: it records what the fleet looked like when asked.
+    asked: list[tuple[str, bool]] = []
+    answer = asyncio.Event()
+
+    class HeldBarrier:
+        async def confirm(self, why: str) -> None:
+            leaving = registry.find(worker_id_for(b))
+            asked.append((why, leaving is not None and leaving.departed is not None))
+            await answer.wait()
+
+    app[keys.DISCOVERY].barrier = HeldBarrier()
+    api.delete_pod("worker-b", namespace=NS)
+    await until(lambda: bool(asked), SETTLE_S, "the departure to reach the barrier")
+    why, departed_when_asked = asked[0]
+    assert departed_when_asked and "left with their pods" in why
+    await asyncio.sleep(0.5)
+    assert [w.url for w in registry] == [a, b]  # not removed while a data plane may still route to it
+    answer.set()
+    await until(lambda: [w.url for w in registry] == [a], SETTLE_S, "the departed worker removed")

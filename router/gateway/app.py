@@ -214,7 +214,12 @@ async def discovery_ctx(app: web.Application) -> AsyncIterator[None]:
         yield
         return
     fleet = DiscoveredFleet(
-        app[keys.REGISTRY], app[keys.GATE], app[keys.JOURNAL], app[keys.HEALTH], default_engine=cfg.fixed_engine
+        app[keys.REGISTRY],
+        app[keys.GATE],
+        app[keys.JOURNAL],
+        app[keys.HEALTH],
+        default_engine=cfg.fixed_engine,
+        barrier=app[keys.ADMIN].barrier,
     )
     pods = KubernetesPods(
         selector=cfg.selector, on_change=fleet.offer, namespace=cfg.discovery_namespace, port=cfg.discovery_port

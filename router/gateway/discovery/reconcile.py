@@ -6,7 +6,11 @@ publishes the whole set on every change). Two things follow from a new set:
 - at once, a worker discovery added whose pod left the set is marked
   *departed*: it takes no generation traffic from that moment, and an update
   in flight that targets it counts it as failed (fail closed); a worker whose
-  pod comes back before it was removed is simply no longer departed;
+  pod comes back before it was removed is simply no longer departed. With
+  data-plane processes the departure goes through the same fence barrier as an
+  admin call's fence (:class:`~router.gateway.admin.locked.FenceBarrier`): the
+  worker is removed only once every data plane has acknowledged that it takes
+  no more requests (a data plane that does not is restarted, as for a fence);
 - the registry itself (workers added and removed, hence the rank plan and the
   world size) changes only under the admin update lock, like ``POST /workers``:
   a change that arrives while an update holds the lock is applied when that
@@ -28,7 +32,7 @@ import logging
 from router.contract.errors import ApiError, Unavailable
 from router.contract.fleet import ENGINE_NAMES, EngineName
 from router.gateway.admin.journal import UpdateJournal
-from router.gateway.admin.locked import LockHold
+from router.gateway.admin.locked import ONE_PROCESS, FenceBarrier, LockHold
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.discovery.k8s import PodWorker
 from router.gateway.fleet.health import HealthChecker
@@ -50,8 +54,12 @@ class DiscoveredFleet:
         health: HealthChecker,
         *,
         default_engine: EngineName | None = None,
+        barrier: FenceBarrier = ONE_PROCESS,
     ):
         self._registry = registry
+        self.barrier = barrier
+        self._departures: list[str] = []
+        """Workers marked departed whose departure the data planes have not acknowledged yet."""
         self._default_engine = default_engine
         """The engine of a pod that names none (``None``: detected)."""
         self._gate = gate
@@ -61,6 +69,8 @@ class DiscoveredFleet:
         self._managed: dict[str, str] = {}
         """Worker id → URL of every worker discovery added and still owns."""
         self._wake = asyncio.Event()
+        self._departed = asyncio.Event()
+        self._confirming = asyncio.Lock()
         self.applied = asyncio.Event()
         """Set whenever the registry matches the latest candidate set (cleared by a new one)."""
 
@@ -81,17 +91,24 @@ class DiscoveredFleet:
                 worker.departed = None
             elif worker.departed is None:
                 worker.departed = DEPARTED
+                self._departures.append(wid)
+                self._departed.set()
                 log.info("worker %s (%s, pod %s) departed: no traffic from now on", wid, url, worker.pod)
         self.applied.clear()
         self._wake.set()
 
     async def run(self) -> None:
-        """Apply each new candidate set; cancel the task to stop."""
+        """Apply each new candidate set, and confirm departures at once (not after an update that holds
+        the lock); cancel the task to stop."""
+        await asyncio.gather(self._confirm_departures(), self._apply_sets())
+
+    async def _apply_sets(self) -> None:
         while True:
             await self._wake.wait()
             self._wake.clear()
             hold = await self._take_lock()
             try:
+                await self._confirm()  # no worker leaves the registry before its departure is confirmed
                 added = await self._apply()
             finally:
                 hold.release()
@@ -100,6 +117,24 @@ class DiscoveredFleet:
             # First probes outside the lock: a worker that does not answer must not stall updates.
             if added:
                 await asyncio.gather(*(self._health.check(w) for w in added))
+
+    async def _confirm_departures(self) -> None:
+        """Each time workers depart, at once: confirm it (an update holding the lock does not delay this)."""
+        while True:
+            await self._departed.wait()
+            self._departed.clear()
+            await self._confirm()
+
+    async def _confirm(self) -> None:
+        """Every routing process has stopped sending to the departed workers (the fence barrier)."""
+        async with self._confirming:
+            if not self._departures:
+                return
+            departed, self._departures = self._departures, []
+            try:
+                await self.barrier.confirm(f"worker(s) {', '.join(departed)} left with their pods")
+            except Unavailable as exc:  # the laggards are restarted and come back with the current snapshot
+                log.warning("%s", exc.message)
 
     async def _take_lock(self) -> LockHold:
         """Wait for the admin update lock as long as updates hold it (each of them is bounded)."""
