@@ -430,7 +430,12 @@ def targets(args: argparse.Namespace, nginx: str, peers: dict[str, tuple[Path, s
                 # Another checkout's router (e.g. the commit before a change), run from its own source tree
                 # at its own default process count (listeners: at least one).
                 port = free_port()
-                launcher = f"import sys; sys.path.insert(0, {str(args.omni_baseline)!r}); from router.gateway.cli import main; sys.exit(main())"
+                # Its data planes run `python -m router.gateway.cli` from its working directory: that tree's too.
+                tree = str(args.omni_baseline.resolve())
+                launcher = (
+                    f"import os, sys; os.chdir({tree!r}); sys.path.insert(0, {tree!r}); "
+                    "from router.gateway.cli import main; sys.exit(main())"
+                )
                 argv = [sys.executable, "-c", launcher, *omni_argv(args, up.url, port, root / "baseline-state")]
                 found.append(start("omni-router baseline", argv, port, "omni"))
             for t in found[1:]:

@@ -64,13 +64,14 @@ def data_plane_pids(router: ManagedProcess) -> dict[int, int]:
     return pids
 
 
-def generate(url: str, timeout: float = 60) -> tuple[int, str | None]:
+def generate(url: str, timeout: float = 60, session: str | None = None) -> tuple[int, str | None]:
     """One /generate on a new connection (so the kernel picks a data plane for each)."""
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=timeout)
+    headers = {"Content-Type": "application/json"} | ({"X-Session-Id": session} if session else {})
     try:
-        body = {"text": "hello", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}
-        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 1 if session else 4, "temperature": 0.0}}
+        conn.request("POST", "/generate", json.dumps(body), headers)
         resp = conn.getresponse()
         resp.read()
         return resp.status, resp.getheader("X-Omni-Worker")
@@ -152,6 +153,44 @@ def _generate_count(url: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     pattern = r'omni_router_requests_total\{method="POST",route="/generate",status="200"\} ([0-9.e+]+)'
     return sum(float(v) for v in re.findall(pattern, text))
+
+
+def test_every_data_plane_sends_a_session_where_the_one_table_pinned_it(fleet):
+    """No session split across data planes, with the tightest load bound (ε = 0: a process with a table of
+    its own diverts sessions at every other placement, differently from its sibling)."""
+    extra = [*DATA_PLANES, "--session-affinity", "--session-affinity-load-factor", "0"]
+    router, url = start_router(fleet.worker_urls, admin_key=ADMIN_KEY, extra_args=extra)
+    try:
+        sessions, turns = 24, 4
+        served: dict[str, set[str | None]] = {f"s{i}": set() for i in range(sessions)}
+
+        def run(names: list[str]) -> None:
+            for _ in range(turns):
+                for name in names:
+                    status, worker = generate(url, timeout=30, session=name)
+                    assert status == 200
+                    served[name].add(worker)
+
+        names = sorted(served)
+        threads = [threading.Thread(target=run, args=(names[i::4],), daemon=True) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads)
+        assert {name: len(ws) for name, ws in served.items() if len(ws) != 1} == {}
+        placed = [next(iter(ws)) for ws in served.values()]
+        assert {placed.count(w) for w in fleet.ids} == {sessions // 2}  # ε = 0: exactly even
+        text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+        assert _sample(text, "omni_router_affinity_new_pins_total") == sessions
+        assert _sample(text, "omni_router_affinity_hits_total") == sessions * (turns - 1)
+        assert _sample(text, "omni_router_affinity_local_placements_total") == 0
+    finally:
+        router.stop()
+
+
+def _sample(text: str, name: str) -> float:
+    return sum(float(v) for v in re.findall(rf"^{name} ([0-9.e+]+)$", text, re.MULTILINE))
 
 
 def test_a_worker_taken_out_gets_nothing_once_the_call_answered(fleet):

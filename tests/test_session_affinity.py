@@ -1,8 +1,10 @@
 """Session affinity as a pure table (router/gateway/routing/affinity.py): placement, load bound,
-failover that sticks, TTL and LRU bounds, and how a request's session key is read. No HTTP."""
+failover that sticks, TTL and LRU bounds, and how a request's session key is read; and a data
+plane's copies of the control process's pins (router/gateway/processes/session_pins.py). No HTTP."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from collections import Counter
@@ -12,12 +14,15 @@ import pytest
 from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import Worker
 from router.gateway.metrics import AffinityStats
+from router.gateway.processes.messages import TO_CONTROL, Place
+from router.gateway.processes.session_pins import PLACE_TIMEOUT_S, SessionPins
 from router.gateway.routing.affinity import (
     ROUTING_KEY_HEADER,
     SESSION_ID_HEADER,
     SessionAffinity,
     rid_lineage,
     session_key,
+    session_row,
 )
 
 EPSILON = 0.25
@@ -75,7 +80,7 @@ def test_turns_of_a_session_stay_on_its_worker_and_pins_respect_the_load_bound()
 
 
 def test_placement_is_deterministic_across_tables() -> None:
-    """Two data-plane processes see the same eligible set: each places a key alike without sharing state."""
+    """Two tables (a restarted router, a data plane placing on its own) given the same eligible set place alike."""
     workers = fleet(4)
     one, _ = table()
     other, _ = table()
@@ -243,3 +248,59 @@ def test_bad_settings_are_refused_by_name(field: str, value: float) -> None:
     config = RouterConfig(session_affinity=True, **{field: value})
     with pytest.raises(ValueError, match=field):
         config.validate()
+
+
+# -- a data plane's copies of the one table's pins (router/gateway/processes/session_pins.py) ------------------
+
+
+class ControlTable:
+    """The control process's side, in-process: a real table answering every Place a data plane posts."""
+
+    def __init__(self, clock: FakeClock) -> None:
+        self.table, _ = table(clock=clock)
+        self.asked: list[str] = []
+        self.copies: list[SessionPins] = []
+        self.table.on_forget = lambda row: [c.forget([row]) for c in self.copies]
+
+    def copy(self, clock: FakeClock, workers: list[Worker]) -> SessionPins:
+        pins: SessionPins
+
+        def post(text: str) -> None:
+            ask = TO_CONTROL.validate_json(text)
+            assert isinstance(ask, Place)
+            self.asked.append(ask.session)
+            chosen = self.table.choose(ask.session, [w for w in workers if w.id in ask.candidates], retry=ask.retry)
+            asyncio.get_running_loop().call_soon(pins.answered, ask.id, chosen.id)
+
+        pins = SessionPins(ttl_s=60.0, max_sessions=100, post=post, stats=AffinityStats(), clock=clock)
+        self.copies.append(pins)
+        return pins
+
+
+async def test_data_planes_place_through_the_one_table_and_serve_turns_from_their_copies() -> None:
+    clock, workers = FakeClock(), fleet(4)
+    control = ControlTable(clock)
+    one, other = control.copy(clock, workers), control.copy(clock, workers)
+    first = await one.choose("s1", workers, retry=False)
+    assert first is not None and control.asked == ["s1"]
+    assert await one.choose("s1", workers, retry=False) is first  # a copy: nothing asked
+    assert control.asked == ["s1"] and one.take_used() == [session_row("s1")]
+    assert await other.choose("s1", workers, retry=False) is first  # the other process asks and agrees
+    assert control.asked == ["s1", "s1"]
+
+    # Its worker out of one process's candidates: the table moves the pin and every copy is dropped.
+    rest = [w for w in workers if w is not first]
+    moved = await one.choose("s1", rest, retry=False)
+    assert moved is not None and moved is not first and len(other) == 0
+    assert await other.choose("s1", workers, retry=False) is moved  # not back to the old worker
+    # A copy lives the table's TTL less the answer's bound, from its last use.
+    asked = len(control.asked)
+    clock.now += 60.0 - PLACE_TIMEOUT_S - 1
+    assert await one.choose("s1", workers, retry=False) is moved and len(control.asked) == asked
+    clock.now += 60.0 - PLACE_TIMEOUT_S
+    assert await one.choose("s1", workers, retry=False) is moved and len(control.asked) == asked + 1
+
+
+async def test_a_data_plane_places_on_its_own_when_the_control_process_does_not_answer() -> None:
+    pins = SessionPins(ttl_s=60.0, max_sessions=100, post=lambda _text: None, stats=AffinityStats())
+    assert await pins.choose("s1", fleet(2), retry=False) is None and len(pins) == 0

@@ -54,6 +54,7 @@ from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
 from router.gateway.leader.takeover import Leadership
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routes import admin, fleet, openai, rl, tokens, versions
+from router.gateway.routing.affinity import SessionAffinity
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.state.durable import DurableState
@@ -185,6 +186,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         metrics=app[keys.METRICS],
         tasks=app[keys.TASKS],
         service_headers=app[keys.SERVICE_HEADERS],
+        affinity=app.get(keys.SESSIONS),
     )
     app[keys.GROUP_INIT] = GroupInitializer(ctx)
     app[keys.TWO_PHASE] = TwoPhaseCoordinator(
@@ -294,6 +296,8 @@ def create_app(config: RouterConfig) -> web.Application:
     app[keys.JOURNAL] = journal
     app[keys.STATE] = state
     app[keys.METRICS] = metrics
+    if config.session_affinity:  # one table, shared with the data planes through the hub
+        app[keys.SESSIONS] = SessionAffinity.from_config(config, metrics.affinity)
     app[keys.GATE] = UpdateGate(config.admin_lock_timeout_s, on_wait=metrics.observe_lock_wait)
     app[keys.TASKS] = TaskSet()
     app[keys.SERVICE_HEADERS] = service_headers(config)

@@ -22,6 +22,7 @@ from router.gateway.leader.elector import LeaseElector
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics
 from router.gateway.processes.hub import DataPlaneHub
+from router.gateway.routing.affinity import SessionAffinity
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.state.durable import DurableState
 from router.gateway.tasks import TaskSet
@@ -44,6 +45,8 @@ WORKERS = web.AppKey("worker_client", WorkerClient)
 """Every HTTP call to a worker (proxy, admin fan-out, probes, metadata, aborts, ``/v1/models``)."""
 ADMIN = web.AppKey("admin", AdminContext)
 PROXY = web.AppKey("proxy", GenerateProxy)
+SESSIONS = web.AppKey("sessions", SessionAffinity)
+"""The router's session table (``--session-affinity`` only): the proxy's, and the data planes' through the hub."""
 GROUP_INIT = web.AppKey("group_init", GroupInitializer)
 TWO_PHASE = web.AppKey("two_phase", TwoPhaseCoordinator)
 WEIGHT_TRANSFER = web.AppKey("weight_transfer", WeightTransfer)

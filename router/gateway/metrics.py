@@ -117,13 +117,15 @@ class _RequestStats(Collector):
 
 class AffinityStats(Collector):
     """Session affinity's series (``--session-affinity``), kept as plain counts like the request
-    stats: a pinned request is a hit, counted on the hot path. With data-plane processes each
-    process counts its own table and the scrape sums them (a session two processes pinned counts twice)."""
+    stats: a pinned request is a hit, counted on the hot path. With data-plane processes the control
+    process's table places every session and counts it; a data plane counts the placements it made
+    from its own table because the control process did not answer in time."""
 
     def __init__(self) -> None:
         self.pinned = 0
         self.hits = 0
         self.new_pins = 0
+        self.local_placements = 0
         self.reassignments: dict[str, int] = {}
         self._created = time.time()
 
@@ -138,6 +140,12 @@ class AffinityStats(Collector):
         pins = CounterMetricFamily("omni_router_affinity_new_pins", "Sessions pinned to a worker for the first time")
         pins.add_metric([], self.new_pins, created=self._created)
         yield pins
+        local = CounterMetricFamily(
+            "omni_router_affinity_local_placements",
+            "Sessions a data-plane process placed from its own table: the control process did not answer in time",
+        )
+        local.add_metric([], self.local_placements, created=self._created)
+        yield local
         moved = CounterMetricFamily(
             "omni_router_affinity_reassignments",
             "Sessions moved to another worker, by reason",

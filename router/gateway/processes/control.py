@@ -32,6 +32,7 @@ def attach_data_planes(
         ack_timeout_s=ack_timeout_s,
         restart=supervisor.restart,
         gate=(lambda: gate_view(gate, elector)) if gate is not None and elector is not None else None,
+        sessions=app.get(keys.SESSIONS),
     )
     supervisor.on_exit = hub.forget
     app[keys.DATA_PLANES] = hub

@@ -45,12 +45,16 @@ from router.gateway.processes.messages import (
     Ack,
     LoadElsewhere,
     LoadReport,
+    PinsUsed,
+    Placed,
     RoutingSnapshot,
     ScrapeAnswer,
     ScrapeRequest,
+    Unpinned,
     WorkerRestarted,
 )
 from router.gateway.processes.mirror import apply
+from router.gateway.processes.session_pins import SessionPins
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.tasks import TaskSet
@@ -86,6 +90,8 @@ class ControlLink:
         self.version = 0
         self._socket: aiohttp.ClientWebSocketResponse | None = None
         self._outbox: asyncio.Queue[str] = asyncio.Queue()
+        self.pins: SessionPins | None = None
+        """Copies of the control process's session pins (``--session-affinity``; :mod:`.session_pins`)."""
 
     async def run(self) -> None:
         """Hold the link until it breaks; then stop this process (SIGTERM: a graceful drain)."""
@@ -130,6 +136,12 @@ class ControlLink:
             elif isinstance(parsed, LoadElsewhere):
                 for worker in self.registry:
                     worker.inflight_elsewhere = parsed.inflight.get(worker.id, 0)
+            elif isinstance(parsed, Placed):
+                if self.pins is not None:
+                    self.pins.answered(parsed.id, parsed.worker)
+            elif isinstance(parsed, Unpinned):
+                if self.pins is not None:
+                    self.pins.forget(parsed.rows)
             elif isinstance(parsed, ScrapeRequest):
                 text = self.metrics.render().decode()
                 self.post(ScrapeAnswer(id=parsed.id, text=text).model_dump_json())
@@ -164,6 +176,9 @@ class ControlLink:
             if now != last:
                 self.post(LoadReport(inflight=now).model_dump_json())
                 last = now
+            used = self.pins.take_used() if self.pins is not None else []
+            if used:
+                self.post(PinsUsed(rows=used).model_dump_json())
 
 
 CONTROL_LINK = web.AppKey("control_link", ControlLink)
@@ -213,6 +228,13 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
         client_max_size=MAX_BODY_BYTES,
     )
     link = ControlLink(socket_path, index, registry, metrics, config.admin_api_key, gate)
+    if config.session_affinity:
+        link.pins = SessionPins(
+            ttl_s=config.session_affinity_ttl_s,
+            max_sessions=config.session_affinity_max_sessions,
+            post=link.post,
+            stats=metrics.affinity,
+        )
     forwarder = ControlForwarder(socket_path)
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
@@ -244,6 +266,7 @@ async def _data_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         tasks=app[keys.TASKS],
         service_headers=app[keys.SERVICE_HEADERS],
         on_restarted=link.worker_restarted,
+        placer=link.pins.choose if link.pins is not None else None,
     )
     task = asyncio.create_task(link.run(), name="control-link")
     try:

@@ -14,6 +14,8 @@ snapshot), so it is not waited for.
 * :meth:`DataPlaneHub.confirm` is the fence barrier: it publishes at once and waits, at most
   ``ack_timeout_s``, until every live data plane has acknowledged that version. A data plane
   that has not is restarted and the caller gets 503: the fenced operation sends nothing.
+* Sessions (``--session-affinity``): the control process's table is the router's only one; data
+  planes ask it where a new session goes and keep copies of its pins (:mod:`.session_pins`).
 * Load: each data plane reports its requests in flight per worker; the hub sums them into the
   registry (``GET /workers``, the metrics) and tells each data plane what the others carry, so
   ``least_inflight`` sees the whole router's load, as of the last report (every
@@ -41,11 +43,16 @@ from router.gateway.processes.messages import (
     GateView,
     LoadElsewhere,
     LoadReport,
+    PinsUsed,
+    Place,
+    Placed,
     ScrapeAnswer,
     ScrapeRequest,
+    Unpinned,
     WorkerRestarted,
 )
 from router.gateway.processes.mirror import same_routing, view_of
+from router.gateway.routing.affinity import SessionAffinity
 
 log = logging.getLogger(__name__)
 
@@ -81,8 +88,14 @@ class DataPlaneHub:
         ack_timeout_s: float,
         restart: Callable[[int, str], None],
         gate: Callable[[], GateView] | None = None,
+        sessions: SessionAffinity | None = None,
     ):
         self._registry = registry
+        self._sessions = sessions
+        """The router's one session table (``--session-affinity``; :mod:`.session_pins`)."""
+        self._unpinned: list[int] = []
+        if sessions is not None:
+            sessions.on_forget = self._unpinned.append
         self._gate = gate
         """The leader gate's state for each snapshot (``--leader-election``; :mod:`.leader_mirror`)."""
         self.ack_timeout_s = ack_timeout_s
@@ -221,7 +234,13 @@ class DataPlaneHub:
             async for message in socket:
                 if message.type != WSMsgType.TEXT:
                     break
-                self._receive(plane, message.data)
+                reply = self._receive(plane, message.data)
+                if reply is not None:
+                    await self._send(plane, reply)
+                if self._unpinned:  # a placement moved or evicted pins: every copy goes, before the next turn
+                    rows, self._unpinned = self._unpinned, []
+                    text = Unpinned(rows=rows).model_dump_json()
+                    await asyncio.gather(*(self._send(p, text) for p in list(self._planes.values())))
         finally:
             # Still registered: only the supervisor, having seen the process exit, forgets it.
             plane.connected = False
@@ -229,12 +248,19 @@ class DataPlaneHub:
             log.info("data-plane process %d disconnected", index)
         return socket
 
-    def _receive(self, plane: _Plane, data: str) -> None:
+    def _receive(self, plane: _Plane, data: str) -> str | None:
+        """Apply one message from ``plane``; what to answer it, if anything."""
         try:
             message = TO_CONTROL.validate_json(data)
         except ValidationError as exc:
             log.error("data-plane process %d sent an unreadable message: %s", plane.index, exc)
-            return
+            return None
+        if isinstance(message, Place):
+            return Placed(id=message.id, worker=self._place(message)).model_dump_json()
+        if isinstance(message, PinsUsed):
+            if self._sessions is not None:
+                self._sessions.touch(message.rows)
+            return None
         if isinstance(message, Ack):
             plane.acked = max(plane.acked, message.version)
             plane.acked_event.set()
@@ -254,6 +280,16 @@ class DataPlaneHub:
             future = self._scrapes.get(message.id, {}).get(plane.index)
             if future is not None and not future.done():
                 future.set_result(message.text)
+        return None
+
+    def _place(self, message: Place) -> str | None:
+        """Where the one table puts the session, among the candidates the data plane named that exist here."""
+        if self._sessions is None:
+            return None
+        candidates = [w for wid in message.candidates if (w := self._registry.find(wid)) is not None]
+        if not candidates:
+            return None
+        return self._sessions.choose(message.session, candidates, retry=message.retry).id
 
     def _drop_load(self, plane: _Plane) -> None:
         for wid, count in plane.inflight.items():

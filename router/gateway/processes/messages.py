@@ -1,9 +1,11 @@
 """What the control process and the data-plane processes say to each other (one WebSocket each).
 
 Control → data plane: :class:`RoutingSnapshot` (versioned; acknowledged; with the leader gate's
-state under ``--leader-election``), :class:`LoadElsewhere`
+state under ``--leader-election``), :class:`Placed` (the answer to a :class:`Place`), :class:`Unpinned`, :class:`LoadElsewhere`
 (the other processes' requests in flight per worker, for ``least_inflight``), :class:`ScrapeRequest`.
-Data plane → control: :class:`Ack`, :class:`LoadReport`, :class:`WorkerRestarted`, :class:`ScrapeAnswer`.
+Data plane → control: :class:`Ack`, :class:`LoadReport`, :class:`WorkerRestarted`, :class:`ScrapeAnswer`,
+:class:`Place` and :class:`PinsUsed` (the control process owns the one session table:
+:mod:`.session_pins`).
 Each is parsed once, at the socket, into one of these models.
 """
 
@@ -75,6 +77,39 @@ class ScrapeRequest(_Message):
     id: int
 
 
+class Placed(_Message):
+    """Where the control process's session table put a session (:class:`Place`); ``None``: nowhere known."""
+
+    type: Literal["placed"] = "placed"
+    id: int
+    worker: str | None
+
+
+class Place(_Message):
+    """A data plane asks the control process's session table where a session goes (``--session-affinity``)."""
+
+    type: Literal["place"] = "place"
+    id: int
+    session: str
+    candidates: list[str]
+    """The ids of the workers the request may go to, as this data plane's snapshot has them."""
+    retry: bool
+
+
+class PinsUsed(_Message):
+    """Sessions a data plane served from its copies of their pins since its last report (their pins live on)."""
+
+    type: Literal["pins_used"] = "pins_used"
+    rows: list[int]
+
+
+class Unpinned(_Message):
+    """Pins the control process's table moved or evicted: every data plane drops its copies of them."""
+
+    type: Literal["unpinned"] = "unpinned"
+    rows: list[int]
+
+
 class Ack(_Message):
     type: Literal["ack"] = "ack"
     version: int
@@ -102,8 +137,12 @@ class ScrapeAnswer(_Message):
     """This process's metrics in the Prometheus text format."""
 
 
-ToDataPlane = Annotated[RoutingSnapshot | LoadElsewhere | ScrapeRequest, Field(discriminator="type")]
-ToControl = Annotated[Ack | LoadReport | WorkerRestarted | ScrapeAnswer, Field(discriminator="type")]
+ToDataPlane = Annotated[
+    RoutingSnapshot | LoadElsewhere | ScrapeRequest | Placed | Unpinned, Field(discriminator="type")
+]
+ToControl = Annotated[Ack | LoadReport | WorkerRestarted | ScrapeAnswer | Place | PinsUsed, Field(discriminator="type")]
 
-TO_DATA_PLANE: TypeAdapter[RoutingSnapshot | LoadElsewhere | ScrapeRequest] = TypeAdapter(ToDataPlane)
-TO_CONTROL: TypeAdapter[Ack | LoadReport | WorkerRestarted | ScrapeAnswer] = TypeAdapter(ToControl)
+TO_DATA_PLANE: TypeAdapter[RoutingSnapshot | LoadElsewhere | ScrapeRequest | Placed | Unpinned] = TypeAdapter(
+    ToDataPlane
+)
+TO_CONTROL: TypeAdapter[Ack | LoadReport | WorkerRestarted | ScrapeAnswer | Place | PinsUsed] = TypeAdapter(ToControl)

@@ -12,15 +12,17 @@ the eligible ones: routable, not tried, inside the weight-version policy). Invar
   random weight) ranking whose pin count is below ``ceil((1+ε)·mean)``, the mean taken over the
   candidates with this key counted; such a worker always exists, so no worker ever holds more than
   that bound through placement. The ranking hashes the key and the worker ids with BLAKE2b, never
-  Python's per-process ``hash``, so every data-plane process and every router restart ranks alike;
-  processes share no table and may differ only where the load bound diverted a key.
+  Python's per-process ``hash``, so every router restart ranks alike. With data-plane processes
+  the control process's table is the only one that places sessions (the data planes ask it,
+  :class:`~router.gateway.processes.messages.Place`); a data plane's own table places a session
+  only when the control process does not answer in time.
 - **A pin moves, and stays moved.** A pin names its worker and a second candidate (the next
   eligible worker in the ranking). When the pinned worker is not among the candidates (fenced,
   unhealthy, pending, removed, out of the version policy, or already tried by a retry) the session
   goes to its second candidate, else to a fresh bounded placement, and that worker *becomes* the
   pin: the session does not bounce back when the old worker returns.
-- **Memory is bounded.** The table is keyed by the key's 64-bit ``hash`` (a long ``rid`` costs no
-  more than a short one; that hash is per process, seeded, and only names a row, never ranks) and
+- **Memory is bounded.** The table is keyed by the key's 64-bit BLAKE2b digest (:func:`session_row`:
+  a long ``rid`` costs no more than a short one, and every process names a row alike) and
   holds at most ``max_sessions`` pins. A pin lives ``ttl_s`` past its last use; every use moves it
   to the end of the table, so the table is in expiry order and expired pins are dropped from its
   front, lazily, on each call; past the cap the least recently used goes.
@@ -33,7 +35,7 @@ import math
 import re
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
@@ -73,6 +75,11 @@ def session_key(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> s
 
 def _digest(text: str) -> int:
     return int.from_bytes(hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest(), "little")
+
+
+def session_row(key: str) -> int:
+    """The row that names a session in every process's table (and what ranks workers for it)."""
+    return _digest(key)
 
 
 @lru_cache(maxsize=4096)
@@ -116,6 +123,9 @@ class SessionAffinity:
         self._pins: OrderedDict[int, _Pin] = OrderedDict()
         self._load: dict[str, int] = {}
         """Pins per worker id; a worker with none is absent."""
+        self.on_forget: Callable[[int], None] | None = None
+        """Told each row whose pin moved or was evicted (not one that expired): data planes that keep a copy
+        of the pins drop it (:mod:`router.gateway.processes.session_pins`)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig, stats: AffinityStats) -> SessionAffinity:
@@ -134,12 +144,12 @@ class SessionAffinity:
 
     def pinned_worker(self, key: str) -> str | None:
         """The worker ``key`` is pinned to now (an expired pin counts as none); does not refresh it."""
-        pin = self._pins.get(hash(key))
+        pin = self._pins.get(session_row(key))
         return None if pin is None or pin.expires <= self._clock() else pin.worker
 
     def second_candidate(self, key: str) -> str | None:
         """Where ``key`` goes when its pinned worker is not eligible, if it is; does not refresh it."""
-        pin = self._pins.get(hash(key))
+        pin = self._pins.get(session_row(key))
         return None if pin is None or pin.expires <= self._clock() else pin.second
 
     def choose(self, key: str, candidates: Sequence[Worker], *, retry: bool = False) -> Worker:
@@ -149,7 +159,7 @@ class SessionAffinity:
         counted as ``retry`` rather than ``not_eligible``; the session stays where it is served."""
         now = self._clock()
         self._expire(now)
-        row = hash(key)
+        row = session_row(key)
         pin = self._pins.get(row)
         if pin is not None:
             for worker in candidates:
@@ -158,8 +168,7 @@ class SessionAffinity:
                     self._pins.move_to_end(row)
                     self._stats.hits += 1
                     return worker
-        digest = _digest(key)
-        ranked = sorted(candidates, key=lambda w: _score(digest, w.id), reverse=True)
+        ranked = sorted(candidates, key=lambda w: _score(row, w.id), reverse=True)
         bound = self._bound(candidates)
         target = None
         if pin is not None and pin.second is not None:
@@ -174,14 +183,28 @@ class SessionAffinity:
         else:
             self._stats.reassigned("retry" if retry else "not_eligible")
             self._unload(pin.worker)
+            if self.on_forget is not None:
+                self.on_forget(row)
             pin.worker, pin.second, pin.expires = target.id, second, now + self._ttl_s
             self._pins.move_to_end(row)
         self._load[target.id] = self._load.get(target.id, 0) + 1
         while len(self._pins) > self._max_sessions:
-            _, evicted = self._pins.popitem(last=False)
+            evicted_row, evicted = self._pins.popitem(last=False)
             self._unload(evicted.worker)
+            if self.on_forget is not None:
+                self.on_forget(evicted_row)
         self._stats.pinned = len(self._pins)
         return target
+
+    def touch(self, rows: Iterable[int]) -> None:
+        """Sessions served from a data plane's copy of their pin: each pin lives ``ttl_s`` from now, as a hit's does."""
+        expires = self._clock() + self._ttl_s
+        pins = self._pins
+        for row in rows:
+            pin = pins.get(row)
+            if pin is not None:
+                pin.expires = expires
+                pins.move_to_end(row)
 
     def _bound(self, candidates: Sequence[Worker]) -> int:
         """ceil((1+ε)·mean) over ``candidates``, the key being placed counted in the mean."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from functools import partial
 
 from aiohttp import web
@@ -58,6 +58,10 @@ from router.gateway.upstream import NotAdmitted, UpstreamError, UpstreamResponse
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({502, 503, 504})
+
+#: Where the router's one session table puts a session, when another process owns it: (key, candidates,
+#: retry) → one of the candidates, or ``None`` when it did not answer (:mod:`router.gateway.processes.session_pins`).
+SessionPlacer = Callable[[str, Sequence[Worker], bool], Awaitable[Worker | None]]
 WORKER_HEADER = "X-Omni-Worker"
 
 
@@ -111,8 +115,13 @@ class GenerateProxy:
         tasks: TaskSet,
         service_headers: dict[str, str],
         on_restarted: Callable[[Worker], None] | None = None,
+        placer: SessionPlacer | None = None,
+        affinity: SessionAffinity | None = None,
     ):
         self._cfg = config
+        self._placer = placer if config.session_affinity else None
+        """With data-plane processes: the control process's table places sessions, so no two processes
+        pin one session apart; this process's own table is used only when it does not answer."""
         self._on_restarted = on_restarted
         """Told when the instance check finds a worker restarted (a data plane tells its control process)."""
         self._registry = registry
@@ -128,7 +137,9 @@ class GenerateProxy:
         self._retry_on = retry_if_exception_type(_Retryable)
         self._version_policy = versions.parse_version_policy(config.version_policy)
         """The router's default, parsed once: a request without the header costs no parse."""
-        self._affinity = SessionAffinity.from_config(config, metrics.affinity) if config.session_affinity else None
+        self._affinity = affinity
+        if self._affinity is None and config.session_affinity:
+            self._affinity = SessionAffinity.from_config(config, metrics.affinity)
 
     def request_policy(self, request: web.Request) -> VersionPolicy:
         """The request's weight-version policy: its header when it sent one (400 when bad), else the router's."""
@@ -147,15 +158,37 @@ class GenerateProxy:
     ) -> Worker:
         """One worker for a request under ``policy`` whose engine serves ``path``, not among ``tried``; 503
         (with who holds what) when none."""
+        candidates = self._candidates(policy, tried, path)
+        if session is not None and self._affinity is not None:
+            return self._affinity.choose(session, candidates, retry=bool(tried))
+        return self._policy.choose(candidates)
+
+    async def pick_for(
+        self,
+        policy: VersionPolicy,
+        tried: set[str] | frozenset[str] = frozenset(),
+        session: str | None = None,
+        path: str | None = None,
+    ) -> Worker:
+        """:meth:`pick`, with a session placed by the session table's owner when that is another process."""
+        if session is None or self._placer is None or self._affinity is None:
+            return self.pick(policy, tried, session, path)
+        candidates = self._candidates(policy, tried, path)
+        placed = await self._placer(session, candidates, bool(tried))
+        if placed is not None:
+            return placed
+        self._metrics.affinity.local_placements += 1
+        return self._affinity.choose(session, candidates, retry=bool(tried))
+
+    def _candidates(self, policy: VersionPolicy, tried: set[str] | frozenset[str], path: str | None) -> list[Worker]:
+        """The workers a request may go to; 503 (with who holds what) when none."""
         candidates = versions.candidates(self._registry, policy, tried, self._metrics.filtered, path)
         if not candidates:
             if path is not None:
                 versions.refuse_unserved_route(self._registry, path)
             self._metrics.refused_by_policy(policy.kind)
             raise versions.refusal(self._registry, policy, describe_fleet(self._registry))
-        if session is not None and self._affinity is not None:
-            return self._affinity.choose(session, candidates, retry=bool(tried))
-        return self._policy.choose(candidates)
+        return candidates
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
         """What the caller said about its body; its ``Authorization`` is never forwarded."""
@@ -180,7 +213,7 @@ class GenerateProxy:
         headers = self._upstream_headers(request)
         session = None if self._affinity is None else session_key(request.headers, fields)
         # The first attempt runs bare (no retry machinery): that is nearly every request.
-        worker = self.pick(policy, session=session, path=path)
+        worker = await self.pick_for(policy, session=session, path=path)
         try:
             return await self._attempt(request, worker, path, body, headers, abort, policy)
         except _Retryable as exc:
@@ -210,7 +243,7 @@ class GenerateProxy:
                         raise first  # the bare attempt's failure is the policy's attempt 1: it backs off from here
                     self._metrics.retries.labels(last.kind).inc()
                     try:
-                        worker = self.pick(policy, tried, session, path)
+                        worker = await self.pick_for(policy, tried, session, path)
                     except Unavailable:
                         break  # every routable worker was tried
                     tried.add(worker.id)
