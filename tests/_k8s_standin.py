@@ -660,6 +660,7 @@ class StandInApiServer:
         app.router.add_get("/api/v1/namespaces/{namespace}/pods", self._collection)
         app.router.add_get("/api/v1/pods", self._collection)
         app.router.add_get("/api/v1/namespaces/{namespace}/pods/{name}", self._get_one)
+        app.router.add_route("PATCH", "/api/v1/namespaces/{namespace}/pods/{name}", self._patch_pod)
         for kind, collection in (
             (LEASES, "/apis/coordination.k8s.io/v1/namespaces/{namespace}/leases"),
             (CONFIGMAPS, "/api/v1/namespaces/{namespace}/configmaps"),
@@ -974,6 +975,31 @@ class StandInApiServer:
         if obj is None:
             return _error(404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"})
         return _json_response(obj)
+
+    async def _patch_pod(self, request: web.Request) -> web.StreamResponse:
+        """A JSON merge patch of the pod's labels (``metadata.labels``; a null value removes one): the one
+        change a router makes to a pod (its own role label). Anything else in the patch is refused."""
+        namespace, name = request.match_info["namespace"], request.match_info["name"]
+        if request.content_type != "application/merge-patch+json":
+            return _error(415, "UnsupportedMediaType", f"the stand-in takes merge patches, not {request.content_type}")
+        try:
+            body = await request.json()
+            labels = body["metadata"]["labels"]
+            if set(body) != {"metadata"} or set(body["metadata"]) != {"labels"} or not isinstance(labels, dict):
+                raise ValueError("only metadata.labels")
+            for key, value in labels.items():
+                _check_label(key, value)
+        except (ValueError, KeyError, TypeError, SelectorError) as exc:
+            return _error(422, "Invalid", f"the stand-in patches only a pod's labels: {exc}")
+
+        def change(pod: _Pod) -> None:
+            merged = {**pod.labels, **{k: v for k, v in labels.items() if v is not None}}
+            pod.labels = {k: v for k, v in merged.items() if labels.get(k, "") is not None}
+
+        try:
+            return _json_response(self._modify(namespace, name, change))
+        except KeyError:
+            return _error(404, "NotFound", f'pods "{name}" not found', {"name": name, "kind": "pods"})
 
     async def _collection(self, request: web.Request) -> web.StreamResponse:
         query = request.query

@@ -196,7 +196,8 @@ def test_rbac_grants_exactly_discovery_the_lease_and_the_state_configmaps(objs: 
     namespace = role["metadata"]["namespace"]
     args = _parse(ROUTER, _main(_one(objs, "Deployment", ROUTER))["args"])
     records = {configmap_name(args.state_configmap_prefix, r) for r in RECORDS}
-    expected = {("", "pods", verb, None) for verb in ("get", "list", "watch")}
+    # patch: each replica labels its own pod with its role (--leader-pod-label); its name is not known here.
+    expected = {("", "pods", verb, None) for verb in ("get", "list", "watch", "patch")}
     # resourceNames wherever Kubernetes honours them; a create's name is not known when it is authorized.
     expected |= {("coordination.k8s.io", "leases", verb, args.leader_lease_name) for verb in ("get", "update")}
     expected |= {("coordination.k8s.io", "leases", "create", None), ("", "configmaps", "create", None)}
@@ -278,17 +279,20 @@ def test_services_select_deployment_pods_and_target_named_ports(objs: tuple[Obj,
     services = _of_kind(objs, "Service")
     assert services
     deployments = _of_kind(objs, "Deployment")
+    role = _parse(ROUTER, _main(_one(objs, "Deployment", ROUTER))["args"]).leader_pod_label
     for svc in services:
-        selector = svc["spec"]["selector"]
+        # The router's Service also selects the leader's role label, which the replica sets on its pod.
+        selector = {k: v for k, v in svc["spec"]["selector"].items() if k != role}
         matched = [d for d in deployments if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
         assert len(matched) == 1, f"Service/{svc['metadata']['name']} selects {len(matched)} Deployments"
         names = {p.get("name") for c in _pod_spec(matched[0])["containers"] for p in c.get("ports", [])}
         for port in svc["spec"]["ports"]:
             assert port["name"] == "http"
             assert port["targetPort"] in names, f"targetPort {port['targetPort']!r} is no container port name"
-    assert _one(objs, "Service", ROUTER)["spec"]["selector"].items() <= (
-        _one(objs, "Deployment", ROUTER)["spec"]["template"]["metadata"]["labels"].items()
-    )
+    router_selector = _one(objs, "Service", ROUTER)["spec"]["selector"]
+    assert role and router_selector[role] == "leader"
+    template = _one(objs, "Deployment", ROUTER)["spec"]["template"]["metadata"]["labels"]
+    assert template[role] == "standby", "a new pod must not be selected before its replica leads"
 
 
 def test_deployment_selectors_match_their_pod_labels(objs: tuple[Obj, ...]) -> None:
@@ -321,9 +325,9 @@ def test_router_readiness_does_not_wait_for_routable_workers(objs: tuple[Obj, ..
     # With every worker pending (restarted on its boot checkpoint) the trainer must still reach
     # the router's admin routes to push the update that makes them routable again.
     router = _main(_one(objs, "Deployment", ROUTER))
-    # `/leader` answers 200 on the leader whatever the workers' state (503 on a standby: the Service
-    # sends it nothing).
-    assert router["readinessProbe"]["httpGet"]["path"] == "/leader"
+    # Readiness is the process serving, on the leader and the standby (the Service selects the leader
+    # by its pod's role label): it never waits for routable workers.
+    assert router["readinessProbe"]["httpGet"]["path"] == "/liveness"
     assert router["livenessProbe"]["httpGet"]["path"] == "/liveness"
     assert "startupProbe" not in router or router["startupProbe"]["httpGet"]["path"] != "/readiness"
 
@@ -359,24 +363,31 @@ def test_termination_grace_outlasts_the_shutdown_grace(objs: tuple[Obj, ...]) ->
 def test_router_is_a_leader_and_a_standby_on_different_nodes(objs: tuple[Obj, ...]) -> None:
     router = _one(objs, "Deployment", ROUTER)
     assert router["spec"]["replicas"] == 2
-    # Only the leader is Ready: a rollout must be allowed to stop it, or it would wait forever.
+    # Both replicas are Ready: an ordinary rollout (a new standby Ready before an old replica stops).
     assert router["spec"]["strategy"] == {
         "type": "RollingUpdate",
-        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": "100%"},
+        "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0},
     }
     assert not _of_kind(objs, "HorizontalPodAutoscaler")
     args = _parse(ROUTER, _main(router)["args"])
     assert args.leader_election and args.state_store == "k8s" and args.state_dir is None
-    assert args.data_plane_processes in ("auto", "1"), "a standby's gate covers one process"
+    assert args.leader_pod_label == "omni-router.io/role"
     env = {e["name"]: e for e in _main(router).get("env", [])}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     labels = router["spec"]["template"]["metadata"]["labels"]
     (spread,) = _pod_spec(router)["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert spread["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
     assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"].items() <= labels.items()
-    for pdb in _of_kind(objs, "PodDisruptionBudget"):
-        selected = pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
-        assert not selected, "only the leader is Ready: a budget on the router would forbid evicting it at all"
+    # One budget keeps a replica up through drains; it selects both replicas whatever their role.
+    (budget,) = [
+        p
+        for p in _of_kind(objs, "PodDisruptionBudget")
+        if p["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    ]
+    assert (
+        budget["spec"]["minAvailable"] == 1 and args.leader_pod_label not in budget["spec"]["selector"]["matchLabels"]
+    )
+    assert budget["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     # The state lives in ConfigMaps: no claim ties a replica to a node.
     assert not any("persistentVolumeClaim" in v for v in _pod_spec(router).get("volumes", []))
 

@@ -20,7 +20,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,12 +73,12 @@ class Replicas:
     started: list[ManagedProcess] = field(default_factory=list)
 
     def start(
-        self, name: str, worker_urls: list[str] | None = None, data_planes: int = 1
+        self, name: str, worker_urls: list[str] | None = None, data_planes: int = 1, extra: Sequence[str] = ()
     ) -> tuple[ManagedProcess, str]:
         no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1"]))
         kubeconfig = self.api.write_kubeconfig(self.root / f"kubeconfig-{name}", namespace=NS, token=token_of(name))
         env = {"KUBECONFIG": str(kubeconfig), "NO_PROXY": no_proxy, "POD_NAME": name}
-        args = [*ELECTION_ARGS, "--data-plane-processes", str(data_planes)]
+        args = [*ELECTION_ARGS, "--data-plane-processes", str(data_planes), *extra]
         proc, url = start_router(worker_urls or [], admin_key=ADMIN_KEY, extra_args=args, env=env, wait_healthy=0)
         self.started.append(proc)
         return proc, url
@@ -121,12 +121,12 @@ def wait_role(url: str, proc: ManagedProcess, wanted: str, timeout: float = TAKE
 
 
 def leader_and_standby(
-    replicas: Replicas, worker_urls: list[str] | None = None, data_planes: int = 1
+    replicas: Replicas, worker_urls: list[str] | None = None, data_planes: int = 1, extra: Sequence[str] = ()
 ) -> tuple[tuple[ManagedProcess, str], ...]:
     """router-a leads, router-b stands by (both see the same workers)."""
-    a = replicas.start("router-a", worker_urls, data_planes)
+    a = replicas.start("router-a", worker_urls, data_planes, extra)
     wait_role(a[1], a[0], "leader")
-    b = replicas.start("router-b", worker_urls, data_planes)
+    b = replicas.start("router-b", worker_urls, data_planes, extra)
     wait_for(lambda: call(b[1] + "/health")[1].get("leader", {}).get("holder") == "router-a", 10, b[0], "b sees a")
     return a, b
 
@@ -384,6 +384,31 @@ def test_data_planes_serve_only_while_their_control_process_leads(api, replicas,
     wait_for(lambda: len(data_plane_pids(b) - {victim}) == 2, 30, b, "the data plane restarted")
     assert all(generate_via(b_url)[0] == 200 for _ in range(8))
     assert role(b_url) == "leader"
+
+
+# -- the role label on each replica's pod ----------------------------------------------------------------------
+
+ROLE = "omni-router.io/role"
+
+
+def role_label(api: StandInApiServer, pod: str) -> str | None:
+    return (api.pod(pod, NS) or {}).get("metadata", {}).get("labels", {}).get(ROLE)
+
+
+def test_each_replica_labels_its_own_pod_with_its_role(api, replicas) -> None:
+    """What lets a Service select the leader while both replicas are Ready (and a PodDisruptionBudget hold)."""
+    for name, ip in (("router-a", "127.0.0.2"), ("router-b", "127.0.0.3")):  # b's label is stale: an earlier life
+        api.add_pod(name, namespace=NS, ip=ip, labels={"app": "omni-router", ROLE: "leader"})
+    (a, _), (b, b_url) = leader_and_standby(replicas, extra=["--leader-pod-label", ROLE])
+    wait_for(lambda: role_label(api, "router-b") == "standby", 10, b, "the standby relabels its pod")
+    assert role_label(api, "router-a") == "leader"
+    assert api.pod("router-a", NS)["metadata"]["labels"]["app"] == "omni-router"  # a merge: other labels kept
+
+    a.kill()
+    wait_role(b_url, b, "leader")
+    wait_for(lambda: role_label(api, "router-b") == "leader", 10, b, "the new leader labels its pod")
+    a2, _ = replicas.start("router-a", extra=["--leader-pod-label", ROLE])  # the container restarted
+    wait_for(lambda: role_label(api, "router-a") == "standby", 10, a2, "the restarted replica relabels its pod")
 
 
 # -- the state store -------------------------------------------------------------------------------------------

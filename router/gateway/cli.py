@@ -328,6 +328,13 @@ def _add_high_availability_flags(p: argparse.ArgumentParser, d: RouterConfig) ->
         default=d.leader_retry_period_s,
         help="seconds between the leader's renewals and a standby's tries",
     )
+    p.add_argument(
+        "--leader-pod-label",
+        default=d.leader_pod_label,
+        metavar="KEY",
+        help="set KEY=leader or KEY=standby on this replica's own pod (POD_NAME), so a Service can select the leader "
+        "while both replicas are Ready (e.g. omni-router.io/role; needs patch on pods)",
+    )
 
 
 def _kubernetes_flag(config: RouterConfig) -> str | None:
@@ -377,6 +384,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         leader_lease_duration_s=args.leader_lease_duration_s,
         leader_renew_deadline_s=args.leader_renew_deadline_s,
         leader_retry_period_s=args.leader_retry_period_s,
+        leader_pod_label=args.leader_pod_label or None,
     )
 
 

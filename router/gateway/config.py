@@ -146,6 +146,9 @@ class RouterConfig:
     """How often the leader renews and a standby tries."""
     leader_identity: str | None = None
     """This replica in the election; ``None``: ``POD_NAME``, else ``<hostname>_<pid>``."""
+    leader_pod_label: str | None = None
+    """A label key the replica sets on its own pod (named by its identity) to ``leader`` or ``standby``,
+    for a Service that selects the leader while both replicas are Ready (:mod:`router.gateway.leader.pod_label`)."""
 
     @property
     def effective_state_store(self) -> StateStoreName | None:
@@ -162,6 +165,12 @@ class RouterConfig:
             raise ValueError("--state-dir is the dir store's; --state-store k8s keeps records in ConfigMaps")
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", self.state_configmap_prefix):
             raise ValueError(f"state_configmap_prefix must be a DNS label, got {self.state_configmap_prefix!r}")
+        if self.leader_pod_label is not None and not self.leader_election:
+            raise ValueError("--leader-pod-label needs --leader-election")
+        if self.leader_pod_label is not None and not re.fullmatch(
+            r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?", self.leader_pod_label
+        ):
+            raise ValueError(f"--leader-pod-label must be a label key, got {self.leader_pod_label!r}")
         if not self.leader_election:
             return
         if self.state_store != "k8s":

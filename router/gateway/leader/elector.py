@@ -130,6 +130,12 @@ class LeaseElector:
 
         self._client = AsyncClient(timeout=httpx2.Timeout(API_TIMEOUT_S), field_manager="omni-router")
 
+    def client(self) -> AsyncClient:
+        """The API client (built on first use), shared with what else the replica asks the API server."""
+        self.open()
+        assert self._client is not None
+        return self._client
+
     async def close(self) -> None:
         if self._client is not None:
             await self._client.close()

@@ -3,6 +3,7 @@
 ::
 
     start-up          the gate is closed (standby); the worker registry, discovery and health probes run
+    (--leader-pod-label: the pod is labelled ``standby`` at start-up, ``leader`` once the gate opens)
     lease taken       the gate says "taking over"; renewals start; every durable record is read again
                       from the store: the journal (an entry still ``in_flight`` becomes ``failed`` and its
                       targets are fenced, as after a crash), the fleet's weights, the weight-update
@@ -40,6 +41,7 @@ from router.gateway.config import RouterConfig
 from router.gateway.fleet.weights import FLEET_FILE
 from router.gateway.leader.elector import LeaseElector, LeaseSettings, default_identity
 from router.gateway.leader.gate import LeaderGate
+from router.gateway.leader.pod_label import PodRole
 from router.gateway.state.store import StateStore
 
 log = logging.getLogger(__name__)
@@ -81,10 +83,14 @@ async def leadership_ctx(app: web.Application) -> AsyncIterator[None]:
     """An aiohttp cleanup context: the election runs for as long as the app does."""
     elector = app[keys.ELECTOR]
     elector.open()
-    task = asyncio.create_task(lead(app, elector, app[keys.LEADER_GATE]), name="leader-election")
+    label = app[keys.CONFIG].leader_pod_label
+    role = PodRole(elector, label) if label is not None else None
+    task = asyncio.create_task(lead(app, elector, app[keys.LEADER_GATE], role=role), name="leader-election")
     yield
     task.cancel()
     await asyncio.gather(task, return_exceptions=True)
+    if role is not None:
+        await role.close()
 
 
 async def release_lease(app: web.Application) -> None:
@@ -97,9 +103,16 @@ async def release_lease(app: web.Application) -> None:
 
 
 async def lead(
-    app: web.Application, elector: LeaseElector, gate: LeaderGate, *, exit_process: Callable[[str], None] | None = None
+    app: web.Application,
+    elector: LeaseElector,
+    gate: LeaderGate,
+    *,
+    exit_process: Callable[[str], None] | None = None,
+    role: PodRole | None = None,
 ) -> None:
     """Wait for the lease, take over, serve while it is renewed; step down and exit when it is lost."""
+    if role is not None:
+        role.set("standby")
     await elector.acquire()
     gate.taking_over()
     holding = asyncio.create_task(elector.hold(), name="lease-renewal")
@@ -110,6 +123,8 @@ async def lead(
         if takeover.done() and takeover.exception() is None:
             gate.open()
             log.info("leader %s: the fleet's state is read, serving the admin routes", elector.identity)
+            if role is not None:
+                role.set("leader")
             why = await holding
         elif takeover.done():
             why = f"taking over failed: {takeover.exception()!r}"

@@ -1,0 +1,375 @@
+"""A soak: steady generation through a replicated router while faults and admin calls land at random.
+
+    .venv/bin/python -m benchmarks.soak                      # 30 minutes
+    .venv/bin/python -m benchmarks.soak --minutes 3          # the short form CI runs (make soak-short)
+
+Real parts: three ``omni-worker`` processes on a tiny checkpoint, two ``omni-router`` replicas
+(``--leader-election --state-store k8s``, two data planes each) and their lightkube clients. The
+Kubernetes API server is the project's STAND-IN (``tests._k8s_standin``: Leases and ConfigMaps with
+compare-and-swap on 127.0.0.1). The client plays the Service in front of the replicas: it sends to
+the replica it believes leads and, when an answer proves nothing ran there (a standby's 503, a
+refused or reset connection, a 502/503 from the router), sends the request again, to the other
+replica after a standby's answer, within :data:`REQUEST_BUDGET_S`.
+
+After a fault-free warm-up (its p99 is the reference), one action every ``--action-every-s``, drawn
+with a seeded random generator: SIGSTOP a worker for 2–6 s (SIGCONT from a timer, so admin calls
+overlap the stall), SIGKILL a worker and start it again 2 s later on its port, update the fleet from
+disk to a new ``weight_version``, pause (retract) and continue generation, flush the cache, SIGKILL
+the leader (every process of its pod) and start it again as the standby. After an admin call the
+soak acts as the operator: a failed update left in the journal is resolved (counted).
+
+Counted, and the run fails (exit 1) unless the first three are 0:
+
+- requests lost: a request with no 200 within its budget;
+- versions served that the policy forbids: the router's default policy serves only the fleet's
+  latest weights, so a request sent after an update answered must carry that update's label or a
+  later one;
+- workers left paused, fenced or pending without a reason in ``GET /workers`` once the fleet settles;
+- requests slower than twice the warm-up's p99 (reported, with the p50 and p99 of the whole run).
+
+Every process listens on 127.0.0.1 and is stopped at the end; every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from demo.launch import ManagedProcess, cli, free_port, http_json
+from tests._k8s_standin import StandInApiServer
+from tests._router_fixtures import make_tiny_checkpoint
+
+ADMIN_KEY = "soak-admin-key"
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+NAMESPACE = "omni"
+#: A request is lost when it has no 200 within this many seconds of its first send.
+REQUEST_BUDGET_S = 60.0
+#: Lease 3 s, renew deadline 2 s, retry period 0.5 s: a failover within seconds.
+LEASE = ["--leader-lease-duration-s", "3", "--leader-renew-deadline-s", "2", "--leader-retry-period-s", "0.5"]
+ACTIONS = ("stall", "kill_worker", "update", "pause", "flush", "kill_leader")
+
+
+@dataclass
+class Record:
+    sent: float
+    latency: float
+    ok: bool
+    version: str | None
+    attempts: int
+
+
+@dataclass
+class Fleet:
+    root: Path
+    api: StandInApiServer
+    boot: Path
+    other: Path
+    workers: list[tuple[ManagedProcess, str]] = field(default_factory=list)
+    routers: list[tuple[ManagedProcess, str, list[str]]] = field(default_factory=list)
+
+    def start_worker(self, port: int) -> tuple[ManagedProcess, str]:
+        argv = [cli("omni-worker"), "--model-path", str(self.boot), "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--admin-api-key", ADMIN_KEY, "--num-threads", "1"]
+        proc = ManagedProcess(f"soak-worker-{port}", argv).start()
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_http_ready(url + "/health", timeout=120)
+        return proc, url
+
+    def start_router(self, name: str, port: int) -> tuple[ManagedProcess, str, list[str]]:
+        kubeconfig = self.api.write_kubeconfig(self.root / f"kc-{name}", namespace=NAMESPACE, token=f"token-{name}")
+        no_proxy = ",".join(filter(None, [os.environ.get("NO_PROXY"), "127.0.0.1"]))
+        env = {"KUBECONFIG": str(kubeconfig), "NO_PROXY": no_proxy, "POD_NAME": name}
+        argv = [cli("omni-router"), "--host", "127.0.0.1", "--port", str(port), "--admin-api-key", ADMIN_KEY]
+        argv += ["--worker-urls", *(url for _, url in self.workers), "--health-check-interval-s", "0.5"]
+        argv += ["--data-plane-processes", "2", "--state-store", "k8s", "--leader-election", *LEASE]
+        proc = ManagedProcess(f"soak-{name}", argv, env=env).start()
+        url = f"http://127.0.0.1:{port}"
+        proc.wait_http_ready(url + "/liveness", timeout=60)
+        return proc, url, [name]
+
+    def leader(self) -> int | None:
+        for i, (_, url, _) in enumerate(self.routers):
+            try:
+                if http_json("GET", url + "/leader", timeout=2)[0] == 200:
+                    return i
+            except OSError:
+                continue
+        return None
+
+
+class Service:
+    """The Kubernetes Service in front of the replicas, as a client sees it (see the module docstring)."""
+
+    def __init__(self, urls: list[str]):
+        self.urls = urls
+        self.current = 0
+        self._lock = threading.Lock()
+
+    def generate(self) -> Record:
+        sent = time.monotonic()
+        body = json.dumps({"text": "soak", "sampling_params": {"max_new_tokens": 4, "temperature": 0.0}}).encode()
+        attempts = 0
+        while time.monotonic() - sent < REQUEST_BUDGET_S:
+            attempts += 1
+            with self._lock:
+                index = self.current
+            req = urllib.request.Request(
+                self.urls[index] + "/generate", data=body, headers={"Content-Type": "application/json"}
+            )
+            standby = False
+            try:
+                with urllib.request.urlopen(req, timeout=REQUEST_BUDGET_S) as resp:
+                    answer = json.loads(resp.read())
+                    version = answer.get("meta_info", {}).get("weight_version")
+                    return Record(sent, time.monotonic() - sent, True, version, attempts)
+            except urllib.error.HTTPError as err:
+                err.read()
+                if err.code < 500:  # the router refused the request itself: sending it again changes nothing
+                    return Record(sent, time.monotonic() - sent, False, None, attempts)
+                standby = err.headers.get("X-Omni-Router-Role") == "standby"
+            except OSError:
+                standby = True  # refused or reset: that replica is gone; the other may lead
+            if standby:
+                with self._lock:
+                    if self.current == index:
+                        self.current = 1 - index
+            time.sleep(0.1)
+        return Record(sent, time.monotonic() - sent, False, None, attempts)
+
+
+@dataclass
+class Chaos:
+    fleet: Fleet
+    rng: random.Random
+    versions: list[tuple[float, str]] = field(default_factory=list)
+    """(when the update answered, the fleet's label after it), in order."""
+    counts: dict[str, int] = field(default_factory=dict)
+    resolved: int = 0
+    timers: list[threading.Timer] = field(default_factory=list)
+
+    def admin(self, method: str, path: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
+        index = self.fleet.leader()
+        if index is None:
+            return 503, None
+        try:
+            return http_json(method, self.fleet.routers[index][1] + path, body, headers=AUTH, timeout=timeout)
+        except OSError as exc:
+            return 599, repr(exc)
+
+    def act(self, action: str, step: int) -> None:
+        self.counts[action] = self.counts.get(action, 0) + 1
+        workers = self.fleet.workers
+        if action == "stall":
+            proc = self.rng.choice(workers)[0]
+            if proc.alive and proc.proc is not None:
+                os.kill(proc.proc.pid, signal.SIGSTOP)
+                timer = threading.Timer(self.rng.uniform(2, 6), _cont, args=(proc,))
+                timer.start()
+                self.timers.append(timer)
+        elif action == "kill_worker":
+            i = self.rng.randrange(len(workers))
+            proc, url = workers[i]
+            _cont(proc)  # a stopped process dies on SIGKILL too; its timer finds it gone
+            proc.kill()
+            time.sleep(2)
+            workers[i] = self.fleet.start_worker(int(url.rsplit(":", 1)[1]))
+        elif action == "update":
+            label = f"v{step}"
+            model = self.fleet.other if self.rng.random() < 0.5 else self.fleet.boot
+            self.admin("POST", "/update_weights_from_disk", {"model_path": str(model), "weight_version": label})
+            answered = time.monotonic()
+            self._after_admin()
+            # A partly failed update moves the fleet too (its holders): the label is read, not assumed.
+            status, fleet = self.admin("GET", "/fleet/versions")
+            if status == 200 and isinstance(fleet, dict):
+                now = fleet.get("weight_version")
+                if now and (not self.versions or self.versions[-1][1] != now):
+                    self.versions.append((answered, now))
+        elif action == "pause":
+            self.admin("POST", "/pause_generation", {"mode": "retract"})
+            time.sleep(self.rng.uniform(0.2, 1.0))
+            self.admin("POST", "/continue_generation", {})
+            self._after_admin()
+        elif action == "flush":
+            self.admin("POST", "/flush_cache", {})
+            self._after_admin()
+        elif action == "kill_leader":
+            index = self.fleet.leader()
+            if index is not None:
+                proc, url, (name,) = self.fleet.routers[index]
+                proc.kill()
+                self.fleet.routers[index] = self.fleet.start_router(name, int(url.rsplit(":", 1)[1]))
+
+    def _after_admin(self) -> None:
+        """The operator: a failed update left in the journal is resolved (the fleet is vouched for as it is)."""
+        status, journal = self.admin("GET", "/weight_update_journal")
+        pending = status == 200 and isinstance(journal, dict) and journal.get("pending")
+        if pending and self.admin("POST", "/weight_update_journal/resolve", {"acknowledge": True})[0] == 200:
+            self.resolved += 1
+
+
+def _cont(proc: ManagedProcess) -> None:
+    if proc.alive and proc.proc is not None:
+        try:
+            os.kill(proc.proc.pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
+
+
+def _index(label: str | None, order: dict[str, int]) -> int:
+    return order.get(label or "", 0)
+
+
+def out_of_rotation(worker: dict[str, Any]) -> bool:
+    return bool(worker["disabled"] or worker["health"] != "healthy" or worker.get("pending") or worker.get("paused"))
+
+
+def unexplained(workers: list[dict[str, Any]], journal: dict[str, Any]) -> list[str]:
+    """Workers out of rotation with no reason in ``GET /workers`` (or, for a fenced one, in the journal)."""
+    named = {t["id"] for t in (journal.get("pending") or {}).get("targets", [])}
+    out = []
+    for w in workers:
+        reason = w.get("pending") or w.get("departed") or w.get("catch_up") or w["health"] != "healthy"
+        if w["disabled"] and w["id"] in named:
+            reason = True
+        if out_of_rotation(w) and not reason:
+            out.append(f"{w['id']} (disabled={w['disabled']}, paused={w.get('paused')})")
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--minutes", type=float, default=30.0, help="length of the faulted phase")
+    p.add_argument("--warmup-s", type=float, default=20.0, help="fault-free phase whose p99 is the reference")
+    p.add_argument("--rate", type=float, default=8.0, help="generate requests per second, steady")
+    p.add_argument("--action-every-s", type=float, default=6.0, help="mean seconds between actions")
+    p.add_argument("--seed", type=int, default=7)
+    args = p.parse_args()
+    rng = random.Random(args.seed)
+    records: list[Record] = []
+    with StandInApiServer() as api, tempfile.TemporaryDirectory(prefix="soak-") as tmp:
+        root = Path(tmp)
+        fleet = Fleet(root, api, make_tiny_checkpoint(root / "boot", 0), make_tiny_checkpoint(root / "other", 1))
+        chaos = Chaos(fleet, rng)
+        pool = ThreadPoolExecutor(max_workers=32)
+        try:
+            fleet.workers = [fleet.start_worker(free_port()) for _ in range(3)]
+            ports = [free_port(), free_port()]
+            fleet.routers.append(fleet.start_router("router-a", ports[0]))
+            _wait(lambda: fleet.leader() == 0, 30, "router-a leading")
+            fleet.routers.append(fleet.start_router("router-b", ports[1]))
+            service = Service([url for _, url, _ in fleet.routers])
+            _wait(lambda: service.generate().ok, 60, "a first generation")
+            started = time.monotonic()
+            warm_until = started + args.warmup_s
+            end = warm_until + 60 * args.minutes
+            futures: list[Future[Record]] = []
+            sender = threading.Thread(target=_send_steadily, args=(pool, service, args.rate, end, futures), daemon=True)
+            print(f"soak: {args.minutes:g} min of faults after {args.warmup_s:g} s warm-up, {args.rate:g} req/s")
+            sender.start()
+            time.sleep(args.warmup_s)
+            step = 0
+            while time.monotonic() < end:
+                step += 1
+                action = rng.choice(ACTIONS)
+                chaos.act(action, step)
+                print(f"  {time.monotonic() - started:7.1f}s {action}", flush=True)
+                time.sleep(min(max(0.0, end - time.monotonic()), rng.expovariate(1 / args.action_every_s)))
+            sender.join(10)
+            records = [f.result(timeout=REQUEST_BUDGET_S + 10) for f in futures]
+            for timer in chaos.timers:
+                timer.join(10)
+            settled = _settle(chaos)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            for proc, _ in fleet.workers:
+                _cont(proc)
+                proc.stop()
+            for proc, _, _ in fleet.routers:
+                proc.stop()
+    return report(records, chaos, settled, warm_until)
+
+
+def _send_steadily(
+    pool: ThreadPoolExecutor, service: Service, rate: float, end: float, futures: list[Future[Record]]
+) -> None:
+    """One request every 1/rate seconds until ``end``, whatever the answers take (they run in the pool)."""
+    next_send = time.monotonic()
+    while next_send < end:
+        futures.append(pool.submit(service.generate))
+        next_send += 1 / rate
+        time.sleep(max(0.0, next_send - time.monotonic()))
+
+
+def _wait(cond: Any, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not within {timeout_s}s")
+
+
+def _settle(chaos: Chaos, timeout_s: float = 90.0) -> tuple[list[str], list[str]]:
+    """Wait (bounded) for every worker to be back in rotation: (those still out, those out without a reason)."""
+    deadline = time.monotonic() + timeout_s
+    out: list[str] = ["(no leader answered)"]
+    left: list[str] = []
+    while time.monotonic() < deadline:
+        status, body = chaos.admin("GET", "/workers")
+        _, journal = chaos.admin("GET", "/weight_update_journal")
+        if status == 200 and isinstance(body, dict):
+            workers = body["workers"]
+            out = [w["id"] for w in workers if out_of_rotation(w)]
+            left = unexplained(workers, journal if isinstance(journal, dict) else {})
+            if not out:
+                return [], []
+        time.sleep(1)
+    return out, left
+
+
+def report(records: list[Record], chaos: Chaos, settled: tuple[list[str], list[str]], warm_until: float) -> int:
+    still_out, unexplained_workers = settled
+    order = {label: i + 1 for i, (_, label) in enumerate(chaos.versions)}
+    lost = [r for r in records if not r.ok]
+    forbidden = 0
+    for r in records:
+        if not r.ok:
+            continue
+        latest = 0
+        for i, (answered, _) in enumerate(chaos.versions):
+            if answered < r.sent:
+                latest = i + 1
+        if _index(r.version, order) < latest:
+            forbidden += 1
+    warm = [r.latency for r in records if r.ok and r.sent < warm_until]
+    reference = statistics.quantiles(warm, n=100)[98] if len(warm) >= 20 else float("nan")
+    faulted = [r for r in records if r.ok and r.sent >= warm_until]
+    slow = sum(r.latency > 2 * reference for r in faulted)
+    latencies = sorted(r.latency for r in records if r.ok)
+    p50 = statistics.median(latencies) if latencies else float("nan")
+    p99 = statistics.quantiles(latencies, n=100)[98] if len(latencies) >= 20 else float("nan")
+    print(f"actions: {json.dumps(chaos.counts, sort_keys=True)}; journal entries resolved: {chaos.resolved}")
+    print(f"requests: {len(records)} sent, {len(lost)} lost, {sum(r.attempts > 1 for r in records)} sent again")
+    print(f"latency: p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms; warm-up p99 {reference * 1000:.0f} ms")
+    print(f"slower than 2x the warm-up p99: {slow} of {len(faulted)} ({100 * slow / max(1, len(faulted)):.1f} %)")
+    print(f"versions served that the policy forbids: {forbidden}; updates: {len(chaos.versions)}")
+    print(f"workers out of rotation once settled: {still_out}; without a reason: {unexplained_workers}")
+    return 1 if lost or forbidden or unexplained_workers else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
