@@ -19,7 +19,7 @@ CPY            := $(CLIENTS_VENV)/bin/python
 ENGINES_VENV ?= .venv-engines
 EPY          := $(ENGINES_VENV)/bin/python
 
-.PHONY: install demo test test-clients test-engines lint bench clean
+.PHONY: install demo test test-clients test-engines soak soak-short lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -56,6 +56,14 @@ $(ENGINES_VENV)/.installed: pyproject.toml tests/engines/requirements.txt tests/
 
 test-engines: $(ENGINES_VENV)/.installed
 	OMNI_ENGINE_TIER=1 $(EPY) -m pytest -q tests/engines
+
+# A soak of the replicated router under faults (benchmarks/soak.py): SOAK_MINUTES=30 by default; CI runs 3.
+SOAK_MINUTES ?= 30
+soak: install
+	$(PY) -m benchmarks.soak --minutes $(SOAK_MINUTES)
+
+soak-short: install
+	$(PY) -m benchmarks.soak --minutes 3
 
 # ruff (lint + format) and mypy, as CI runs them
 lint: install

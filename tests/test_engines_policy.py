@@ -18,6 +18,7 @@ from router.contract import endpoints as ep
 from router.contract.admin import (
     AbortRequestResult,
     FlushCacheResult,
+    MemoryOccupationRequest,
     MemoryOccupationResult,
     UpdateWeightsFromDiskRequest,
     UpdateWeightVersionRequest,
@@ -25,12 +26,13 @@ from router.contract.admin import (
 from router.contract.errors import BadRequest, NotFound
 from router.contract.fleet import FleetVersionEntry
 from router.contract.sglang_server import SglangServerIdentity
+from router.contract.vllm_dev import SleepQuery
 from router.contract.vllm_rl import CollectiveRpcRequest, CollectiveRpcResult, VllmServerIdentity, WeightInfo
 from router.contract.weight_sync import PrepareWeightsUpdateRequest
 from router.gateway.admin import catch_up_path
 from router.gateway.discovery.k8s import ENGINE_LABEL, PodWorker, pod_engine
 from router.gateway.discovery.reconcile import DiscoveredFleet
-from router.gateway.engines import detect, refuse_unserved, serves
+from router.gateway.engines import ENGINES, detect, refuse_unserved, serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import checkpoint_of
 from router.gateway.routing import versions
@@ -226,3 +228,34 @@ def test_a_pod_names_its_engine_by_label_or_annotation() -> None:
     fleet = DiscoveredFleet(WorkerRegistry(), None, None, None, default_engine="omni")  # type: ignore[arg-type]
     chosen = [fleet._engine_of(PodWorker("http://127.0.0.1:1", "ns/p", e)) for e in ("vllm", "auto", None, "tgi")]
     assert chosen == ["vllm", None, "omni", "omni"]
+
+
+# -- a sleep or release that frees the weights without a copy
+
+
+def test_a_sleep_or_release_that_frees_the_weights_makes_the_worker_load_them_again() -> None:
+    vllm, sglang, omni = ENGINES["vllm"], ENGINES["sglang"], ENGINES["omni"]
+    assert vllm.discards_weights(ep.SLEEP.path, SleepQuery(level=2))
+    assert not vllm.discards_weights(ep.SLEEP.path, SleepQuery(level=1))  # a host copy: the wake restores it
+    assert sglang.discards_weights(ep.RELEASE_MEMORY_OCCUPATION.path, MemoryOccupationRequest())
+    assert sglang.discards_weights(ep.RELEASE_MEMORY_OCCUPATION.path, MemoryOccupationRequest(tags=["weights"]))
+    assert not sglang.discards_weights(ep.RELEASE_MEMORY_OCCUPATION.path, MemoryOccupationRequest(tags=["kv_cache"]))
+    # omni-worker reports its own weight state (partial after a release without a copy).
+    assert not omni.discards_weights(ep.RELEASE_MEMORY_OCCUPATION.path, MemoryOccupationRequest(keep_weights=False))
+
+
+async def test_a_worker_whose_weights_were_freed_is_pending_after_its_wake() -> None:
+    registry = WorkerRegistry()
+    workers = [registry.add(f"http://127.0.0.{i}:8000", engine="vllm") for i in (2, 3)]
+    for i, worker in enumerate(workers):
+        worker.health, worker.weight_state, worker.weight_version, worker.instance_id = (
+            "healthy",
+            "serving",
+            "v1",
+            f"p{i}",
+        )
+    await registry.fleet.changed([(w.id, w.weights) for w in workers])
+    assert all(registry.is_routable(w) for w in workers)
+    await registry.fleet.discarded([workers[0].id])  # its /sleep?level=2 succeeded; then /wake_up
+    assert not registry.is_routable(workers[0]) and registry.is_routable(workers[1])
+    assert "fleet" in registry.fleet.why_unverified(workers[0].id, workers[0].weights)[1]

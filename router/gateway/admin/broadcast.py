@@ -19,6 +19,7 @@ from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.groups import group_name_of
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import Operation
+from router.gateway.engines import engine_of
 from router.gateway.fleet.weights import checkpoint_of
 
 RELABEL = ep.UPDATE_WEIGHT_VERSION.path
@@ -51,7 +52,16 @@ async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcom
                 # Whatever the answers, the group no longer has a known membership.
                 await ctx.groups.dropped(group)
         outcome = await run.settle(results)
+        freed = [r.worker for r in results if r.success and _discards_weights(ctx, r.worker, op.path, call.request)]
+        if freed:
+            await fleet.discarded(freed)
         if op.changes_weights:
             source = checkpoint_of(op.path, call.request, ctx.registry.fleet.record)
             await ctx.record_weight_change(targets, results, source_path=source, relabel_of=vouched)
         return outcome
+
+
+def _discards_weights(ctx: AdminContext, worker_id: str, path: str, request: object) -> bool:
+    worker = ctx.registry.find(worker_id)
+    engine = engine_of(worker) if worker is not None else None
+    return engine is not None and engine.discards_weights(path, request)

@@ -65,6 +65,13 @@ class Engine:
         False when it did not answer. Every read is bounded by ``timeout_s`` (a probe round waits for it)."""
         raise NotImplementedError
 
+    def discards_weights(self, path: str, request: object) -> bool:
+        """Whether a successful ``path`` call with ``request`` leaves the server's weights unknown once its memory
+        is restored (a sleep or release that frees them without a copy). The router then keeps the worker out
+        of rotation after the wake until it loads the fleet's weights again (an update, or a catch-up). An
+        engine whose servers report their own weight state (omni-worker) needs none of this."""
+        return False
+
     def admin_paths_of(self, worker: Worker) -> frozenset[str]:
         """The admin routes this worker serves: the engine's, or what :meth:`describe` found it serves."""
         return worker.admin_paths if worker.admin_paths is not None else self.admin_paths

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 
 from router.contract import endpoints as ep
+from router.contract.admin import MemoryOccupationRequest
 from router.contract.sglang_server import SglangServerIdentity
 from router.gateway.engines.base import HEALTH_PATH, Engine
 from router.gateway.fleet.registry import Worker
@@ -58,6 +59,13 @@ class SglangEngine(Engine):
 
     def health_path(self, worker: Worker) -> str:
         return ep.MODEL_INFO.path if worker.paused else HEALTH_PATH
+
+    def discards_weights(self, path: str, request: object) -> bool:
+        """SGLang's ``/release_memory_occupation`` of the weights keeps a host copy only when the server runs with
+        ``--enable-weights-cpu-backup``, which the router cannot see: it assumes the weights are gone."""
+        if path != ep.RELEASE_MEMORY_OCCUPATION.path or not isinstance(request, MemoryOccupationRequest):
+            return False
+        return not request.tags or "weights" in request.tags
 
     async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
         info, server, ready = await asyncio.gather(

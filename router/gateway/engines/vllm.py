@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 
 from router.contract import endpoints as ep
+from router.contract.vllm_dev import SleepQuery
 from router.contract.vllm_rl import VllmServerIdentity
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
 from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
@@ -116,6 +117,10 @@ class VllmEngine(Engine):
             worker.admin_paths = await self._served(client, worker, timeout_s)
         worker.instance_id = instance
         return True
+
+    def discards_weights(self, path: str, request: object) -> bool:
+        """vLLM's ``/sleep`` at level 2 frees the weights with no host copy; a wake leaves them uninitialised."""
+        return path == ep.SLEEP.path and isinstance(request, SleepQuery) and request.level >= 2
 
     async def _served(self, client: WorkerClient, worker: Worker, timeout_s: float) -> frozenset[str]:
         status = await client.status(worker.url, PLUGIN_PROBE_PATH, headers={}, timeout_s=timeout_s)

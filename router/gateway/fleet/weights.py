@@ -314,6 +314,15 @@ class FleetWeights:
         await self.changed(reports)
         return True
 
+    async def discarded(self, worker_ids: Collection[str]) -> None:
+        """These workers' weights were freed without a copy: they hold no recorded version any more (after the
+        wake they are pending until an update or a catch-up loads the fleet's weights). No new entry is made."""
+        record = self._record
+        if record is None or not any(wid in record.holders for wid in worker_ids):
+            return
+        holders = {wid: h for wid, h in record.holders.items() if wid not in worker_ids}
+        await self._save(FleetRecord(history=record.history, holders=holders))
+
     async def caught_up(self, worker_id: str, weights: WorkerWeights, sequence: int) -> bool:
         """A worker loaded the weights of entry ``sequence`` from a verified holder: record it as a holder.
 
