@@ -81,3 +81,31 @@ def test_a_paused_worker_the_router_cannot_continue_takes_no_traffic_and_says_wh
         assert {generate_via(url)[2] for _ in range(6)} == set(ids.values())
     finally:
         proc.stop()
+
+
+def test_a_worker_whose_memory_was_released_behind_the_router_is_resumed_by_it(
+    worker_factory: Callable[..., Worker], checkpoints: dict[str, Path]
+) -> None:
+    a, b = (worker_factory(checkpoints["llama"], "--admin-api-key", ADMIN_KEY) for _ in range(2))
+    proc, url = start_router([a.url, b.url], admin_key=ADMIN_KEY, extra_args=["--policy", "round_robin"])
+    try:
+        before = _checksum(b.url)
+        status, body = http_json("POST", b.url + "/release_memory_occupation", {}, headers=auth(), timeout=30)
+        assert status == 200, body
+        # Nobody but the router resumes it; its weights come back bit for bit (a host copy) and it serves again.
+        wait_for(lambda: _weight_state(b.url) == "serving", 30, proc, "the router to resume the worker's memory")
+        assert "had its memory released behind the router: resumed" in proc.log_text()
+        assert _checksum(b.url) == before
+        wait_for(lambda: by_url(url, ADMIN_KEY)[b.url]["pending"] is None, 10, proc, "its state read again")
+        served = {generate_via(url)[2] for _ in range(6)}
+        assert len(served) == 2, served
+    finally:
+        proc.stop()
+
+
+def _checksum(url: str) -> str:
+    return http_json("GET", url + "/weights_checker", headers=auth(), timeout=30)[1]["per_engine_checksum"]
+
+
+def _weight_state(url: str) -> str:
+    return http_json("GET", url + "/model_info", headers=auth(), timeout=10)[1]["weight_state"]

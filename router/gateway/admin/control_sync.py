@@ -1,4 +1,4 @@
-"""A worker paused behind the router's back is brought back to the fleet's state before it takes traffic.
+"""A worker paused, or with its memory released, behind the router's back is brought back to the fleet's state.
 
 A worker can say its generation is paused while the router has not paused it: it was stopped
 (SIGSTOP, a stall) while the router broadcast a pause, and applied that pause when it ran again
@@ -13,7 +13,15 @@ answer yet were sent elsewhere when the probe found it), and this loop brings it
 - the fleet is paused by the router (an update in progress): the pause the worker reports is the
   fleet's, so the router records it as its own; the fleet's continue then reaches it with the rest.
 
-A continue changes no weights, so nothing is fenced or journaled. Failures back off per worker as
+Memory is handled the same way: a worker that says its weights are released (omni-worker's
+``weight_state``; vLLM and SGLang do not say, so the router goes by its own broadcasts) when the
+router released none is not routable (it is ``pending``: "its weights are released"); when the
+rest of the live fleet is asleep by the router's own call the state is recorded as the fleet's,
+otherwise its memory is restored with its engine's route (``/resume_memory_occupation``; vLLM's
+``/wake_up``) under the lock and it is read again. It serves only if it then holds the fleet's
+weights: one released without a copy comes back ``partial`` and stays pending until an update.
+
+A continue or a resume changes no weights, so nothing is fenced or journaled. Failures back off per worker as
 catch-ups do (:func:`~router.gateway.admin.catch_up.backoff_s`); the reason stays in ``GET /workers``
 (``pending``). A worker that is fenced (an operator decides), dead, departed or held by an update is
 left alone. It runs only in the control process, and, with ``--leader-election``, only on the leader.
@@ -28,9 +36,10 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from router.contract import endpoints as ep
-from router.contract.admin import ContinueRequest
+from router.contract.admin import ContinueRequest, MemoryOccupationRequest
 from router.contract.errors import Unavailable
 from router.contract.vllm import EmptyVllmRequest
+from router.contract.vllm_dev import WakeUpQuery
 from router.gateway import keys
 from router.gateway.admin.catch_up import LOCK_WAIT_S, SCAN_S, backoff_s
 from router.gateway.admin.locked import AdminContext, LockHold
@@ -43,7 +52,7 @@ from router.gateway.upstream.answer import decode_answer
 
 log = logging.getLogger(__name__)
 
-LOCK_HOLDER = "continuing a worker paused behind the router"
+LOCK_HOLDER = "bringing back a worker paused or released behind the router"
 
 
 class ControlSync:
@@ -61,7 +70,7 @@ class ControlSync:
 
     def eligible(self, worker: Worker) -> bool:
         return (
-            worker.paused_behind_router
+            (worker.paused_behind_router or worker.released_behind_router)
             and worker.health != "dead"
             and not worker.disabled
             and not worker.removed
@@ -74,6 +83,11 @@ class ControlSync:
         others = [w for w in self._ctx.registry.live() if w.id != worker.id and not w.disabled]
         return bool(others) and all(w.paused for w in others)
 
+    def fleet_asleep(self, worker: Worker) -> bool:
+        """The router has released the memory of the rest of the live fleet (a colocated trainer runs)."""
+        others = [w for w in self._ctx.registry.live() if w.id != worker.id and not w.disabled]
+        return bool(others) and all(w.asleep for w in others)
+
     async def run(self) -> None:
         await every(lambda: SCAN_S, self.scan, "control-state scan")
 
@@ -85,8 +99,11 @@ class ControlSync:
             if not self.eligible(worker):
                 self._next_try.pop(worker.id, None)
                 continue
-            if self.fleet_paused(worker):
+            if worker.released_behind_router and self.fleet_asleep(worker):
+                worker.asleep = True  # the fleet's own state: its resume will reach this worker too
+            if worker.paused_behind_router and self.fleet_paused(worker):
                 worker.paused = True  # the fleet's own state: its continue will reach this worker too
+            if not self.eligible(worker):
                 continue
             attempts, at = self._next_try.get(worker.id, (0, 0.0))
             if at <= now:
@@ -102,14 +119,20 @@ class ControlSync:
         try:
             if not self.eligible(worker):
                 return True
-            error = await self._continue(worker)
+            released = worker.released_behind_router
+            error = await self._resume(worker) if released else await self._continue(worker)
             if error is None:
                 await self._ctx.prober.refresh_metadata(worker)
-                if not worker.paused_behind_router:
+                if not (worker.paused_behind_router or worker.released_behind_router):
                     self._next_try.pop(worker.id, None)
-                    log.info("worker %s (%s) was paused behind the router: continued", worker.id, worker.url)
+                    what = (
+                        "had its memory released behind the router: resumed"
+                        if released
+                        else "was paused behind the router: continued"
+                    )
+                    log.info("worker %s (%s) %s", worker.id, worker.url, what)
                     return True
-                error = "it still says it is paused"
+                error = "it still says it is paused or released"
         finally:
             lock.release()
         delay = backoff_s(attempts + 1)
@@ -131,6 +154,20 @@ class ControlSync:
                 worker.url, ep.RESUME, EmptyVllmRequest(), headers=self._headers, decode=decode
             )
             ok, error = vllm.value is not None and vllm.value.ok, vllm.error
+        return None if ok else error or "no usable answer"
+
+    async def _resume(self, worker: Worker) -> str | None:
+        """Restore the worker's released memory with its engine's route; why it failed, or ``None``."""
+        engine = engine_of(worker)
+        decode = engine.decode if engine is not None else decode_answer
+        if serves(worker, ep.RESUME_MEMORY_OCCUPATION.path):
+            sglang = await self._workers.call(
+                worker.url, ep.RESUME_MEMORY_OCCUPATION, MemoryOccupationRequest(), headers=self._headers, decode=decode
+            )
+            ok, error = sglang.value is not None and sglang.value.success, sglang.error
+        else:
+            vllm = await self._workers.call(worker.url, ep.WAKE_UP, WakeUpQuery(), headers=self._headers, decode=decode)
+            ok, error = vllm.value is not None, vllm.error
         return None if ok else error or "no usable answer"
 
 

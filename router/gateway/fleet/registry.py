@@ -122,6 +122,11 @@ class Worker:
         return self.reported_paused is True and not self.paused and not self.asleep
 
     @property
+    def released_behind_router(self) -> bool:
+        """It says its weights are released (its memory freed), and no sleep or release of the router's explains it."""
+        return self.weight_state == "released" and not self.asleep
+
+    @property
     def weights(self) -> WorkerWeights:
         return WorkerWeights(
             weight_version=self.weight_version, weight_state=self.weight_state, instance_id=self.instance_id
