@@ -10,11 +10,17 @@ They do no model work, so the figures isolate the router's own cost. Stand-ins
 are used only here; tests use real ``omni-worker`` processes.
 
 Printed figures (no pass/fail; targets: p99 broadcast to 256 workers <= 50 ms,
-p50 added proxy latency <= 1 ms):
+p50 added proxy latency <= 1 ms; with ``--peer``, ``/flush_cache`` p50 no more than sglang-router's
+and ``/pause_generation`` p50 <= 5 ms at 64 workers):
 - broadcast: client-observed latency of ``POST /flush_cache`` (plain fan-out)
   and ``POST /pause_generation`` (locked, fenced, journaled) per N;
 - proxy: p50/p99 of ``/generate`` direct to a stand-in vs through the router,
-  the added latency, and throughput at a fixed concurrency both ways.
+  the added latency, and throughput at a fixed concurrency both ways;
+- ``--peer``: ``POST /flush_cache`` through SGLang's Rust router (``sglang-router`` 0.3.2, installed
+  into its own virtualenv as ``bench_peer_router`` does) over the same stand-ins, in rounds
+  interleaved with the router's, and the ratio of the p50s (medians over ``--rounds``).
+
+    .venv/bin/python -m benchmarks.bench_router --workers 64 --peer --rounds 5 --iters 200
 """
 
 from __future__ import annotations
@@ -189,6 +195,10 @@ async def bench(args: argparse.Namespace) -> None:
     connector = aiohttp.TCPConnector(limit=256)
     try:
         async with aiohttp.ClientSession(connector=connector) as session:
+            if args.peer:
+                for n in args.workers:
+                    await beside_peer(session, all_urls[:n], args)
+                return
             print("\n## Admin broadcast latency (client-observed, ms)")
             print(f"{'workers':>8} {'route':<20} {'p50':>8} {'p99':>8} {'mean':>8}")
             for n in args.workers:
@@ -226,6 +236,59 @@ async def bench(args: argparse.Namespace) -> None:
         standins.stop()
 
 
+def start_peer(urls: list[str]) -> tuple[ManagedProcess, str, str]:
+    """sglang-router 0.3.2 over ``urls``, from its own virtualenv (installed from PyPI when missing)."""
+    from benchmarks.bench_peer_router import DEFAULT_SGLANG_VENV, PEERS, ensure_peer, peer_argv
+
+    peer = PEERS["sglang-router"]
+    version = ensure_peer(peer, DEFAULT_SGLANG_VENV)
+    port, metrics = free_ports(2)
+    argv = peer_argv(peer, DEFAULT_SGLANG_VENV, upstream=urls[0], port=port, metrics_port=metrics, policy="round_robin")
+    at = argv.index("--worker-urls")
+    argv[at + 1 : at + 2] = urls
+    proc = ManagedProcess(f"bench-sglang-router-{port}", argv).start()
+    url = f"http://127.0.0.1:{port}"
+    proc.wait_http_ready(url + "/health", timeout=60)
+    return proc, url, f"sglang-router {version}"
+
+
+async def beside_peer(session: aiohttp.ClientSession, urls: list[str], args: argparse.Namespace) -> None:
+    """``/flush_cache`` through omni-router and sglang-router, rounds interleaved; ``/pause_generation`` through ours."""
+    n = len(urls)
+    with tempfile.TemporaryDirectory() as state:
+        router, rurl = start_router(urls, state, args.data_plane_processes)
+        peer, purl, peer_name = start_peer(urls)
+        try:
+            print(f"\n## {n} workers: admin calls, client-observed ms, {args.rounds} rounds x {args.iters}")
+            print(f"{'round':>5} {'target':<36} {'p50':>8} {'p99':>8}")
+            ours: list[float] = []
+            theirs: list[float] = []
+            pauses: list[float] = []
+            for rnd in range(1, args.rounds + 1):
+                for name, url, route, body, into in (
+                    (f"omni-router ({args.data_plane_processes})", rurl, "/flush_cache", b"{}", ours),
+                    (peer_name, purl, "/flush_cache", b"{}", theirs),
+                    (
+                        f"omni-router ({args.data_plane_processes})",
+                        rurl,
+                        "/pause_generation",
+                        b'{"mode": "in_place"}',
+                        pauses,
+                    ),
+                ):
+                    xs = await timed_posts(session, url + route, body, args.iters)
+                    into.append(pct(xs, 50))
+                    print(f"{rnd:>5} {name + ' ' + route:<36} {pct(xs, 50):>8.2f} {pct(xs, 99):>8.2f}", flush=True)
+            o, t, pz = statistics.median(ours), statistics.median(theirs), statistics.median(pauses)
+            print(
+                f"/flush_cache p50 (median of rounds): omni-router {o:.2f} ms, {peer_name} {t:.2f} ms, ratio {o / t:.2f}"
+            )
+            print(f"/pause_generation p50 (locked, fenced, journaled): omni-router {pz:.2f} ms")
+        finally:
+            peer.stop()
+            router.stop()
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", type=int, nargs="+", default=[1, 16, 64, 256])
@@ -234,6 +297,8 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--seconds", type=float, default=3.0)
     p.add_argument("--data-plane-processes", default="auto", help="omni-router --data-plane-processes (1: one process)")
+    p.add_argument("--peer", action="store_true", help="measure /flush_cache beside sglang-router 0.3.2 instead")
+    p.add_argument("--rounds", type=int, default=5, help="with --peer: interleaved rounds")
     p.add_argument("--serve-standins", type=int, nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_standins:
