@@ -55,6 +55,17 @@ class AdminCall:
         return self.request_for(worker).to_json() if self.request_for is not None else self._body
 
 
+_RESULT_TYPES: dict[type[Any], type[WorkerResult[Any]]] = {}
+
+
+def _result_type(response: type[Any]) -> type[WorkerResult[Any]]:
+    """``WorkerResult[response]``, parametrized once per response model (a broadcast builds hundreds)."""
+    made = _RESULT_TYPES.get(response)
+    if made is None:
+        made = _RESULT_TYPES[response] = WorkerResult[response]  # type: ignore[valid-type]
+    return made
+
+
 class FanOut:
     """One typed :class:`WorkerResult` per worker and call."""
 
@@ -74,14 +85,12 @@ class FanOut:
             timeout_s=call.timeout_s,
             decode=engine.decode if engine is not None else decode_answer,
         )
-        body = answer.body
-        success = answer.value is not None and answer.value.ok
-        return WorkerResult[call.op.endpoint.response](  # type: ignore[name-defined]
+        return _result_type(call.op.endpoint.response)(
             worker=worker.id,
             url=worker.url,
-            success=success,
+            success=answer.value is not None and answer.value.ok,
             status_code=answer.status,
-            body=body,
+            body=answer.body,
             error=answer.error,
             elapsed_ms=round((time.perf_counter() - start) * 1000.0, 3),
         )

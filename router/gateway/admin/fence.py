@@ -1,7 +1,8 @@
 """Fencing: an update's targets leave request routing until its outcome is known.
 
-Before a fenced operation contacts anyone, its targets are written to the
-journal (durably) and disabled. The fence settles exactly once, worker by worker
+Before a fenced operation contacts anyone, its targets are disabled, written to the
+journal (durably) and every routing process has applied the fence (the journal write and
+that acknowledgement run at once: neither needs the other). The fence settles exactly once, worker by worker
 (:meth:`Fence.settle`): the targets the caller names as kept stay disabled, with the
 journal entry narrowed to them until an operator resolves it, because their weights may
 differ from the fleet's; every other target gets its previous ``disabled`` flag back.
@@ -13,7 +14,7 @@ is written once, in docs/weight-sync.md). :meth:`Fence.succeed` keeps none;
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from router.contract.errors import Conflict
@@ -39,26 +40,39 @@ class Fence:
     settled: bool = field(default=False)
 
     @classmethod
-    async def raise_around(cls, targets: Sequence[Worker], path: str, journal: UpdateJournal) -> Fence:
-        """Journal the targets durably, then disable them. Raises (changing nothing) if either step cannot start."""
+    def take_out(cls, targets: Sequence[Worker], path: str, journal: UpdateJournal) -> Fence:
+        """Disable the targets (409, changing nothing, while an earlier failure is unresolved). The fence holds
+        once :meth:`write_journal` has made it durable and every routing process has applied it; until then
+        nothing may be sent to a target."""
         require_no_pending_failure(journal)
-        await journal.begin(path, [(w.id, w.url, w.disabled) for w in targets])
         previous = {w.id: w.disabled for w in targets}
         for w in targets:
             w.disabled = True
             w.update_holds += 1
         return cls(path=path, targets=list(targets), previous=previous, journal=journal)
 
-    async def settle(self, kept_ids: Sequence[str], reason: str) -> None:
+    async def write_journal(self) -> None:
+        """Journal the targets durably (503 when it cannot be written: then nothing was written)."""
+        await self.journal.begin(self.path, [(w.id, w.url, self.previous[w.id]) for w in self.targets])
+
+    def put_back(self) -> None:
+        """Nothing was journaled or sent: every target gets its previous flag back."""
+        self._settle(())
+
+    async def settle(self, kept_ids: Sequence[str], reason: str, *, announce: Callable[[], None] | None = None) -> None:
         """Restore every target's previous flag except ``kept_ids``, which stay disabled; the journal
-        entry is dropped when none is kept, else narrowed to them until an operator resolves it."""
+        entry is dropped when none is kept, else narrowed to them until an operator resolves it.
+        ``announce`` is told once the flags are restored, before the journal is written (the data planes
+        learn the change while the write runs)."""
         if not self._settle(kept_ids):
             return
+        if announce is not None:
+            announce()
         if kept_ids:
             await self.journal.fail(kept_ids, reason)
             log.warning("%s failed (%s); %d target(s) kept disabled", self.path, reason, len(kept_ids))
         else:
-            await self.journal.clear()
+            self.journal.clear_soon()
 
     async def succeed(self) -> None:
         await self.settle((), "")

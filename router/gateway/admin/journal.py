@@ -24,6 +24,7 @@ CLI warns about this).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Iterable
@@ -50,6 +51,7 @@ class UpdateJournal:
     def __init__(self, state: DurableRecord | Path | None):
         self.record = as_record(state, JOURNAL_FILE)
         self.pending: JournalState | None = None
+        self._writes: set[asyncio.Future[bool]] = set()
 
     def load(self) -> JournalState | None:
         """Read the entry left by a previous run (at start-up, before the event loop serves).
@@ -126,6 +128,16 @@ class UpdateJournal:
     async def clear(self) -> None:
         self.pending = None
         await self.record.save(None)
+
+    def clear_soon(self) -> None:
+        """:meth:`clear` with the write left running: an update that ended cleanly answers without waiting
+        for it. Memory is cleared at once (the next update may begin), and the record keeps its writes in
+        order (the latest wanted content is what lands). A crash before the write lands leaves the entry
+        ``in_flight`` on disk: the next start fences its targets, the safe side, until an operator resolves it."""
+        self.pending = None
+        write = asyncio.ensure_future(self.record.save(None))
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
 
     async def discard_target(self, worker_id: str) -> bool:
         """Drop one worker from a failed entry (the operator re-enabled it); True if it was there."""

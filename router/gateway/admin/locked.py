@@ -53,11 +53,18 @@ class FenceBarrier(Protocol):
         :class:`~router.contract.errors.Unavailable` (``why`` first) when one has not in time."""
         ...
 
+    def announce(self) -> None:
+        """The registry's routing state changed: start telling every routing process now, without waiting."""
+        ...
+
 
 class _OneProcess:
     """One router process: the proxy reads the registry itself, so a fence holds once it is set."""
 
     async def confirm(self, why: str) -> None:
+        return None
+
+    def announce(self) -> None:
         return None
 
 
@@ -191,14 +198,22 @@ class AdminRun:
         The fence holds once every process that routes requests has applied it (the barrier):
         if one has not within its bound, the fence is lowered again and the call refused, before
         anything is sent to a worker."""
-        if self.op.fenced:
-            fence = await Fence.raise_around(targets, self.op.path, self.ctx.journal)
-            try:
-                await self.ctx.barrier.confirm(f"{self.op.path} refused")
-            except BaseException:
-                await fence.succeed()  # nothing was sent: every target back as it was, the journal cleared
-                raise
-            self.fence = fence
+        if not self.op.fenced:
+            return self.fence
+        fence = Fence.take_out(targets, self.op.path, self.ctx.journal)
+        # Both must hold before anything is sent, and neither needs the other: they run at once.
+        written = asyncio.ensure_future(fence.write_journal())
+        try:
+            await self.ctx.barrier.confirm(f"{self.op.path} refused")
+        except BaseException:
+            await _undo(fence, written)
+            raise
+        try:
+            await written
+        except BaseException:
+            fence.put_back()  # nothing written, nothing sent
+            raise
+        self.fence = fence
         return self.fence
 
     async def fan_out(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
@@ -227,7 +242,9 @@ class AdminRun:
         # paused must not look paused behind its back.
         self.ctx.registry.observe_control(self.op.path, (r.worker for r in results if r.success))
         if self.fence is not None:
-            await self.fence.settle(kept, summarize([r for r in failed if r.worker in kept]))
+            await self.fence.settle(
+                kept, summarize([r for r in failed if r.worker in kept]), announce=self.ctx.barrier.announce
+            )
         self.outcome = "success" if not failed else "refused" if all_refused else "failure"
         if not failed:
             return Outcome(200, fleet_answer(self.op, results, "ok", **fields))
@@ -272,3 +289,14 @@ class AdminRun:
         if self._lock is not None and not self._kept:
             self._lock.release()
         self.ctx.metrics.observe_admin(self.name, self.outcome, time.perf_counter() - self._started)
+
+
+async def _undo(fence: Fence, written: asyncio.Future[None]) -> None:
+    """The fence did not hold everywhere: nothing was sent. Every target back as it was, the journal cleared
+    (once its write is over: it may have been made durable meanwhile)."""
+    try:
+        await written
+    except BaseException:
+        fence.put_back()
+        return
+    await fence.succeed()

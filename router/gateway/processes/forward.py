@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 
-import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from router.contract.errors import ApiError
+from router.gateway.upstream.lean_http import HttpUpstream
+from router.gateway.upstream.transport import UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -39,53 +39,49 @@ _NOT_RELAYED = frozenset(
 INTERNAL_PREFIX = "/_omni/"
 
 
+#: The outer bound of one relayed call: the control process bounds every route itself, far below this.
+RELAY_TIMEOUT_S = 3600.0
+CONNECT_TIMEOUT_S = 5.0
+
+
 class ControlForwarder:
-    """Relays requests to the control process over its Unix socket (one pooled session)."""
+    """Relays requests to the control process over its Unix socket (the router's lean keep-alive client:
+    a relayed admin call costs the relay a few tens of microseconds, not aiohttp's client machinery)."""
 
     def __init__(self, socket_path: str):
-        self._socket_path = socket_path
-        self._session: aiohttp.ClientSession | None = None
-
-    def _client(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            connector = aiohttp.UnixConnector(path=self._socket_path, limit=0)
-            self._session = aiohttp.ClientSession(
-                connector=connector, auto_decompress=False, timeout=aiohttp.ClientTimeout(total=None)
-            )
-        return self._session
+        self._upstream = HttpUpstream(limit=0, connect_timeout_s=CONNECT_TIMEOUT_S, unix_path=socket_path)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path.startswith(INTERNAL_PREFIX):
             raise ApiError(404, f"no route {request.path}")
-        headers = CIMultiDict((k, v) for k, v in request.headers.items() if k.lower() not in _NOT_RELAYED)
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_RELAYED}
         body = await request.read()
-        out: web.StreamResponse | None = None
+        # HEAD is relayed as a GET whose body is left out (the client cannot frame a HEAD's answer).
+        method = "GET" if request.method == "HEAD" else request.method
         try:
-            async with self._client().request(
-                request.method,
-                "http://control" + request.path_qs,
-                headers=headers,
-                data=body if body else None,
-                allow_redirects=False,
-            ) as upstream:
-                out = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-                for name, value in upstream.headers.items():
-                    if name.lower() not in _NOT_RELAYED:
-                        out.headers.add(name, value)
+            upstream = await self._upstream.request(
+                method, "http://control", request.path_qs, body or None, headers, timeout_s=RELAY_TIMEOUT_S
+            )
+        except (OSError, UpstreamError) as exc:
+            raise ApiError(503, f"the router's control process did not answer: {type(exc).__name__}: {exc}") from None
+        out = web.StreamResponse(status=upstream.status)
+        try:
+            for name, value in upstream.headers.items():
+                if name not in _NOT_RELAYED:
+                    out.headers[name] = value
+            if request.method == "HEAD":
+                out.headers["Content-Length"] = upstream.header("content-length") or "0"
                 await out.prepare(request)
-                async for chunk in upstream.content.iter_any():
-                    await out.write(chunk)
-                await out.write_eof()
                 return out
-        except aiohttp.ClientError as exc:
-            if out is None:
-                raise ApiError(
-                    503, f"the router's control process did not answer: {type(exc).__name__}: {exc}"
-                ) from None
+            await out.prepare(request)
+            async for chunk in upstream.chunks():
+                await out.write(chunk)
+            await out.write_eof()
+        except (OSError, UpstreamError) as exc:
             log.warning("relay of %s %s broke mid-answer: %r", request.method, request.path, exc)
-            return out  # the answer had begun: the caller sees it cut short
+        finally:
+            upstream.release()
+        return out  # an answer cut short reaches the caller cut short
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        self._upstream.close()

@@ -51,7 +51,7 @@ from router.gateway.processes.messages import (
     Unpinned,
     WorkerRestarted,
 )
-from router.gateway.processes.mirror import same_routing, view_of
+from router.gateway.processes.mirror import routing_key, same_routing, view_of
 from router.gateway.routing.affinity import SessionAffinity
 
 log = logging.getLogger(__name__)
@@ -94,6 +94,7 @@ class DataPlaneHub:
         self._sessions = sessions
         """The router's one session table (``--session-affinity``; :mod:`.session_pins`)."""
         self._unpinned: list[int] = []
+        self._sending: set[asyncio.Future[None]] = set()
         if sessions is not None:
             sessions.on_forget = self._unpinned.append
         self._gate = gate
@@ -102,6 +103,7 @@ class DataPlaneHub:
         self._restart = restart
         self._planes: dict[int, _Plane] = {}
         self._snapshot = view_of(registry, 1, self._gate_view())
+        self._key: tuple[object, ...] = routing_key(registry, self._gate_view())
         self._scrape_ids = itertools.count(1)
         self._scrapes: dict[int, dict[int, asyncio.Future[str]]] = {}
 
@@ -122,8 +124,15 @@ class DataPlaneHub:
         return self._snapshot.version
 
     def _refresh(self) -> bool:
-        """Take the registry's routing state as the next version if it changed; True if it did."""
-        fresh = view_of(self._registry, self._snapshot.version + 1, self._gate_view())
+        """Take the registry's routing state as the next version if it changed; True if it did. Asked before
+        every admin answer and every :data:`CHECK_S`: a cheap key is compared first, the snapshot built only
+        when it differs."""
+        gate = self._gate_view()
+        key = routing_key(self._registry, gate)
+        if key == self._key:
+            return False
+        self._key = key
+        fresh = view_of(self._registry, self._snapshot.version + 1, gate)
         if same_routing(fresh, self._snapshot):
             return False
         self._snapshot = fresh
@@ -138,6 +147,17 @@ class DataPlaneHub:
             text = self._snapshot.model_dump_json()
             await asyncio.gather(*(self._send(p, text) for p in list(self._planes.values())))
         return self._snapshot.version
+
+    def announce(self) -> None:
+        """The routing state changed: send it to every data plane now; a later :meth:`settled` waits for the
+        acknowledgements (a fence lowered while its journal entry is being written reaches them meanwhile)."""
+        if not self._refresh():
+            return
+        text = self._snapshot.model_dump_json()
+        for plane in list(self._planes.values()):
+            task = asyncio.ensure_future(self._send(plane, text))
+            self._sending.add(task)
+            task.add_done_callback(self._sending.discard)
 
     async def confirm(self, why: str) -> None:
         """The fence barrier: every live data plane has applied the current routing state, or 503.

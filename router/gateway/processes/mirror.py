@@ -38,6 +38,32 @@ def view_of(registry: WorkerRegistry, version: int, gate: GateView | None = None
     return RoutingSnapshot(version=version, workers=workers, fleet=registry.fleet.record, gate=gate)
 
 
+def routing_key(registry: WorkerRegistry, gate: GateView | None) -> tuple[object, ...]:
+    """What a snapshot would say, as a cheap tuple: equal keys, equal snapshots (versions aside). The workers
+    are compared by the fields :func:`view_of` reads; the fleet record is held (every change replaces it, and
+    tuple equality tries identity before comparing contents)."""
+    workers = tuple(
+        (
+            w.id,
+            w.url,
+            w.engine,
+            w.health,
+            w.disabled,
+            w.departed,
+            w.weight_version,
+            w.weight_state,
+            w.instance_id,
+            w.tp_size,
+            w.paused,
+            w.reported_paused,
+            w.asleep,
+        )
+        for w in registry
+        if not w.removed
+    )
+    return (workers, registry.fleet.record, gate)
+
+
 def same_routing(a: RoutingSnapshot, b: RoutingSnapshot) -> bool:
     """Whether two snapshots say the same (their versions aside)."""
     return a.workers == b.workers and a.fleet == b.fleet and a.gate == b.gate

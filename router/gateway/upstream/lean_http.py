@@ -67,6 +67,11 @@ class LeanResponse:
         return self._conn.headers.get(name.lower())
 
     @property
+    def headers(self) -> dict[str, str]:
+        """The response's headers, names in lower case (a repeated header keeps its last value)."""
+        return self._conn.headers
+
+    @property
     def reading_paused(self) -> bool:
         """The worker's connection is not read from: the caller is ``HIGH_WATER`` body bytes behind."""
         return self._conn.reading_paused
@@ -123,10 +128,18 @@ class HttpUpstream:
     """Pooled keep-alive connections per worker ``host:port``, for plain-http workers.
 
     ``limit``: requests in flight at once (0: no bound); ``max_idle_per_host``: idle connections
-    kept per worker (None: no bound beyond what ``limit`` lets open).
+    kept per worker (None: no bound beyond what ``limit`` lets open); ``unix_path``: every
+    connection goes to this Unix socket (the URL then only names the ``Host`` header).
     """
 
-    def __init__(self, *, limit: int, connect_timeout_s: float, max_idle_per_host: int | None = None):
+    def __init__(
+        self,
+        *,
+        limit: int,
+        connect_timeout_s: float,
+        max_idle_per_host: int | None = None,
+        unix_path: str | None = None,
+    ):
         self._idle: dict[tuple[str, int], list[LeanConnection]] = {}
         # Connections carrying a request now, per worker: what :meth:`cut` ends.
         self._busy: dict[tuple[str, int], set[LeanConnection]] = {}
@@ -134,6 +147,8 @@ class HttpUpstream:
         self._waiting = 0
         self._connect_timeout_s = connect_timeout_s
         self._max_idle_per_host = max_idle_per_host
+        self._unix_path = unix_path
+        """Connect to this Unix socket whatever the URL names (a data plane's relay to its control process)."""
         self._targets: dict[str, tuple[tuple[str, int], str]] = {}
         self._closed = False
         self._swept = time.monotonic()
@@ -248,7 +263,10 @@ class HttpUpstream:
                 conn.close()
         loop = asyncio.get_running_loop()
         async with asyncio.timeout_at(min(loop.time() + self._connect_timeout_s, deadline)):
-            _, conn = await loop.create_connection(LeanConnection, key[0], key[1])
+            if self._unix_path is not None:
+                _, conn = await loop.create_unix_connection(LeanConnection, self._unix_path)
+            else:
+                _, conn = await loop.create_connection(LeanConnection, key[0], key[1])
         return conn
 
     def cut(self, base_url: str, message: str, *, unanswered_only: bool = False) -> int:
