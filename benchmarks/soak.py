@@ -103,7 +103,7 @@ class Fleet:
     def leader(self) -> int | None:
         for i, (_, url, _) in enumerate(self.routers):
             try:
-                if http_json("GET", url + "/leader", timeout=2)[0] == 200:
+                if http_json("GET", url + "/leader", timeout=5)[0] == 200:
                     return i
             except OSError:
                 continue
@@ -155,7 +155,7 @@ class Chaos:
     fleet: Fleet
     rng: random.Random
     versions: list[tuple[float, str]] = field(default_factory=list)
-    """(when the update answered, the fleet's label after it), in order."""
+    """(when the update answered, the fleet's label after it), in order; labels are ``v<step>``."""
     counts: dict[str, int] = field(default_factory=dict)
     resolved: int = 0
     timers: list[threading.Timer] = field(default_factory=list)
@@ -189,15 +189,23 @@ class Chaos:
         elif action == "update":
             label = f"v{step}"
             model = self.fleet.other if self.rng.random() < 0.5 else self.fleet.boot
-            self.admin("POST", "/update_weights_from_disk", {"model_path": str(model), "weight_version": label})
+            status, _ = self.admin(
+                "POST", "/update_weights_from_disk", {"model_path": str(model), "weight_version": label}
+            )
             answered = time.monotonic()
             self._after_admin()
-            # A partly failed update moves the fleet too (its holders): the label is read, not assumed.
-            status, fleet = self.admin("GET", "/fleet/versions")
-            if status == 200 and isinstance(fleet, dict):
-                now = fleet.get("weight_version")
-                if now and (not self.versions or self.versions[-1][1] != now):
-                    self.versions.append((answered, now))
+            # A partly failed update moves the fleet too (its holders): the label is read, not assumed; the
+            # read is tried again (a busy leader may not answer the soak's own /leader probe at once).
+            for _ in range(10):
+                got, fleet = self.admin("GET", "/fleet/versions")
+                if got == 200 and isinstance(fleet, dict):
+                    now = fleet.get("weight_version") or ""
+                    if not self.versions or self.versions[-1][1] != now:
+                        self.versions.append((answered, now))
+                    return
+                time.sleep(1)
+            if status == 200:  # the fleet took it whole
+                self.versions.append((answered, label))
         elif action == "pause":
             self.admin("POST", "/pause_generation", {"mode": "retract"})
             time.sleep(self.rng.uniform(0.2, 1.0))
@@ -229,8 +237,9 @@ def _cont(proc: ManagedProcess) -> None:
             pass
 
 
-def _index(label: str | None, order: dict[str, int]) -> int:
-    return order.get(label or "", 0)
+def step_of(label: str | None) -> int:
+    """The soak's labels are ``v<step>``; the boot weights (``default``) come before every one."""
+    return int(label[1:]) if label and label.startswith("v") and label[1:].isdigit() else 0
 
 
 def out_of_rotation(worker: dict[str, Any]) -> bool:
@@ -343,18 +352,14 @@ def _settle(chaos: Chaos, timeout_s: float = 90.0) -> tuple[list[str], list[str]
 
 def report(records: list[Record], chaos: Chaos, settled: tuple[list[str], list[str]], warm_until: float) -> int:
     still_out, unexplained_workers = settled
-    order = {label: i + 1 for i, (_, label) in enumerate(chaos.versions)}
     lost = [r for r in records if not r.ok]
-    forbidden = 0
+    forbidden: list[str] = []
     for r in records:
         if not r.ok:
             continue
-        latest = 0
-        for i, (answered, _) in enumerate(chaos.versions):
-            if answered < r.sent:
-                latest = i + 1
-        if _index(r.version, order) < latest:
-            forbidden += 1
+        latest = max((step_of(label) for answered, label in chaos.versions if answered < r.sent), default=0)
+        if step_of(r.version) < latest:
+            forbidden.append(f"sent at {r.sent - warm_until:+.1f}s served {r.version} after v{latest} answered")
     warm = [r.latency for r in records if r.ok and r.sent < warm_until]
     reference = statistics.quantiles(warm, n=100)[98] if len(warm) >= 20 else float("nan")
     faulted = [r for r in records if r.ok and r.sent >= warm_until]
@@ -366,7 +371,9 @@ def report(records: list[Record], chaos: Chaos, settled: tuple[list[str], list[s
     print(f"requests: {len(records)} sent, {len(lost)} lost, {sum(r.attempts > 1 for r in records)} sent again")
     print(f"latency: p50 {p50 * 1000:.0f} ms, p99 {p99 * 1000:.0f} ms; warm-up p99 {reference * 1000:.0f} ms")
     print(f"slower than 2x the warm-up p99: {slow} of {len(faulted)} ({100 * slow / max(1, len(faulted)):.1f} %)")
-    print(f"versions served that the policy forbids: {forbidden}; updates: {len(chaos.versions)}")
+    print(
+        f"versions served that the policy forbids: {len(forbidden)} {forbidden[:10]}; fleet versions: {chaos.versions}"
+    )
     print(f"workers out of rotation once settled: {still_out}; without a reason: {unexplained_workers}")
     return 1 if lost or forbidden or unexplained_workers else 0
 
