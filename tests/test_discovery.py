@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
+from aiohttp import web
 
 from router.gateway import keys
 from router.gateway.app import create_app
@@ -200,23 +201,32 @@ def test_a_pod_discovered_after_the_first_weight_update_is_pending(api, router, 
     assert served(url, 6) == {discovered(url)["worker-a"]["id"]}
 
 
-async def test_a_pod_that_appears_during_an_update_is_registered_when_it_ends(
-    api: StandInApiServer, pod_workers: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aiohttp_client: Any
-) -> None:
+@pytest.fixture
+def start_in_process(
+    api: StandInApiServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aiohttp_client: Any
+) -> Callable[..., Awaitable[web.Application]]:
+    """A router app in this process with discovery on the stand-in API server; ``settings`` add to its config."""
     for name, value in client_env(api, tmp_path).items():
         monkeypatch.setenv(name, value)
+
+    async def start(**settings: Any) -> web.Application:
+        config = RouterConfig(
+            admin_api_key=ADMIN_KEY, service_discovery="k8s", selector=LABELS, health_check_interval_s=0.5, **settings
+        )
+        app = create_app(config)
+        await aiohttp_client(app)
+        return app
+
+    return start
+
+
+async def test_a_pod_that_appears_during_an_update_is_registered_when_it_ends(
+    api: StandInApiServer, pod_workers: list[str], start_in_process: Callable[..., Awaitable[web.Application]]
+) -> None:
     a, b = pod_workers
     api.add_pod("worker-a", namespace=NS, labels=LABELS, **as_pod(a))
     # A short lock wait: the discovery loop's attempts at the lock end (and are counted) while it is held.
-    config = RouterConfig(
-        admin_api_key=ADMIN_KEY,
-        service_discovery="k8s",
-        selector=LABELS,
-        health_check_interval_s=0.5,
-        admin_lock_timeout_s=0.2,
-    )
-    app = create_app(config)
-    await aiohttp_client(app)
+    app = await start_in_process(admin_lock_timeout_s=0.2)
     registry, gate, metrics = app[keys.REGISTRY], app[keys.GATE], app[keys.METRICS]
 
     def lock_refusals() -> float:
@@ -242,18 +252,12 @@ async def test_a_pod_that_appears_during_an_update_is_registered_when_it_ends(
 
 
 async def test_a_departed_worker_leaves_the_registry_only_after_the_fence_barrier(
-    api: StandInApiServer, pod_workers: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, aiohttp_client: Any
+    api: StandInApiServer, pod_workers: list[str], start_in_process: Callable[..., Awaitable[web.Application]]
 ) -> None:
-    for name, value in client_env(api, tmp_path).items():
-        monkeypatch.setenv(name, value)
     a, b = pod_workers
     api.add_pod("worker-a", namespace=NS, labels=LABELS, **as_pod(a))
     api.add_pod("worker-b", namespace=NS, labels=LABELS, **as_pod(b))
-    config = RouterConfig(
-        admin_api_key=ADMIN_KEY, service_discovery="k8s", selector=LABELS, health_check_interval_s=0.5
-    )
-    app = create_app(config)
-    await aiohttp_client(app)
+    app = await start_in_process()
     registry = app[keys.REGISTRY]
     await until(lambda: len(registry) == 2, SETTLE_S, "both pods registered")
 

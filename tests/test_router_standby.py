@@ -294,29 +294,44 @@ class Poller:
         return [s for s in self.samples if s[2]]
 
 
-def test_a_leader_cut_off_from_the_api_stops_before_the_standby_serves(api, replicas) -> None:
-    (a, a_url), (b, b_url) = leader_and_standby(replicas)
-    pollers = [Poller(a_url), Poller(b_url)]
+def cut_off_the_leader(
+    api: StandInApiServer,
+    leader: tuple[ManagedProcess, str],
+    standby: tuple[ManagedProcess, str],
+    accepts: Callable[[str], bool],
+    what: str,
+) -> tuple[float, float, float]:
+    """Poll both replicas with ``accepts``, cut router-a (the leader) off from the API server and wait until
+    router-b leads and accepts. Returns (the cut, the end of the old leader's last accepted call, the start of
+    the new leader's first)."""
+    (a, a_url), (b, b_url) = leader, standby
+    pollers = [Poller(a_url, accepts), Poller(b_url, accepts)]
     threads = [threading.Thread(target=p.run, daemon=True) for p in pollers]
     for t in threads:
         t.start()
     try:
-        wait_for(lambda: bool(pollers[0].accepted()), 10, a, "the leader accepts admin calls")
+        wait_for(lambda: bool(pollers[0].accepted()), 10, a, f"the leader {what}")
         cut = time.monotonic()
         api.block_token(token_of("router-a"), hang_s=30)
         wait_role(b_url, b, "leader")
         assert a.proc is not None
         assert a.proc.wait(timeout=10) == 1  # it stepped down and exited, as client-go's controllers do
-        wait_for(lambda: bool(pollers[1].accepted()), 10, b, "the new leader accepts admin calls")
+        wait_for(lambda: bool(pollers[1].accepted()), 10, b, f"the new leader {what}")
     finally:
         for p in pollers:
             p.stop.set()
         for t in threads:
             t.join(10)
     assert not any(t.is_alive() for t in threads)
-    assert "lost the leadership" in a.log_text()
     last_a = max(answered for _, answered, _ in pollers[0].accepted())
     first_b = min(sent for sent, _, _ in pollers[1].accepted())
+    return cut, last_a, first_b
+
+
+def test_a_leader_cut_off_from_the_api_stops_before_the_standby_serves(api, replicas) -> None:
+    a, b = leader_and_standby(replicas)
+    cut, last_a, first_b = cut_off_the_leader(api, a, b, admin_accepted, "accepts admin calls")
+    assert "lost the leadership" in a[0].log_text()
     # Never a moment when both accepted admin calls: the old leader's last acceptance ended before the new one's first began.
     assert last_a < first_b, (last_a - cut, first_b - cut)
     assert last_a - cut < RENEW_S + 1  # it stopped within its renew deadline of the cut
@@ -356,24 +371,7 @@ def test_data_planes_serve_only_while_their_control_process_leads(api, replicas,
     assert status == 503 and "standby" in body["reason"]
 
     # The leader cut off from the API: its data planes stop generating before the standby's start.
-    pollers = [Poller(a_url, generation_accepted), Poller(b_url, generation_accepted)]
-    threads = [threading.Thread(target=p.run, daemon=True) for p in pollers]
-    for t in threads:
-        t.start()
-    try:
-        wait_for(lambda: bool(pollers[0].accepted()), 10, a, "the leader generates")
-        cut = time.monotonic()
-        api.block_token(token_of("router-a"), hang_s=30)
-        wait_role(b_url, b, "leader")
-        assert a.proc is not None and a.proc.wait(timeout=10) == 1
-        wait_for(lambda: bool(pollers[1].accepted()), 10, b, "the new leader's data planes generate")
-    finally:
-        for p in pollers:
-            p.stop.set()
-        for t in threads:
-            t.join(10)
-    last_a = max(answered for _, answered, _ in pollers[0].accepted())
-    first_b = min(sent for sent, _, _ in pollers[1].accepted())
+    cut, last_a, first_b = cut_off_the_leader(api, (a, a_url), (b, b_url), generation_accepted, "generates")
     assert last_a < first_b, (last_a - cut, first_b - cut)
     assert last_a - cut < RENEW_S + 1
     wait_for(lambda: not any(running(pid) for pid in a_planes), 15, a, "the old leader's data planes exit")

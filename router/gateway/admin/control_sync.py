@@ -32,11 +32,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
 from router.contract import endpoints as ep
 from router.contract.admin import ContinueRequest, MemoryOccupationRequest
+from router.contract.base import WireRequest
+from router.contract.endpoints import Endpoint
 from router.contract.errors import Unavailable
 from router.contract.vllm import EmptyVllmRequest
 from router.contract.vllm_dev import WakeUpQuery
@@ -137,38 +140,36 @@ class ControlSync:
             lock.release()
         delay = backoff_s(attempts + 1)
         self._next_try[worker.id] = (attempts + 1, time.monotonic() + delay)
-        log.warning("continuing worker %s failed (%s); next try in %.0fs", worker.id, error, delay)
+        log.warning(
+            "bringing worker %s back to the fleet's state failed (%s); next try in %.0fs", worker.id, error, delay
+        )
         return False
 
     async def _continue(self, worker: Worker) -> str | None:
-        """Send the worker's engine its continue route; why it failed, or ``None``."""
-        engine = engine_of(worker)
-        decode = engine.decode if engine is not None else decode_answer
-        if serves(worker, ep.CONTINUE_GENERATION.path):
-            sglang = await self._workers.call(
-                worker.url, ep.CONTINUE_GENERATION, ContinueRequest(), headers=self._headers, decode=decode
-            )
-            ok, error = sglang.value is not None and sglang.value.ok, sglang.error
-        else:
-            vllm = await self._workers.call(
-                worker.url, ep.RESUME, EmptyVllmRequest(), headers=self._headers, decode=decode
-            )
-            ok, error = vllm.value is not None and vllm.value.ok, vllm.error
-        return None if ok else error or "no usable answer"
+        """Continue the worker's generation; why it failed, or ``None``."""
+        return await self._engine_call(
+            worker, (ep.CONTINUE_GENERATION, ContinueRequest()), (ep.RESUME, EmptyVllmRequest())
+        )
 
     async def _resume(self, worker: Worker) -> str | None:
-        """Restore the worker's released memory with its engine's route; why it failed, or ``None``."""
+        """Restore the worker's released memory; why it failed, or ``None``."""
+        return await self._engine_call(
+            worker, (ep.RESUME_MEMORY_OCCUPATION, MemoryOccupationRequest()), (ep.WAKE_UP, WakeUpQuery())
+        )
+
+    async def _engine_call(
+        self,
+        worker: Worker,
+        sglang: tuple[Endpoint[Any, Any], WireRequest],
+        vllm: tuple[Endpoint[Any, Any], WireRequest],
+    ) -> str | None:
+        """SGLang's route where the worker serves it (omni-worker serves SGLang's), else vLLM's; why it failed,
+        or ``None``."""
         engine = engine_of(worker)
         decode = engine.decode if engine is not None else decode_answer
-        if serves(worker, ep.RESUME_MEMORY_OCCUPATION.path):
-            sglang = await self._workers.call(
-                worker.url, ep.RESUME_MEMORY_OCCUPATION, MemoryOccupationRequest(), headers=self._headers, decode=decode
-            )
-            ok, error = sglang.value is not None and sglang.value.success, sglang.error
-        else:
-            vllm = await self._workers.call(worker.url, ep.WAKE_UP, WakeUpQuery(), headers=self._headers, decode=decode)
-            ok, error = vllm.value is not None, vllm.error
-        return None if ok else error or "no usable answer"
+        endpoint, request = sglang if serves(worker, sglang[0].path) else vllm
+        answer = await self._workers.call(worker.url, endpoint, request, headers=self._headers, decode=decode)
+        return None if answer.value is not None and answer.value.ok else answer.error or "no usable answer"
 
 
 async def control_sync_ctx(app: web.Application) -> AsyncIterator[None]:
