@@ -148,6 +148,11 @@ def assert_standby_refusal(status: int, body: Any, headers: dict[str, str], hold
         ({"state_store": "dir"}, "needs --state-dir"),
         ({"state_store": "k8s", "state_dir": Path("/nonexistent")}, "keeps records in ConfigMaps"),
         ({"state_store": "k8s", "state_configmap_prefix": "Not_DNS"}, "must be a DNS label"),
+        ({"leader_pod_label": "omni-router.io/role"}, "needs --leader-election"),
+        (
+            {"state_store": "k8s", "leader_election": True, "leader_pod_label": "not a label/key!"},
+            "must be a label key",
+        ),
         (
             {"state_store": "k8s", "leader_election": True, "leader_lease_duration_s": 2, "leader_renew_deadline_s": 2},
             "lease duration > renew deadline > retry period",
