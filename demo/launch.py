@@ -142,11 +142,14 @@ def start_worker(
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     ready_timeout: float = 90.0,
+    process: type[ManagedProcess] = ManagedProcess,
 ) -> tuple[ManagedProcess, str]:
-    """Start `omni-worker` on a free port; returns (process, base_url) once /health answers."""
+    """Start `omni-worker` on a free port; returns (process, base_url) once /health answers.
+
+    ``process`` is the class that starts it (the test suite's forks an interpreter that has torch loaded)."""
     port = port or free_port()
     argv = [cli("omni-worker"), "--model-path", str(model_dir), "--host", "127.0.0.1", "--port", str(port), *extra_args]
-    proc = ManagedProcess(f"worker-{port}", argv, env=env).start()
+    proc = process(f"worker-{port}", argv, env=env).start()
     url = f"http://127.0.0.1:{port}"
     proc.wait_http_ready(url + "/health", timeout=ready_timeout)
     return proc, url

@@ -7,7 +7,6 @@ tiny generated checkpoint; every wait is bounded.
 from __future__ import annotations
 
 import json
-import subprocess
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -28,12 +27,10 @@ def auth(key: str | None = ADMIN_KEY) -> dict[str, str]:
 
 
 def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
-    subprocess.run(
-        [cli("omni-worker"), "make-tiny", str(out_dir), "--seed", str(seed)],
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
+    """``omni-worker make-tiny``: the checkpoint a worker started with ``--model-path out_dir`` serves."""
+    proc = ManagedProcess("make-tiny", [cli("omni-worker"), "make-tiny", str(out_dir), "--seed", str(seed)]).start()
+    assert proc.proc is not None
+    assert proc.proc.wait(timeout=120) == 0, proc.log_text()
     return out_dir
 
 

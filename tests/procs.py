@@ -1,3 +1,44 @@
-"""Process helpers for tests (see :mod:`demo.launch`)."""
+"""Process helpers for tests (see :mod:`demo.launch`).
 
-from demo.launch import ManagedProcess, cli, free_port, http_json, start_worker  # noqa: F401
+:class:`ManagedProcess` here starts ``omni-worker`` and ``python -m`` processes as forks of a server
+that has torch imported already (:mod:`tests._forkserver`); everything else as ``demo.launch`` does.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from demo import launch
+from demo.launch import cli, free_port, http_json
+from tests._forkserver import ForkServer, forkable
+
+#: Set ``OMNI_TEST_FORK=0`` to start every process from scratch (to rule the fork server out).
+FORK = os.environ.get("OMNI_TEST_FORK", "1") != "0"
+
+
+@functools.cache
+def _server() -> ForkServer:
+    return ForkServer()
+
+
+class ManagedProcess(launch.ManagedProcess):
+    def start(self) -> ManagedProcess:
+        module = forkable(self.argv, self.env) if FORK else None
+        if module is None:
+            super().start()
+        else:
+            self.proc = _server().spawn(self.argv, env=self.env, log=self.log_path, module=module or None)  # type: ignore[assignment]
+        return self
+
+
+def start_worker(model_dir: str | Path, *, extra_args: Sequence[str] = (), **kwargs: Any) -> tuple[ManagedProcess, str]:
+    proc, url = launch.start_worker(model_dir, extra_args=extra_args, process=ManagedProcess, **kwargs)
+    assert isinstance(proc, ManagedProcess)
+    return proc, url
+
+
+__all__ = ["ManagedProcess", "cli", "free_port", "http_json", "start_worker"]
