@@ -15,6 +15,8 @@ import time would not see it here; :func:`forkable` sends those to a plain ``Pop
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import os
 import selectors
@@ -29,7 +31,9 @@ from pathlib import Path
 from typing import Any
 
 #: What the server imports before it forks: what a worker or a trainer spends its start-up on.
-PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "worker.cli", "worker.http.app")
+PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "worker.cli", "worker.http.app", "router.gateway.cli")
+#: The console scripts run in a fork: their installed entry points (``module:function``).
+SCRIPTS = ("omni-worker", "omni-router")
 #: Environment variables the forked process may set for itself (read after start-up, not at import).
 RUNTIME_ENV = frozenset({"PYTHONUNBUFFERED"})
 #: The bound on one request to the server (it answers at once; a fork takes milliseconds).
@@ -48,7 +52,8 @@ def _child(request: dict[str, Any]) -> None:
     code = 1
     try:
         os.setsid()
-        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGINT, signal.SIGPIPE):
+        # As a fresh interpreter has them (SIGPIPE stays ignored, as Python sets it at start-up).
+        for sig in (signal.SIGCHLD, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -61,17 +66,21 @@ def _child(request: dict[str, Any]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         os.chdir(request["cwd"])
-        if request["module"]:
-            sys.argv = [request["module"], *request["argv"][3:]]  # as ``python -m`` leaves it
+        target = request["target"]
+        if target.startswith("-m "):
+            module = target[3:]
+            sys.argv = [module, *request["argv"][3:]]  # as ``python -m`` leaves it
             import runpy
 
-            runpy.run_module(request["module"], run_name="__main__", alter_sys=True)
+            runpy.run_module(module, run_name="__main__", alter_sys=True)
             code = 0
         else:
-            from worker.cli import main
+            import importlib
 
+            module, function = target.split(":")
             sys.argv = list(request["argv"])
-            code = main(request["argv"][1:])
+            result = getattr(importlib.import_module(module), function)()
+            code = result if isinstance(result, int) else 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
     except BaseException:
@@ -184,9 +193,9 @@ class ForkServer:
             answer: dict[str, Any] = json.loads(conn.makefile("rb").readline())
         return answer
 
-    def spawn(self, argv: Sequence[str], *, env: dict[str, str], log: Path, module: str | None) -> ForkedProcess:
+    def spawn(self, argv: Sequence[str], *, env: dict[str, str], log: Path, target: str) -> ForkedProcess:
         message = {"op": "spawn", "argv": list(argv), "env": env, "log": str(log), "cwd": os.getcwd()}
-        message["module"] = module
+        message["target"] = target
         return ForkedProcess(self, int(self.request(message)["pid"]), list(argv))
 
 
@@ -223,13 +232,21 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
 
+@functools.cache
+def _entry_points() -> dict[str, str]:
+    found = importlib.metadata.entry_points(group="console_scripts")
+    return {ep.name: ep.value for ep in found if ep.name in SCRIPTS}
+
+
 def forkable(argv: Sequence[str], env: dict[str, str]) -> str | None:
-    """What the server runs for ``argv``: ``""`` for ``omni-worker``, the module for ``python -m``;
-    None when the process must start from scratch (another program, or an import-time variable)."""
+    """What the server runs for ``argv``: a console script's entry point (``module:function``) or
+    ``-m module``; None when the process must start from scratch (another program, or an
+    environment variable that differs from the suite's and may be read at import)."""
     if any(os.environ.get(key) != value for key, value in env.items() if key not in RUNTIME_ENV):
         return None
-    if Path(argv[0]).name == "omni-worker":
-        return ""
+    entry = _entry_points().get(Path(argv[0]).name)
+    if entry is not None and Path(argv[0]).parent == Path(sys.executable).parent:
+        return entry
     if argv[0] == sys.executable and len(argv) >= 3 and argv[1] == "-m":
-        return argv[2]
+        return f"-m {argv[2]}"
     return None

@@ -1,6 +1,6 @@
 """Process helpers for tests (see :mod:`demo.launch`).
 
-:class:`ManagedProcess` here starts ``omni-worker`` and ``python -m`` processes as forks of a server
+:class:`ManagedProcess` here starts ``omni-worker``, ``omni-router`` and ``python -m`` processes as forks of a server
 that has torch imported already (:mod:`tests._forkserver`); everything else as ``demo.launch`` does.
 """
 
@@ -27,11 +27,11 @@ def _server() -> ForkServer:
 
 class ManagedProcess(launch.ManagedProcess):
     def start(self) -> ManagedProcess:
-        module = forkable(self.argv, self.env) if FORK else None
-        if module is None:
+        target = forkable(self.argv, self.env) if FORK else None
+        if target is None:
             super().start()
         else:
-            self.proc = _server().spawn(self.argv, env=self.env, log=self.log_path, module=module or None)  # type: ignore[assignment]
+            self.proc = _server().spawn(self.argv, env=self.env, log=self.log_path, target=target)  # type: ignore[assignment]
         return self
 
 
