@@ -1,6 +1,7 @@
 # Two entry points, each doing its own set-up on a machine with only Python:
 #   make demo   - run the main job
 #   make test   - run the test suite
+#   make test-fast - the tests that start no process (unit and in-process tiers): the loop to run on every change
 #   make test-clients - the client-compatibility tier: released RL clients in their own venv
 #   make test-engines - the engine tier: real vLLM servers (and SGLang's own routes) behind the router
 PYTHON ?= python3
@@ -19,7 +20,7 @@ CPY            := $(CLIENTS_VENV)/bin/python
 ENGINES_VENV ?= .venv-engines
 EPY          := $(ENGINES_VENV)/bin/python
 
-.PHONY: install demo test test-clients test-engines soak soak-short lint bench clean
+.PHONY: install demo test test-fast test-clients test-engines soak soak-short lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -33,7 +34,10 @@ demo: install
 	$(PY) -m demo
 
 test: install
-	$(PY) -m pytest -q -n 2 --dist loadfile
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25
+
+test-fast: install
+	$(PY) -m pytest -q -n 2 -m "not process and not gpu"
 
 $(CLIENTS_VENV)/.installed: pyproject.toml tests/clients/clients.txt tests/clients/requirements.txt
 	$(CLIENTS_PYTHON) -m venv $(CLIENTS_VENV)
@@ -55,7 +59,7 @@ $(ENGINES_VENV)/.installed: pyproject.toml tests/engines/requirements.txt tests/
 	touch $@
 
 test-engines: $(ENGINES_VENV)/.installed
-	OMNI_ENGINE_TIER=1 $(EPY) -m pytest -q tests/engines
+	OMNI_ENGINE_TIER=1 OMNI_TEST_FORK=0 $(EPY) -m pytest -q tests/engines
 
 # A soak of the replicated router under faults (benchmarks/soak.py): SOAK_MINUTES=30 by default; CI runs 3.
 SOAK_MINUTES ?= 30

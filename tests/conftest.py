@@ -16,9 +16,13 @@ from pathlib import Path
 import pytest
 
 from tests._router_fixtures import Fleet, make_tiny_checkpoint, start_workers
+from tests._tiers import process_fixture
 from tests._weight_sync_fixtures import LAYERS, WORKER_ARGS
 from tests._worker_helpers import Worker
 from tests.procs import ManagedProcess, start_worker
+
+#: Tier markers (unit, inprocess, process, gpu), set from what each test uses; heaviest files first.
+pytest_plugins = ["tests._tiers"]
 
 #: The client-compatibility tier (``make test-clients``) runs in its own virtualenv, where the
 #: released RL clients are installed; the main suite's environment has none of them.
@@ -51,7 +55,7 @@ def chat_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def worker_factory() -> Iterator[Callable[..., Worker]]:
     """Start workers for this module; all are stopped at module teardown."""
     started: list[Worker] = []
@@ -69,7 +73,7 @@ def worker_factory() -> Iterator[Callable[..., Worker]]:
         w.proc.stop()
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def worker(worker_factory: Callable[..., Worker], checkpoints: dict[str, Path]) -> Worker:
     """A plain llama worker shared by the module."""
     return worker_factory(checkpoints["llama"])
@@ -94,7 +98,7 @@ def sync_ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     }
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def sync_workers(sync_ckpts: dict[str, str]) -> Iterator[list[str]]:
     """Two omni-worker processes serving checkpoint ``a``."""
     procs = []
@@ -107,7 +111,7 @@ def sync_workers(sync_ckpts: dict[str, str]) -> Iterator[list[str]]:
             proc.stop()
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def worker_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., Fleet]]:
     """Start ``n`` real workers for this module: ``worker_fleet(n, extra_args=..., seeds=..., hosts=..., model=...)``.
 

@@ -16,8 +16,11 @@ from demo import launch
 from demo.launch import cli, free_port, http_json
 from tests._forkserver import ForkServer, forkable
 
-#: Set ``OMNI_TEST_FORK=0`` to start every process from scratch (to rule the fork server out).
-FORK = os.environ.get("OMNI_TEST_FORK", "1") != "0"
+
+def forking() -> bool:
+    """``OMNI_TEST_FORK=0`` starts every process from scratch (the engine tier does: its servers are
+    other projects' programs; and anyone may, to rule the fork server out)."""
+    return os.environ.get("OMNI_TEST_FORK", "1") != "0"
 
 
 @functools.cache
@@ -27,7 +30,7 @@ def _server() -> ForkServer:
 
 class ManagedProcess(launch.ManagedProcess):
     def start(self) -> ManagedProcess:
-        target = forkable(self.argv, self.env) if FORK else None
+        target = forkable(self.argv, self.env) if forking() else None
         if target is None:
             super().start()
         else:

@@ -181,6 +181,7 @@ def expect_mismatch(got: dict, sent: dict, rnd: dict, *, atomic: bool) -> None:
     assert got["digests"] == sent["digests"][:applied] + [None] * (PEER_BUCKETS - applied)
 
 
+@pytest.mark.process
 class TestCanariesOverGloo:
     def test_short_and_long_in_both_formats_streaming_and_atomic(self, tmp_path: Path) -> None:
         rounds = [

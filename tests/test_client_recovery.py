@@ -15,9 +15,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import free_port, http_json
+
+pytestmark = pytest.mark.process
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The router's admin-lock wait: a pause arriving while a prepared update still

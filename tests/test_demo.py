@@ -17,6 +17,10 @@ import threading
 from pathlib import Path
 from urllib.parse import urlsplit
 
+import pytest
+
+pytestmark = pytest.mark.process
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 DEMO_TIMEOUT_S = 180
 

@@ -24,6 +24,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests._tiers import process_fixture
+
 ROOT = Path(__file__).resolve().parents[1]
 KUSTOMIZE = ROOT / "deploy" / "kubernetes"
 DOCKER = ROOT / "deploy" / "docker"
@@ -70,7 +72,7 @@ def overlay(request: pytest.FixtureRequest) -> str:
     return request.param
 
 
-@pytest.fixture
+@process_fixture()
 def objs(overlay: str) -> tuple[Obj, ...]:
     return _render(overlay)
 
@@ -511,6 +513,7 @@ def _dockerfile(name: str) -> list[str]:
     return lines
 
 
+@pytest.mark.process
 @pytest.mark.parametrize(("dockerfile", "script"), [("router.Dockerfile", ROUTER), ("worker.Dockerfile", WORKER)])
 def test_dockerfiles_run_the_entry_point_as_non_root(dockerfile: str, script: str) -> None:
     lines = _dockerfile(dockerfile)

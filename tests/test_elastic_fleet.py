@@ -15,12 +15,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 
 from router.contract.weight_sync import DEFAULT_GROUP_NAME as GROUP
 from router.trainer import BucketPlan, GroupSpec, RouterClient, SyncReport, TrainerWeightSender, sent_checksum
 from tests._router_fixtures import ADMIN_KEY, auth, by_url, generate_via, start_router, start_workers, wait_for
+from tests._tiers import process_fixture
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import free_port, http_json
 from worker.model.checkpoint import read_checkpoint
@@ -68,7 +68,7 @@ class Trainer:
         self.sender.close()
 
 
-@pytest.fixture
+@process_fixture()
 def fleet(checkpoints, tmp_path) -> Iterator[tuple[str, list[str], Trainer]]:
     procs = start_workers(checkpoints["llama"], 3, extra_args=["--admin-api-key", ADMIN_KEY, *WORKER_ARGS])
     urls = [url for _, url in procs]

@@ -17,6 +17,8 @@ import pytest
 from router import __version__
 from router.gateway.discovery.k8s import require_client
 
+pytestmark = pytest.mark.process
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 

@@ -32,6 +32,7 @@ import pytest
 from router.trainer.rendezvous import alongside
 from router.trainer.sender import TrainerWeightSender
 from tests._router_fixtures import start_router, wait_for
+from tests._tiers import process_fixture
 from tests._worker_helpers import Worker
 from tests.procs import ManagedProcess, cli, free_port, http_json
 
@@ -119,7 +120,7 @@ def _spawn(model: Path, *args: str) -> Worker:
     return Worker(proc, f"http://127.0.0.1:{port}", model)
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def fleet(checkpoints: dict[str, Path]) -> Iterator[dict[str, Worker]]:
     """Every worker this module needs, started together (torch's import dominates start-up)."""
     model = checkpoints["llama"]

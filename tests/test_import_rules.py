@@ -264,6 +264,7 @@ def test_no_import_cycles() -> None:
     assert not cycles, "import cycles among project modules:\n" + "\n".join(" ↔ ".join(c) for c in cycles)
 
 
+@pytest.mark.process
 def test_gateway_import_loads_no_torch() -> None:
     """The runtime side: the router server's modules import without torch being loaded."""
     code = (

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from router.trainer.sender import sent_checksum
+from tests._tiers import process_fixture
 from tests._tp_model_peer import BAD_CONFIGS, build, run_case
 from tests.procs import ManagedProcess, free_port
 from worker.model import ModelConfig, read_checkpoint
@@ -49,7 +50,7 @@ def cases(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
     return {"llama": str(checkpoints["llama"]), "qwen2": str(checkpoints["qwen2"]), "llama_kv1_bias": str(extra)}
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def ranks(cases: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's report, in rank order."""
     tmp = tmp_path_factory.mktemp("tp_reports")

@@ -279,6 +279,7 @@ def _exited(pid: int) -> bool:
     return True
 
 
+@pytest.mark.process
 def test_sigterm_drains_every_process_and_stops_them_all(tmp_path):
     model = make_tiny_checkpoint(tmp_path / "model")
     procs = start_workers(model, 1, extra_args=["--step-delay-ms", "20"])

@@ -35,6 +35,7 @@ from router.gateway.state.k8s_store import DEFAULT_PREFIX, KubernetesStore, Stat
 from router.trainer import RouterCallError, RouterClient
 from tests._k8s_standin import StandInApiServer
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, wait_for, workers
+from tests._tiers import process_fixture
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import ManagedProcess, free_port, http_json
 
@@ -84,7 +85,7 @@ class Replicas:
         return proc, url
 
 
-@pytest.fixture
+@process_fixture()
 def replicas(api: StandInApiServer, tmp_path: Path) -> Iterator[Replicas]:
     made = Replicas(api, tmp_path)
     try:

@@ -41,6 +41,7 @@ from router.gateway.routing.prepare import prepare_payload, prepare_tokens_paylo
 from router.gateway.upstream import decode_answer
 
 
+@pytest.mark.process
 def test_router_import_leaves_torch_out():
     code = (
         "import sys, router, router.gateway.app, router.gateway.cli, router.trainer, router.contract.fleet;"

@@ -17,6 +17,8 @@ import pytest
 
 from tests.procs import ManagedProcess, free_port
 
+pytestmark = pytest.mark.process
+
 NUM_BUCKETS = 73
 PEER_EXIT_TIMEOUT_S = 90  # a hang guard only: far above every timeout the peers are given
 

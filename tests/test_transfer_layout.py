@@ -59,6 +59,7 @@ class TestBucketLayout:
         with pytest.raises(LayoutError, match=message):
             BucketLayout.from_meta(names, dtypes, shapes)
 
+    @pytest.mark.process
     def test_protocol_does_not_import_torch(self) -> None:
         code = (
             "import sys, router.contract.weight_sync, router.contract.bucket_layout; assert 'torch' not in sys.modules"

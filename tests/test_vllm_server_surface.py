@@ -14,15 +14,14 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import pytest
-
 from tests._router_fixtures import ADMIN_KEY, auth, running_fleet
+from tests._tiers import process_fixture
 from tests.procs import http_json
 
 SLOW = ["--step-delay-ms", "40", "--num-threads", "1"]
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[list[str], str]]:
     with running_fleet(checkpoints["llama"], 2, worker_args=SLOW, admin_key=ADMIN_KEY) as fleet:
         yield fleet

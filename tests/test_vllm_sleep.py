@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 
 from tests._router_fixtures import ADMIN_KEY, auth, running_fleet, wait_for, workers
+from tests._tiers import process_fixture
 from tests.procs import http_json
 
 SLOW = ["--step-delay-ms", "20", "--num-threads", "1"]
@@ -25,7 +26,7 @@ PROMPT = [1, 2, 3, 4, 5, 6]
 GEN = "/inference/v1/generate"
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[list[str], str]]:
     with running_fleet(checkpoints["llama"], 2, worker_args=SLOW, admin_key=ADMIN_KEY) as fleet:
         yield fleet

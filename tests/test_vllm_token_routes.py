@@ -20,6 +20,7 @@ import pytest
 
 from router.contract.vllm_tokens import TokenizeResponse, TokensGenerateResponse
 from tests._router_fixtures import ADMIN_KEY, auth, running_fleet, wait_for, workers
+from tests._tiers import process_fixture
 from tests._worker_helpers import open_raw_request, sse_events
 from tests.procs import http_json
 
@@ -29,7 +30,7 @@ GEN = "/inference/v1/generate"
 MESSAGES = [{"role": "user", "content": "What is 2+2?"}]
 
 
-@pytest.fixture(scope="module")
+@process_fixture(scope="module")
 def fleet(chat_checkpoint: Path) -> Iterator[tuple[list[str], str]]:
     with running_fleet(chat_checkpoint, 2, worker_args=SLOW, admin_key=ADMIN_KEY) as fleet:
         yield fleet
