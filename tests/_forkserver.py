@@ -34,8 +34,9 @@ from typing import Any
 PRELOAD = ("torch", "torch.distributed", "safetensors.torch", "worker.cli", "worker.http.app", "router.gateway.cli")
 #: The console scripts run in a fork: their installed entry points (``module:function``).
 SCRIPTS = ("omni-worker", "omni-router")
-#: Environment variables the forked process may set for itself (read after start-up, not at import).
-RUNTIME_ENV = frozenset({"PYTHONUNBUFFERED"})
+#: Environment variables a forked process may have its own value of (read after start-up, not at
+#: import). pytest names the running test in one: a process restarted in a later test differs there.
+RUNTIME_ENV = frozenset({"PYTHONUNBUFFERED", "PYTEST_CURRENT_TEST"})
 #: The bound on one request to the server (it answers at once; a fork takes milliseconds).
 REQUEST_TIMEOUT_S = 30.0
 #: Bound on the server's own start (it imports torch).

@@ -47,7 +47,7 @@ from router.trainer import (
 )
 from tests._router_fixtures import ADMIN_KEY
 from tests._transfer_peer import send_tampered_bucket
-from tests.procs import free_port
+from tests.procs import ManagedProcess, free_port
 from worker.model.checkpoint import read_checkpoint
 
 #: The router's admin-lock wait as the tests configure it: a router still holding its
@@ -176,10 +176,11 @@ def main(cfg: dict) -> dict:
 
 
 def run_trainer(
-    router_url: str, model: str, out_dir: Any, steps: list[Any], *, timeout: float = 240, **extra: Any
+    router_url: str, model: Any, out_dir: Any, steps: list[Any], *, timeout: float = 240, **extra: Any
 ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
-    """Run this module as a trainer process against ``router_url``; its exit and its report."""
-    out = out_dir / f"trainer-report-{os.getpid()}-{len(steps)}.json"
+    """Run this module as a trainer process against ``router_url`` to its end: its exit (``stderr``
+    holds all it wrote) and its report (``{}`` when it wrote none)."""
+    out = Path(out_dir) / f"trainer-report-{os.getpid()}-{len(steps)}-{free_port()}.json"
     cfg = {
         "router": router_url,
         "admin_key": extra.pop("admin_key", ADMIN_KEY),
@@ -190,13 +191,14 @@ def run_trainer(
         "steps": steps,
         **extra,
     }
-    done = subprocess.run(
-        [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    trainer = ManagedProcess("trainer", [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)]).start()
+    assert trainer.proc is not None
+    try:
+        code = trainer.proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        trainer.kill()
+        raise AssertionError(f"the trainer hung:\n{trainer.log_text()}") from None
+    done = subprocess.CompletedProcess(trainer.argv, code, "", trainer.log_text())
     return done, json.loads(out.read_text()) if out.exists() else {}
 
 

@@ -41,9 +41,10 @@ from tests.procs import ManagedProcess, http_json
 
 PROMPT = [1, 2, 3, 4, 5]
 NEW_TOKENS = 8
-#: One tensor per 100 ms: a tiny model's snapshot takes about 4 s, long enough to kill its source mid-way
-#: even on a loaded machine.
-SLOW_SOURCE = ["--snapshot-send-delay-ms", "100"]
+#: One tensor per 50 ms: a tiny model's snapshot (39 tensors) takes about 2 s, far longer than the test
+#: takes to see a source start (it reads the sources' logs every 0.1 s) and kill it mid-way, even on a
+#: loaded machine. Every catch-up in this module streams at this pace: a longer delay slows them all.
+SLOW_SOURCE = ["--snapshot-send-delay-ms", "50"]
 CATCH_UP_S = 30  # a hang guard only: a catch-up of the tiny model takes a few seconds
 
 

@@ -17,8 +17,11 @@ def trio(worker_fleet) -> Fleet:
     return worker_fleet(3, extra_args=["--admin-api-key", ADMIN_KEY])
 
 
-def hanging_init(router_url: str, answer: dict, timeout_s: float = 6.0) -> threading.Thread:
+def hanging_init(router_url: str, answer: dict, timeout_s: float = 3.0) -> threading.Thread:
     """A group init nobody completes: the workers wait ``timeout_s`` for a trainer that never comes.
+
+    The tests kill a process right after the router fenced the targets, long before that wait ends (it
+    starts as the router forwards the init, after the fence); the survivor's 400 at its end ends the call.
 
     Each init names a group of its own: a worker still joining an earlier test's group would
     refuse the same name at once, before any join, and a refusal fences nothing."""

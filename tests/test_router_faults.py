@@ -17,8 +17,6 @@ Real parts: omni-workers on a tiny llama, an omni-router, and trainer processes
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -36,11 +34,10 @@ from tests._router_fixtures import (
     wait_for,
     workers,
 )
-from tests._router_trainer import DIED
+from tests._router_trainer import DIED, run_trainer
 from tests._weight_sync_fixtures import WORKER_ARGS
-from tests.procs import free_port, http_json
+from tests.procs import http_json
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The sync's receive window (tests/_router_trainer.py asks for 60 s): the prepared update would live
 #: this long plus a margin if nothing ended it. The waits for its end are bounded by ENDED_WITHIN_S,
 #: far shorter, so reaching their end at all shows the router ended it early.
@@ -53,25 +50,6 @@ ANSWERED_WITHIN_S = 20
 @pytest.fixture(scope="module")
 def pair(worker_fleet) -> Fleet:
     return worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY, *WORKER_ARGS])
-
-
-def run_trainer(router_url: str, model: Path, out: Path, steps: list[Any]) -> subprocess.CompletedProcess[str]:
-    cfg = {
-        "router": router_url,
-        "admin_key": ADMIN_KEY,
-        "model": str(model),
-        "port": free_port(),
-        "out": str(out),
-        "bucket_bytes": 64 * 1024,
-        "steps": steps,
-    }
-    return subprocess.run(
-        [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
 
 
 def journal_pending(url: str) -> dict[str, Any] | None:
@@ -93,11 +71,8 @@ def test_trainer_killed_mid_sync(pair: Fleet, tmp_path: Path, atomic: bool) -> N
     router, url = start_router(pair.urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     try:
         before = checksums(url)
-        killed = run_trainer(
-            url,
-            model,
-            tmp_path / "dead.json",
-            [["two_phase", "flattened_bucket", {"atomic": atomic, "die_at_bucket": 2}]],
+        killed, _ = run_trainer(
+            url, model, tmp_path, [["two_phase", "flattened_bucket", {"atomic": atomic, "die_at_bucket": 2}]]
         )
         assert killed.returncode == DIED, killed.stderr[-3000:]
         # The trainer's sockets closed with it: every receive fails, and the router ends the update
@@ -139,10 +114,7 @@ def test_trainer_killed_mid_sync(pair: Fleet, tmp_path: Path, atomic: bool) -> N
         # The next trainer (a restarted process) rebuilds the group and syncs: everyone routable.
         status, body = call(url, "/destroy_weights_update_group", {"group_name": DEFAULT_GROUP_NAME})
         assert status == 200, body
-        again = run_trainer(
-            url, model, tmp_path / "again.json", [["two_phase", "flattened_bucket", {"atomic": atomic}]]
-        )
-        report = json.loads((tmp_path / "again.json").read_text())
+        again, report = run_trainer(url, model, tmp_path, [["two_phase", "flattened_bucket", {"atomic": atomic}]])
         assert again.returncode == 0 and "error" not in report, (report, again.stderr[-3000:])
         assert report["steps"][0]["matches_expected"] is True
         fleet = workers(url, ADMIN_KEY)
@@ -168,8 +140,7 @@ def test_broadcasts_of_other_sizes_than_announced_fail_through_the_router(pair: 
         ]
         steps = [["two_phase", fmt, {"atomic": True, **tamper}] for fmt, tamper, _ in cases]
         steps.append(["two_phase", "flattened_bucket", {"atomic": True}])
-        done = run_trainer(url, model, tmp_path / "report.json", steps)
-        report = json.loads((tmp_path / "report.json").read_text())
+        done, report = run_trainer(url, model, tmp_path, steps)
         assert done.returncode == 0 and "error" not in report, (report.get("error"), done.stderr[-3000:])
         for step, (fmt, _, verdict) in zip(report["steps"], cases, strict=False):
             failed = step["failed"]

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 
 from router.gateway.fleet.registry import normalize_url, worker_id_for
-from tests._router_fixtures import make_tiny_checkpoint, start_router, start_workers, wait_for, workers
+from tests._router_fixtures import start_router, start_workers, wait_for, workers
 from tests.procs import ManagedProcess
+
+pytestmark = pytest.mark.process
 
 ROUTER_ARGS = [
     "--policy", "round_robin",
@@ -30,21 +32,28 @@ ROUTER_ARGS = [
 ]  # fmt: skip
 #: Far below --request-timeout-s: a request still waiting on the frozen worker would miss it.
 CLIENT_TIMEOUT_S = 60
+#: Milliseconds each worker sleeps after a forward step, so requests stay in flight long enough to
+#: freeze a worker under them: 40 tokens on the first (the one the first test freezes) last 4 s. The
+#: second is where requests move to; 200 streamed tokens still last 4 s there, and a request that
+#: moved finishes sooner.
+STEP_DELAY_MS = ("100", "20")
 
 
 @pytest.fixture
-def fleet(tmp_path) -> Iterator[tuple[list[tuple[ManagedProcess, str]], str]]:
-    model = make_tiny_checkpoint(tmp_path / "model")
-    # Slow steps keep requests in flight long enough to freeze a worker under them.
-    procs = start_workers(model, 2, extra_args=["--step-delay-ms", "100"])
-    router, url = start_router([u for _, u in procs], extra_args=ROUTER_ARGS)
+def fleet(checkpoints) -> Iterator[tuple[list[tuple[ManagedProcess, str]], str]]:
+    procs: list[tuple[ManagedProcess, str]] = []
     try:
-        yield procs, url
+        for delay in STEP_DELAY_MS:
+            procs += start_workers(checkpoints["llama"], 1, extra_args=["--step-delay-ms", delay])
+        router, url = start_router([u for _, u in procs], extra_args=ROUTER_ARGS)
+        try:
+            yield procs, url
+        finally:
+            for proc, _ in procs:
+                if proc.proc is not None and proc.alive:
+                    os.kill(proc.proc.pid, signal.SIGCONT)
+            router.stop()
     finally:
-        for proc, _ in procs:
-            if proc.proc is not None and proc.alive:
-                os.kill(proc.proc.pid, signal.SIGCONT)
-        router.stop()
         for proc, _ in procs:
             proc.stop()
 

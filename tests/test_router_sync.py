@@ -5,8 +5,6 @@ bucket formats; and the two-phase barrier when one worker cannot prepare."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,9 +14,7 @@ from tests._router_fixtures import (
     Fleet,
     auth,
     generate_via,
-    make_tiny_checkpoint,
     start_router,
-    start_workers,
     workers,
 )
 from tests._router_trainer import run_trainer
@@ -30,6 +26,14 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def fleet(worker_fleet) -> Fleet:
     return worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY])
+
+
+@pytest.fixture(scope="module")
+def qwen(worker_fleet, checkpoints) -> tuple[str, Path]:
+    """A qwen2 worker beside the fleet's llama ones, and its checkpoint: qwen2's metadata (with qkv
+    biases) suits only this worker."""
+    served = worker_fleet(1, extra_args=["--admin-api-key", ADMIN_KEY], model=checkpoints["qwen2"])
+    return served.urls[0], served.model
 
 
 def test_full_sync_cycle_through_one_url(fleet: Fleet, tmp_path):
@@ -63,33 +67,16 @@ def test_full_sync_cycle_through_one_url(fleet: Fleet, tmp_path):
         proc.stop()
 
 
-@pytest.fixture
-def mixed_fleet(tmp_path):
-    """One llama worker and one qwen2 worker: qwen2's metadata (with qkv biases) suits only the qwen2 worker."""
-    llama = make_tiny_checkpoint(tmp_path / "llama")
-    qwen = tmp_path / "qwen"
-    subprocess.run(
-        [sys.executable, "-m", "worker.cli", "make-tiny", str(qwen), "--arch", "qwen2"],
-        check=True,
-        timeout=120,
-        capture_output=True,
-    )
-    procs = start_workers(llama, 1, extra_args=["--admin-api-key", ADMIN_KEY]) + start_workers(
-        qwen, 1, extra_args=["--admin-api-key", ADMIN_KEY]
-    )
-    yield [u for _, u in procs], qwen
-    for p, _ in procs:
-        p.stop()
-
-
-def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
+def test_prepare_error_on_one_worker_releases_the_others(fleet: Fleet, qwen, tmp_path):
     import torch
 
     from router.trainer import BucketPlan, TrainerWeightSender
     from router.trainer.rendezvous import alongside
     from worker.model.checkpoint import read_checkpoint
 
-    urls, qwen = mixed_fleet
+    # One llama worker (it may have synced already: what it serves must not change here) and the qwen2 one.
+    qwen_url, qwen = qwen
+    urls = [fleet.urls[0], qwen_url]
     status, body = http_json(
         "POST", urls[1] + "/abort_weights_update", {"group_name": "weight_update_group"}, headers=auth()
     )
@@ -98,6 +85,7 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
         http_json("POST", u + "/weights_checker", {"action": "checksum"}, headers=auth())[1]["per_gpu_checksum"]
         for u in urls
     ]
+    versions = [http_json("GET", u + "/model_info", headers=auth())[1]["weight_version"] for u in urls]
     proc, url = start_router(urls, admin_key=ADMIN_KEY, state_dir=tmp_path / "state")
     sender = TrainerWeightSender(master_port=free_port(), world_size=3, timeout_s=30)
     try:
@@ -127,9 +115,9 @@ def test_prepare_error_on_one_worker_releases_the_others(mixed_fleet, tmp_path):
             for u in urls
         ]
         assert after == before
-        for u in urls:
+        for u, version in zip(urls, versions, strict=True):
             info = http_json("GET", u + "/model_info", headers=auth())[1]
-            assert not info["is_paused"] and not info["weights_partial"] and info["weight_version"] == "default"
+            assert not info["is_paused"] and not info["weights_partial"] and info["weight_version"] == version
         assert http_json("POST", url + "/pause_generation", {"mode": "retract"}, headers=auth())[0] == 200
         assert http_json("POST", url + "/continue_generation", {}, headers=auth())[0] == 200
         # The dropped receive had been posted: that worker's side of the group is out of
