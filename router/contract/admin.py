@@ -159,7 +159,34 @@ class RankResult(WireResponse):
     message: str = ""
 
 
-class AdminResult(OutcomeResponse):
+class WeightsReport(OutcomeResponse):
+    """What one call did to a worker's weights (``weights``) and what they are after it
+    (``weights_partial``): what a router reads of an answer to decide whether the worker may serve
+    the fleet's weights again. The answer of every route that may write the weights is one, but
+    vLLM's ``/collective_rpc`` (which says nothing of them); :class:`AdminResult` says what the two
+    fields mean.
+
+    An answer lists these two after its leading fields (SGLang's order). Pydantic orders fields
+    from the last base to the first, so an answer names this class first among its bases and the
+    class declaring its leading fields second."""
+
+    weights: WeightsEffect | None = None
+    weights_partial: bool | None = None
+
+
+class AdminStatus(OutcomeResponse):
+    """The leading fields of SGLang's admin answer: ``{success, message, rank_results}``."""
+
+    success: bool
+    message: str = ""
+    rank_results: list[RankResult] | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.success
+
+
+class AdminResult(WeightsReport, AdminStatus):
     """The generic admin answer: ``{success, message, rank_results}`` plus the action's fields.
 
     ``weights`` says what the call did to the worker's weights, success or not: ``intact``
@@ -169,16 +196,6 @@ class AdminResult(OutcomeResponse):
     ``weights_partial`` says what the weights are after the call, whatever it did: a mix of
     versions (an earlier update failed) or released without a copy and not yet rewritten.
     Such a worker generates nothing; a refusal on it is still ``intact``."""
-
-    success: bool
-    message: str = ""
-    rank_results: list[RankResult] | None = None
-    weights: WeightsEffect | None = None
-    weights_partial: bool | None = None
-
-    @property
-    def ok(self) -> bool:
-        return self.success
 
 
 class PauseResult(AdminResult):

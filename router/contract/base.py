@@ -11,7 +11,7 @@ can report a failure (:class:`OutcomeResponse`) is sent failed with ``error.mess
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated, Self
+from typing import Annotated, Protocol, Self, runtime_checkable
 from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -141,6 +141,14 @@ class WireResponse(BaseModel):
     def ok(self) -> bool:
         """Whether the answer reports success (a response with no success field always does)."""
         return True
+
+
+@runtime_checkable
+class Explained(Protocol):
+    """An answer that says in words how its call went (``message``: SGLang's admin answers, vLLM's)."""
+
+    @property
+    def message(self) -> str: ...
 
 
 class FailureDetail(BaseModel):

@@ -19,8 +19,9 @@ from router.contract import admin, peer, vllm, vllm_dev, vllm_rl, vllm_server, w
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import APPLY_S, DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIMEOUT_S, Budget
 
-Req = TypeVar("Req", bound=WireRequest)
-Resp = TypeVar("Resp", bound=WireResponse)
+#: Covariant: an endpoint of any route is an ``Endpoint[WireRequest, WireResponse]`` (a table of several routes).
+Req = TypeVar("Req", bound=WireRequest, covariant=True)
+Resp = TypeVar("Resp", bound=WireResponse, covariant=True)
 
 POST = ("POST",)
 GET = ("GET",)
@@ -54,7 +55,7 @@ class Endpoint(Generic[Req, Resp]):
     def name(self) -> str:
         return self.path.lstrip("/")
 
-    def timeout_of(self, req: Req) -> float | None:
+    def timeout_of(self, req: WireRequest) -> float | None:
         """The request's own bound on its wait, if this route has one and the caller set it."""
         field = self.timeout_field
         if field is None or field not in type(req).model_fields:
@@ -62,9 +63,13 @@ class Endpoint(Generic[Req, Resp]):
         value = getattr(req, field)
         return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
-    def worker_bound(self, req: Req) -> float:
+    def worker_bound(self, req: WireRequest) -> float:
         """The worker's deadline for this call."""
         return self.budget.bound(self.timeout_of(req))
+
+
+#: An endpoint of any route.
+AnyEndpoint = Endpoint[WireRequest, WireResponse]
 
 
 def _receive(work_s: float) -> Budget:
@@ -448,7 +453,7 @@ SHUTDOWN_WEIGHT_TRANSFER_ENGINE = Endpoint(
 )
 
 #: Every admin route a worker serves, in the order they are documented.
-WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
+WORKER_ADMIN: tuple[AnyEndpoint, ...] = (
     MODEL_INFO,
     GET_WEIGHT_VERSION,
     SERVER_INFO,
@@ -487,7 +492,7 @@ WORKER_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
 )
 
 #: Admin routes of vLLM servers that omni-worker does not serve (the router relays them to vLLM workers only).
-VLLM_ONLY_ADMIN: tuple[Endpoint, ...] = (  # type: ignore[type-arg]
+VLLM_ONLY_ADMIN: tuple[AnyEndpoint, ...] = (
     WEIGHT_INFO,
     WEIGHT_CHECKER,
     COLLECTIVE_RPC,

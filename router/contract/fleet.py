@@ -17,7 +17,7 @@ from typing import Any, Generic, Literal, TypeVar
 from pydantic import Field
 
 from router.contract.admin import ModelInfo, ServerInfo, WeightsCheckerResult, WeightVersionResult
-from router.contract.base import WireRequest, WireResponse
+from router.contract.base import Explained, WireRequest, WireResponse
 from router.contract.vllm import IsPausedResponse, PauseStatus, VllmResult
 from router.contract.vllm_dev import AbortRequestsResult, IsSleepingResponse
 from router.contract.vllm_rl import VllmWeightCheckerResult
@@ -35,6 +35,8 @@ HealthState = Literal["healthy", "unhealthy", "dead"]
 EngineName = Literal["omni", "vllm", "sglang"]
 ENGINE_NAMES: tuple[EngineName, ...] = ("omni", "vllm", "sglang")
 R = TypeVar("R", bound=WireResponse)
+#: A worker's answer in a :class:`WorkerResult`, covariant: a result of any route is a ``WorkerResult[WireResponse]``.
+A_co = TypeVar("A_co", bound=WireResponse, covariant=True)
 
 #: Fields of a worker's answer that describe that worker alone; never lifted into the fleet's answer.
 PER_WORKER_FIELDS = frozenset({"success", "message", "status", "rank_results", "error"})
@@ -166,7 +168,7 @@ class WorkerUrlQuery(WireRequest):
     url: str = Field(min_length=1, max_length=2048)
 
 
-class WorkerResult(WireResponse, Generic[R]):
+class WorkerResult(WireResponse, Generic[A_co]):
     """What one worker answered to one broadcast admin call.
 
     ``body`` is the worker's answer parsed into the route's response model;
@@ -178,7 +180,7 @@ class WorkerResult(WireResponse, Generic[R]):
     url: str
     success: bool
     status_code: int | None = None
-    body: R | None = None
+    body: A_co | None = None
     error: str | None = None
     elapsed_ms: float
 
@@ -189,8 +191,9 @@ class WorkerResult(WireResponse, Generic[R]):
         body = self.body
         if body is None:
             return "no answer"
-        message = getattr(body, "message", None)
-        return str(message) if message else body.model_dump_json()[:300]
+        if isinstance(body, Explained) and body.message:
+            return str(body.message)
+        return body.model_dump_json()[:300]
 
 
 class FleetAnswer(WireResponse, Generic[R]):
@@ -210,7 +213,7 @@ class FleetAnswer(WireResponse, Generic[R]):
         return [r.worker for r in self.results if not r.success]
 
 
-def agreed_fields(model: type[WireResponse], answers: Sequence[WireResponse | None]) -> dict[str, Any]:
+def agreed_fields(model: type[R], answers: Sequence[R | None]) -> dict[str, Any]:
     """The fields of ``model`` that every answer sets to the same value (per-worker fields left out).
 
     A field on which the answers disagree, or that some worker did not report, is
@@ -220,11 +223,13 @@ def agreed_fields(model: type[WireResponse], answers: Sequence[WireResponse | No
     bodies = [a for a in answers if a is not None]
     if not bodies or len(bodies) != len(answers):
         return {}
+    # Each answer is a ``model``: its fields by name, as pydantic iterates them (no copy of their values).
+    fields = [dict(b) for b in bodies]
     agreed: dict[str, Any] = {}
     for name in model.model_fields:
         if name in PER_WORKER_FIELDS:
             continue
-        values = [getattr(b, name, None) for b in bodies]
+        values = [f[name] for f in fields]
         if all(v == values[0] for v in values[1:]) and name in bodies[0].model_fields_set:
             agreed[name] = values[0]
     return agreed

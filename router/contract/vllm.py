@@ -289,6 +289,14 @@ class VllmResult(AdminResult):
 
     success: bool = True
 
+    @property
+    def join_attempted(self) -> bool | None:
+        """omni-worker's answer to ``/init_weight_transfer_engine`` says, as SGLang's init does
+        (:class:`~router.contract.weight_sync.JoinReport`), whether its join began. It is not one of
+        vLLM's fields, so it stays undeclared (an answer keeps its shape) and is read from the extras."""
+        said = (self.model_extra or {}).get("join_attempted")
+        return said if isinstance(said, bool) else None
+
 
 class PauseStatus(AdminResult):
     """``/pause`` → ``{"status": "paused"}``, ``/resume`` → ``{"status": "resumed"}``."""

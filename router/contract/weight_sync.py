@@ -19,11 +19,11 @@ worker. Requests coerce types as SGLang's do (``"29500"`` where a port belongs i
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Protocol, runtime_checkable
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from router.contract.admin import AdminResult, RankResult, WeightsEffect
+from router.contract.admin import AdminResult, RankResult, WeightsReport
 from router.contract.base import (
     MAX_ITEMS,
     MAX_WORLD_SIZE,
@@ -128,6 +128,15 @@ class DestroyWeightsUpdateGroupRequest(WireRequest):
     group_name: GroupName = DEFAULT_GROUP_NAME
 
 
+@runtime_checkable
+class GroupCall(Protocol):
+    """A request sent over one named weight-update group: SGLang's group routes and the two-phase
+    calls (vLLM's name their group in ``init_info`` or not at all)."""
+
+    @property
+    def group_name(self) -> str: ...
+
+
 class WeightSyncResponse(AdminResult):
     """SGLang's admin answer: ``{"success", "message"}``.
 
@@ -135,6 +144,16 @@ class WeightSyncResponse(AdminResult):
     before any join began (nothing to clean up); a failed join may leave the group half-built."""
 
     join_attempted: bool | None = None
+
+
+@runtime_checkable
+class JoinReport(Protocol):
+    """An answer to a group init, SGLang's (:class:`WeightSyncResponse`) or vLLM's
+    (:class:`~router.contract.vllm.VllmResult`): ``join_attempted`` is ``False`` when the worker
+    refused before any join began, ``None`` when it does not say."""
+
+    @property
+    def join_attempted(self) -> bool | None: ...
 
 
 # -- single phase ----------------------------------------------------------------------------
@@ -231,15 +250,19 @@ class PrepareWeightsUpdateRequest(WireRequest):
         return self
 
 
-class PrepareWeightsUpdateResponse(OutcomeResponse):
-    """``ready`` once the receive loop runs; ``error`` (with the reason) when nothing was started."""
+class PrepareStatus(OutcomeResponse):
+    """The leading fields of a prepare's answer (see :class:`~router.contract.admin.WeightsReport` for why
+    they sit in a class of their own)."""
 
     status: Literal["ready", "error"]
     message: str = ""
-    #: A prepare writes nothing (a streaming update writes its first bucket only once it arrives).
-    weights: WeightsEffect | None = None
-    #: The worker's weights are partial already (see :class:`~router.contract.admin.AdminResult`).
-    weights_partial: bool | None = None
+
+
+class PrepareWeightsUpdateResponse(WeightsReport, PrepareStatus):
+    """``ready`` once the receive loop runs; ``error`` (with the reason) when nothing was started."""
+
+    # ``weights``: a prepare writes nothing (a streaming update writes its first bucket only once it
+    # arrives); ``weights_partial``: the worker's weights are partial already.
     rank_results: list[RankResult] | None = None
 
     @property
@@ -293,6 +316,15 @@ class RankChecksum(WireResponse):
     checksum: str
 
 
+@runtime_checkable
+class ChecksumReport(Protocol):
+    """An answer that reports the checksum of the weights as applied: a complete asked with
+    ``return_checksum`` (:class:`CompleteWeightsUpdateResponse`), a load from a peer."""
+
+    @property
+    def checksum(self) -> str | None: ...
+
+
 class CompleteWeightsUpdateResponse(AdminResult):
     """What the receive got and what was applied; through the router, each field holds the
     value every worker agrees on (per-worker answers sit beside it in ``results``)."""
@@ -303,5 +335,4 @@ class CompleteWeightsUpdateResponse(AdminResult):
     rank_checksums: list[RankChecksum] | None = None
     weight_version: str | None = None
     elapsed_s: float | None = None
-    #: True when a streaming update failed midway: the worker stays paused.
-    weights_partial: bool | None = None
+    # ``weights_partial`` is true when a streaming update failed midway: the worker stays paused.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -18,6 +18,9 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from router.gateway.fleet.registry import WorkerRegistry
+
+#: A bucket bound as Prometheus writes it (``+Inf``, ``0.005``); prometheus_client ships it unannotated.
+_go_float: Callable[[float], str] = floatToGoString
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _HEALTH_STATES = ("healthy", "unhealthy", "dead")
@@ -109,7 +112,7 @@ class _RequestStats(Collector):
             cumulative, buckets = 0, []
             for bound, count in zip((*self._bounds, float("inf")), counts, strict=True):
                 cumulative += count
-                buckets.append((floatToGoString(bound), cumulative))
+                buckets.append((_go_float(bound), cumulative))
             latency.add_metric([route], buckets, total[0])
         yield requests
         yield latency

@@ -9,25 +9,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
+from router.contract.base import WireRequest, WireResponse
 from router.contract.fleet import FleetAnswer, WorkerResult, agreed_fields
 from router.gateway.admin.operations import Operation
 
+Resp = TypeVar("Resp", bound=WireResponse)
+
 
 @dataclass(slots=True)
-class Outcome:
-    """A finished fleet operation: the HTTP status and the answer for the caller."""
+class Outcome(Generic[Resp]):
+    """A finished fleet operation: the HTTP status and the answer for the caller (each worker's a ``Resp``)."""
 
     status: int
-    answer: FleetAnswer[Any]
+    answer: FleetAnswer[Resp]
 
     @property
     def ok(self) -> bool:
         return self.answer.success
 
 
-def summarize(failed: Sequence[WorkerResult[Any]]) -> str:
+def summarize(failed: Sequence[WorkerResult[WireResponse]]) -> str:
     """One line per failed worker: its id, its status and why."""
     return "; ".join(
         f"{r.worker} ({r.status_code if r.status_code is not None else 'no response'}): {r.reason()[:300]}"
@@ -36,8 +39,13 @@ def summarize(failed: Sequence[WorkerResult[Any]]) -> str:
 
 
 def fleet_answer(
-    op: Operation, results: list[WorkerResult[Any]], message: str, *, success: bool | None = None, **fields: Any
-) -> FleetAnswer[Any]:
+    op: Operation[WireRequest, Resp],
+    results: Sequence[WorkerResult[Resp]],
+    message: str,
+    *,
+    success: bool | None = None,
+    **fields: Any,
+) -> FleetAnswer[Resp]:
     """Fold ``results`` into ``op``'s answer model; ``fields`` (route-specific) override the agreed ones."""
     model = op.answer_model()
     agreed = agreed_fields(op.endpoint.response, [r.body for r in results])

@@ -12,7 +12,10 @@ live targets only; one that cannot target a subset (:attr:`Operation.targetable`
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 from router.contract import endpoints as ep
+from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import BadRequest
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
@@ -24,8 +27,11 @@ from router.gateway.fleet.weights import checkpoint_of
 
 RELABEL = ep.UPDATE_WEIGHT_VERSION.path
 
+Req = TypeVar("Req", bound=WireRequest)
+Resp = TypeVar("Resp", bound=WireResponse)
 
-async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcome:
+
+async def broadcast(ctx: AdminContext, op: Operation[Req, Resp], call: AdminCall[Req, Resp]) -> Outcome[Resp]:
     """Lock if serialized, fence if fenced, fan out, settle; refresh versions after a weight change."""
     async with AdminRun.open(op, ctx) as run:
         targets = ctx.live_targets(call.only, serving=op.path)
@@ -61,7 +67,7 @@ async def broadcast(ctx: AdminContext, op: Operation, call: AdminCall) -> Outcom
         return outcome
 
 
-def _discards_weights(ctx: AdminContext, worker_id: str, path: str, request: object) -> bool:
+def _discards_weights(ctx: AdminContext, worker_id: str, path: str, request: WireRequest) -> bool:
     worker = ctx.registry.find(worker_id)
     engine = engine_of(worker) if worker is not None else None
     return engine is not None and engine.discards_weights(path, request)

@@ -89,7 +89,7 @@ class NothingToDo(Exception):
 
 def backoff_s(attempts: int) -> float:
     """The delay before the next attempt after ``attempts`` failures (>= 1)."""
-    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2 ** max(0, attempts - 1))
+    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** max(0, attempts - 1))
 
 
 @dataclass(slots=True)

@@ -38,7 +38,7 @@ from router.contract.admin import (
     WeightsCheckerResult,
 )
 from router.contract.base import WireRequest
-from router.contract.endpoints import Endpoint
+from router.contract.endpoints import AnyEndpoint
 from router.contract.fleet import FleetVersionEntry
 from router.contract.vllm_rl import CollectiveRpcRequest, VllmWeightCheckerRequest, VllmWeightCheckerResult
 from router.gateway.engines import engine_of, serves
@@ -53,7 +53,7 @@ class PathLoadFailed(Exception):
 
 @dataclass(frozen=True, slots=True)
 class LoadStep:
-    endpoint: Endpoint[Any, Any]
+    endpoint: AnyEndpoint
     request: WireRequest
 
 
@@ -103,7 +103,7 @@ async def same_weights(client: WorkerClient, joiner: Worker, holder: Worker, hea
     if engine is None:
         return None
     if joiner.engine == "vllm":
-        ask: tuple[Endpoint[Any, Any], WireRequest] = (
+        ask: tuple[AnyEndpoint, WireRequest] = (
             ep.WEIGHT_CHECKER,
             VllmWeightCheckerRequest(action="checksum"),
         )

@@ -32,14 +32,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
-from typing import Any
 
 from aiohttp import web
 
 from router.contract import endpoints as ep
 from router.contract.admin import ContinueRequest, MemoryOccupationRequest
 from router.contract.base import WireRequest
-from router.contract.endpoints import Endpoint
+from router.contract.endpoints import AnyEndpoint
 from router.contract.errors import Unavailable
 from router.contract.vllm import EmptyVllmRequest
 from router.contract.vllm_dev import WakeUpQuery
@@ -160,8 +159,8 @@ class ControlSync:
     async def _engine_call(
         self,
         worker: Worker,
-        sglang: tuple[Endpoint[Any, Any], WireRequest],
-        vllm: tuple[Endpoint[Any, Any], WireRequest],
+        sglang: tuple[AnyEndpoint, WireRequest],
+        vllm: tuple[AnyEndpoint, WireRequest],
     ) -> str | None:
         """SGLang's route where the worker serves it (omni-worker serves SGLang's), else vLLM's; why it failed,
         or ``None``."""

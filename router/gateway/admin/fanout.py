@@ -19,9 +19,9 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
-from router.contract.base import WireRequest
+from router.contract.base import WireRequest, WireResponse
 from router.contract.fleet import WorkerResult
 from router.gateway.admin.operations import Operation
 from router.gateway.engines import engine_of
@@ -29,18 +29,21 @@ from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import decode_answer
 
+Req = TypeVar("Req", bound=WireRequest)
+Resp = TypeVar("Resp", bound=WireResponse)
+
 
 @dataclass(slots=True)
-class AdminCall:
+class AdminCall(Generic[Req, Resp]):
     """What to send: the operation, the parsed request (or one per worker), headers and the caller's query."""
 
-    op: Operation
+    op: Operation[Req, Resp]
     method: str
-    request: WireRequest
+    request: Req
     headers: dict[str, str]
     timeout_s: float
     query: str = ""
-    request_for: Callable[[Worker], WireRequest] | None = None
+    request_for: Callable[[Worker], Req] | None = None
     """A per-worker request (rank assignment gives each worker its own ``rank_offset``)."""
     only: frozenset[str] | None = None
     """The worker ids the caller targeted (:mod:`router.gateway.admin.targets`); ``None``: the whole fleet."""
@@ -55,13 +58,14 @@ class AdminCall:
         return self.request_for(worker).to_json() if self.request_for is not None else self._body
 
 
-_RESULT_TYPES: dict[type[Any], type[WorkerResult[Any]]] = {}
+_RESULT_TYPES: dict[type[WireResponse], type[WorkerResult[Any]]] = {}
 
 
-def _result_type(response: type[Any]) -> type[WorkerResult[Any]]:
+def _result_type(response: type[Resp]) -> type[WorkerResult[Resp]]:
     """``WorkerResult[response]``, parametrized once per response model (a broadcast builds hundreds)."""
     made = _RESULT_TYPES.get(response)
     if made is None:
+        # Pydantic parametrizes by the class it is given at run time, which mypy cannot follow into a type.
         made = _RESULT_TYPES[response] = WorkerResult[response]  # type: ignore[valid-type]
     return made
 
@@ -69,10 +73,10 @@ def _result_type(response: type[Any]) -> type[WorkerResult[Any]]:
 class FanOut:
     """One typed :class:`WorkerResult` per worker and call."""
 
-    def __init__(self, workers: WorkerClient):
+    def __init__(self, workers: WorkerClient) -> None:
         self._workers = workers
 
-    async def call(self, worker: Worker, call: AdminCall) -> WorkerResult[Any]:
+    async def call(self, worker: Worker, call: AdminCall[Req, Resp]) -> WorkerResult[Resp]:
         start = time.perf_counter()
         engine = engine_of(worker)
         answer = await self._workers.fetch(
@@ -95,6 +99,6 @@ class FanOut:
             elapsed_ms=round((time.perf_counter() - start) * 1000.0, 3),
         )
 
-    async def to_all(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
+    async def to_all(self, targets: Sequence[Worker], call: AdminCall[Req, Resp]) -> list[WorkerResult[Resp]]:
         """Send ``call`` to every target at once; one result per target, in target order."""
         return list(await asyncio.gather(*(self.call(w, call) for w in targets)))

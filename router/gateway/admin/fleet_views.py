@@ -19,16 +19,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import TypeVar
 
-from router.contract import endpoints as ep
 from router.contract.admin import (
+    EmptyRequest,
     ModelInfo,
     ServerInfo,
     WeightsCheckerRequest,
     WeightsCheckerResult,
     WeightVersionResult,
 )
+from router.contract.base import WireResponse
 from router.contract.errors import Conflict
 from router.contract.fleet import (
     FleetAnswer,
@@ -41,20 +43,29 @@ from router.contract.fleet import (
     WorkerResult,
     WorkerVersion,
 )
+from router.contract.vllm import EmptyVllmRequest
 from router.contract.vllm_rl import VllmWeightCheckerRequest, VllmWeightCheckerResult, WeightInfo
-from router.contract.vllm_server import ResetPrefixCacheResult, ServerInfoRequest, VllmConfigView
+from router.contract.vllm_server import (
+    ResetPrefixCacheRequest,
+    ResetPrefixCacheResult,
+    ServerInfoRequest,
+    VllmConfigView,
+)
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext
-from router.gateway.admin.operations import OPERATIONS, Operation
+from router.gateway.admin.operations import (
+    GET_WEIGHT_VERSION,
+    MODEL_INFO,
+    RESET_PREFIX_CACHE,
+    SERVER_INFO,
+    WEIGHT_CHECKER,
+    WEIGHT_INFO,
+    WEIGHTS_CHECKER,
+)
 
-MODEL_INFO = OPERATIONS[ep.MODEL_INFO.path]
-WEIGHT_VERSION = OPERATIONS[ep.GET_WEIGHT_VERSION.path]
-WEIGHTS_CHECKER = OPERATIONS[ep.WEIGHTS_CHECKER.path]
-VLLM_WEIGHT_CHECKER = OPERATIONS[ep.WEIGHT_CHECKER.path]
-SERVER_INFO = OPERATIONS[ep.SERVER_INFO.path]
-RESET_PREFIX_CACHE = OPERATIONS[ep.RESET_PREFIX_CACHE.path]
+R = TypeVar("R", bound=WireResponse)
 
 
 def fleet_vllm_config(views: list[VllmConfigView]) -> VllmConfigView:
@@ -71,7 +82,7 @@ def fleet_vllm_config(views: list[VllmConfigView]) -> VllmConfigView:
     )
 
 
-def _version_of(result: WorkerResult[Any]) -> str | None:
+def _version_of(result: WorkerResult[WireResponse]) -> str | None:
     body = result.body
     return body.weight_version if isinstance(body, (ModelInfo, WeightVersionResult, WeightInfo)) else None
 
@@ -79,10 +90,10 @@ def _version_of(result: WorkerResult[Any]) -> str | None:
 class FleetViews:
     """Broadcast a read, then judge the fleet's consistency."""
 
-    def __init__(self, ctx: AdminContext):
+    def __init__(self, ctx: AdminContext) -> None:
         self._ctx = ctx
 
-    def _record_versions(self, results: list[WorkerResult[Any]]) -> None:
+    def _record_versions(self, results: Sequence[WorkerResult[WireResponse]]) -> None:
         for r in results:
             worker = self._ctx.registry.find(r.worker)
             version = _version_of(r)
@@ -99,7 +110,7 @@ class FleetViews:
         worker = self._ctx.registry.find(worker_id)
         return worker is not None and worker.weight_state in ("partial", "writing")
 
-    def _common_version(self, results: list[WorkerResult[Any]]) -> str:
+    def _common_version(self, results: Sequence[WorkerResult[WireResponse]]) -> str:
         partial = [r.worker for r in results if isinstance(r.body, ModelInfo) and r.body.weights_partial]
         if partial:
             raise Conflict(
@@ -120,7 +131,9 @@ class FleetViews:
         assert version is not None
         return version
 
-    async def model_info(self, call: AdminCall) -> tuple[int, ModelInfo | FleetAnswer[Any]]:
+    async def model_info(
+        self, call: AdminCall[EmptyRequest, ModelInfo]
+    ) -> tuple[int, ModelInfo | FleetAnswer[ModelInfo]]:
         outcome = await broadcast(self._ctx, MODEL_INFO, call)
         results = outcome.answer.results
         self._record_versions(results)
@@ -128,27 +141,37 @@ class FleetViews:
             return outcome.status, outcome.answer
         version = self._common_version(results)
         first = results[0].body
-        assert isinstance(first, ModelInfo)
+        assert first is not None  # every worker answered
         workers = [WorkerVersion(id=r.worker, url=r.url, weight_version=_version_of(r)) for r in results]
         info = {**first.model_dump(), "weight_version": version, "worker_count": len(results), "workers": workers}
         return 200, FleetModelInfo.model_validate(info)
 
     async def weight_version(
-        self, call: AdminCall, op: Operation = WEIGHT_VERSION
-    ) -> tuple[int, WeightVersionResult | FleetAnswer[Any]]:
-        """``/get_weight_version`` (SGLang's spelling) or ``/weight_info`` (vLLM's): the version every worker holds."""
-        outcome = await broadcast(self._ctx, op, call)
+        self, call: AdminCall[EmptyRequest, WeightVersionResult]
+    ) -> tuple[int, WeightVersionResult | FleetAnswer[WeightVersionResult]]:
+        """``/get_weight_version`` (SGLang's spelling): the version every worker holds."""
+        return await self._version(await broadcast(self._ctx, GET_WEIGHT_VERSION, call))
+
+    async def weight_info(
+        self, call: AdminCall[EmptyVllmRequest, WeightInfo]
+    ) -> tuple[int, WeightVersionResult | FleetAnswer[WeightInfo]]:
+        """vLLM's ``/weight_info``: the version every worker holds, as for ``/get_weight_version``."""
+        return await self._version(await broadcast(self._ctx, WEIGHT_INFO, call))
+
+    async def _version(self, outcome: Outcome[R]) -> tuple[int, WeightVersionResult | FleetAnswer[R]]:
         results = outcome.answer.results
         self._record_versions(results)
         if not outcome.ok:
             return outcome.status, outcome.answer
         return 200, FleetWeightVersion(weight_version=self._common_version(results), worker_count=len(results))
 
-    async def weights_checker(self, req: WeightsCheckerRequest, call: AdminCall) -> Outcome:
+    async def weights_checker(
+        self, req: WeightsCheckerRequest, call: AdminCall[WeightsCheckerRequest, WeightsCheckerResult]
+    ) -> Outcome[WeightsCheckerResult]:
         outcome = await broadcast(self._ctx, WEIGHTS_CHECKER, call)
         answer = outcome.answer
         if req.action == "checksum" and isinstance(answer, WeightsCheckerFleetAnswer):
-            bodies = {r.worker: r.body if isinstance(r.body, WeightsCheckerResult) else None for r in answer.results}
+            bodies = {r.worker: r.body for r in answer.results}
             sums = {w: (b.per_engine_checksum or b.per_gpu_checksum) if b else None for w, b in bodies.items()}
             ranks = {w: b.checksums_per_rank() if b else [] for w, b in bodies.items()}
             # Identical means every worker serves the same tensors: every rank the same full tensors (omni-worker
@@ -169,12 +192,14 @@ class FleetViews:
             )
         return outcome
 
-    async def vllm_weight_checker(self, req: VllmWeightCheckerRequest, call: AdminCall) -> Outcome:
+    async def vllm_weight_checker(
+        self, req: VllmWeightCheckerRequest, call: AdminCall[VllmWeightCheckerRequest, VllmWeightCheckerResult]
+    ) -> Outcome[VllmWeightCheckerResult]:
         """vLLM's ``/weight_checker``; with ``checksum``, whether every worker holds the same weights key for key."""
-        outcome = await broadcast(self._ctx, VLLM_WEIGHT_CHECKER, call)
+        outcome = await broadcast(self._ctx, WEIGHT_CHECKER, call)
         answer = outcome.answer
         if req.action == "checksum" and isinstance(answer, VllmWeightCheckerFleetAnswer):
-            maps = [r.body.checksums if isinstance(r.body, VllmWeightCheckerResult) else None for r in answer.results]
+            maps = [r.body.checksums if r.body is not None else None for r in answer.results]
             known = [m for m in maps if m is not None]
             keys = sorted({k for m in known for k in m})
             answer.differing = [k for k in keys if len({m.get(k) for m in known}) != 1]
@@ -184,7 +209,9 @@ class FleetViews:
             )
         return outcome
 
-    async def server_info(self, req: ServerInfoRequest, call: AdminCall) -> Outcome:
+    async def server_info(
+        self, req: ServerInfoRequest, call: AdminCall[ServerInfoRequest, ServerInfo]
+    ) -> Outcome[ServerInfo]:
         outcome = await broadcast(self._ctx, SERVER_INFO, call)
         answer = outcome.answer
         if req.config_format is None or not outcome.ok or not isinstance(answer, ServerInfoFleetAnswer):
@@ -192,7 +219,7 @@ class FleetViews:
         views = [
             r.body.vllm_config
             for r in answer.results
-            if isinstance(r.body, ServerInfo) and isinstance(r.body.vllm_config, VllmConfigView)
+            if r.body is not None and isinstance(r.body.vllm_config, VllmConfigView)
         ]
         if len(views) != len(answer.results) or not views:
             return outcome
@@ -200,20 +227,17 @@ class FleetViews:
         answer.vllm_config = fleet if req.config_format == "json" else fleet.summary()
         answer.vllm_env = {}
         first = answer.results[0].body
-        answer.system_env = first.system_env if isinstance(first, ServerInfo) else None
+        answer.system_env = first.system_env if first is not None else None
         return outcome
 
-    async def reset_prefix_cache(self, call: AdminCall) -> Outcome:
+    async def reset_prefix_cache(
+        self, call: AdminCall[ResetPrefixCacheRequest, ResetPrefixCacheResult]
+    ) -> Outcome[ResetPrefixCacheResult]:
         outcome = await broadcast(self._ctx, RESET_PREFIX_CACHE, call)
         answer = outcome.answer
         if outcome.ok and isinstance(answer, ResetPrefixCacheFleetAnswer):
-            bodies = [r.body for r in answer.results]
-            answer.success = all(isinstance(b, ResetPrefixCacheResult) and b.success for b in bodies)
-            if not answer.success:
-                held = [
-                    r.worker
-                    for r in answer.results
-                    if not (isinstance(r.body, ResetPrefixCacheResult) and r.body.success)
-                ]
+            held = [r.worker for r in answer.results if r.body is None or not r.body.success]
+            answer.success = not held
+            if held:
                 answer.message = f"cache still held by running requests on {', '.join(held)}; retry once they end"
         return outcome

@@ -28,8 +28,9 @@ import contextlib
 import time
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Generic, Protocol, TypeVar
 
+from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import Unavailable
 from router.contract.fleet import WorkerResult
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
@@ -45,6 +46,9 @@ from router.gateway.fleet.health import WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import agreed_checksum
 from router.gateway.metrics import RouterMetrics
+
+Req = TypeVar("Req", bound=WireRequest)
+Resp = TypeVar("Resp", bound=WireResponse)
 
 
 class FenceBarrier(Protocol):
@@ -108,7 +112,7 @@ class AdminContext:
     async def record_weight_change(
         self,
         targets: Sequence[Worker],
-        results: Sequence[WorkerResult[Any]],
+        results: Sequence[WorkerResult[WireResponse]],
         *,
         source_path: str | None = None,
         relabel_of: Collection[str] | None = None,
@@ -137,7 +141,7 @@ class AdminContext:
 class LockHold:
     """The admin update lock, held by one operation, one held update or one registry change; released once."""
 
-    def __init__(self, gate: UpdateGate):
+    def __init__(self, gate: UpdateGate) -> None:
         self._gate = gate
         self._held = True
 
@@ -153,10 +157,13 @@ class LockHold:
             self._gate.release()
 
 
-class AdminRun:
-    """One admin operation on the fleet, from the lock to the metrics (see the module docstring)."""
+class AdminRun(Generic[Req, Resp]):
+    """One admin operation on the fleet, from the lock to the metrics (see the module docstring): its calls
+    send a ``Req`` and each worker answers a ``Resp``."""
 
-    def __init__(self, op: Operation, ctx: AdminContext, *, name: str | None = None, lock: LockHold | None = None):
+    def __init__(
+        self, op: Operation[Req, Resp], ctx: AdminContext, *, name: str | None = None, lock: LockHold | None = None
+    ) -> None:
         self.op = op
         self.ctx = ctx
         self.name = name or op.name
@@ -172,8 +179,8 @@ class AdminRun:
     @classmethod
     @contextlib.asynccontextmanager
     async def open(
-        cls, op: Operation, ctx: AdminContext, *, name: str | None = None, adopt: LockHold | None = None
-    ) -> AsyncIterator[AdminRun]:
+        cls, op: Operation[Req, Resp], ctx: AdminContext, *, name: str | None = None, adopt: LockHold | None = None
+    ) -> AsyncIterator[AdminRun[Req, Resp]]:
         """Run one operation: take the lock if ``op`` is serialized (or ``adopt`` a held update's), end on exit.
 
         Whatever escapes the body fails an unsettled fence closed: any target may
@@ -216,12 +223,12 @@ class AdminRun:
         self.fence = fence
         return self.fence
 
-    async def fan_out(self, targets: Sequence[Worker], call: AdminCall) -> list[WorkerResult[Any]]:
+    async def fan_out(self, targets: Sequence[Worker], call: AdminCall[Req, Resp]) -> list[WorkerResult[Resp]]:
         return await self.ctx.fanout.to_all(targets, call)
 
     async def settle(
-        self, results: list[WorkerResult[Any]], *, uncertain: Collection[str] = (), **fields: Any
-    ) -> Outcome:
+        self, results: Sequence[WorkerResult[Resp]], *, uncertain: Collection[str] = (), **fields: Any
+    ) -> Outcome[Resp]:
         """The caller's answer, and the fence settled worker by worker (:mod:`~router.gateway.admin.verdicts`).
 
         ``uncertain``: workers whose state an earlier step of the same update (or a join this call
@@ -266,7 +273,7 @@ class AdminRun:
             )
         return Outcome(502, fleet_answer(self.op, results, message, **fields))
 
-    def _fail_departed(self, results: list[WorkerResult[Any]]) -> None:
+    def _fail_departed(self, results: Sequence[WorkerResult[WireResponse]]) -> None:
         """A target whose pod left the fleet during the update did not succeed, whatever it answered."""
         for r in results:
             worker = self.ctx.registry.find(r.worker)

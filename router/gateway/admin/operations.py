@@ -20,10 +20,10 @@ every member of a weight-update group or of a held update (:attr:`Operation.targ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
 from router.contract import endpoints as ep
-from router.contract.base import WireRequest
+from router.contract.base import WireRequest, WireResponse
 from router.contract.fleet import (
     AbortRequestsFleetAnswer,
     CompleteFleetAnswer,
@@ -41,17 +41,22 @@ from router.contract.fleet import (
     WeightTransferInitFleetAnswer,
 )
 
+#: Covariant, as :class:`~router.contract.endpoints.Endpoint` is: the table holds operations of every route.
+Req = TypeVar("Req", bound=WireRequest, covariant=True)
+Resp = TypeVar("Resp", bound=WireResponse, covariant=True)
+
 
 @dataclass(frozen=True, slots=True)
-class Operation:
-    """One worker admin route and how the router treats it."""
+class Operation(Generic[Req, Resp]):
+    """One worker admin route and how the router treats it: its calls send a ``Req`` and each
+    worker answers a ``Resp`` (:class:`~router.contract.fleet.WorkerResult` ``[Resp]`` after a fan-out)."""
 
-    endpoint: ep.Endpoint[Any, Any]
+    endpoint: ep.Endpoint[Req, Resp]
     fenced: bool = False
     changes_weights: bool = False
     in_group: bool = False
     ends_group: bool = False
-    answer: type[FleetAnswer[Any]] | None = None
+    answer: type[FleetAnswer[Resp]] | None = None
     """The router's answer model; by default the worker's answer lifted to the fleet."""
 
     @property
@@ -72,13 +77,17 @@ class Operation:
         one over a weight-update group (its members are its targets) nor one step of a held update."""
         return not (self.in_group or self.ends_group or self.path in _FLEET_WIDE)
 
-    def answer_model(self) -> type[FleetAnswer[Any]]:
+    def answer_model(self) -> type[FleetAnswer[Resp]]:
+        # Pydantic parametrizes by the class it is given at run time, which mypy cannot follow into a type.
         return self.answer if self.answer is not None else FleetAnswer[self.endpoint.response]  # type: ignore[name-defined]
 
     def router_wait(self, req: WireRequest) -> float:
         """How long the router waits for one worker's answer to ``req`` (the budget plus one margin)."""
         return self.endpoint.budget.router_wait(self.endpoint.timeout_of(req))
 
+
+#: An operation of any route (what :data:`OPERATIONS` holds).
+AnyOperation = Operation[WireRequest, WireResponse]
 
 #: Steps whose state spans every member of a group or a held update, whatever the caller names.
 _FLEET_WIDE = frozenset(
@@ -93,7 +102,35 @@ _FLEET_WIDE = frozenset(
     )
 )
 
-OPERATIONS: dict[str, Operation] = {
+# The operations policy code names, typed by their route's request and answer.
+INIT_GROUP = Operation(ep.INIT_WEIGHTS_UPDATE_GROUP, fenced=True, answer=GroupInitFleetAnswer)
+PREPARE = Operation(ep.PREPARE_WEIGHTS_UPDATE, fenced=True, in_group=True, answer=PrepareFleetAnswer)
+# Run inside the update a ready prepare holds the lock for (see two_phase).
+COMPLETE = Operation(ep.COMPLETE_WEIGHTS_UPDATE, changes_weights=True, answer=CompleteFleetAnswer)
+ABORT = Operation(ep.ABORT_WEIGHTS_UPDATE)
+# vLLM's weight-transfer API (see weight_transfer): init as /init_weights_update_group; start holds the lock
+# and the fence until the finish; update_weights runs inside that update.
+INIT_WEIGHT_TRANSFER = Operation(ep.INIT_WEIGHT_TRANSFER_ENGINE, fenced=True, answer=WeightTransferInitFleetAnswer)
+START = Operation(ep.START_WEIGHT_UPDATE, fenced=True, in_group=True, answer=WeightTransferFleetAnswer)
+UPDATE = Operation(ep.UPDATE_WEIGHTS, answer=WeightTransferFleetAnswer)
+FINISH = Operation(ep.FINISH_WEIGHT_UPDATE, changes_weights=True, answer=WeightTransferFleetAnswer)
+PAUSE = Operation(ep.PAUSE, fenced=True, answer=PauseFleetAnswer)
+RESUME = Operation(ep.RESUME, answer=PauseFleetAnswer)
+IS_PAUSED = Operation(ep.IS_PAUSED, answer=IsPausedFleetAnswer)
+IS_SLEEPING = Operation(ep.IS_SLEEPING, answer=IsSleepingFleetAnswer)
+ABORT_REQUESTS = Operation(ep.ABORT_REQUESTS, answer=AbortRequestsFleetAnswer)
+MODEL_INFO = Operation(ep.MODEL_INFO)
+GET_WEIGHT_VERSION = Operation(ep.GET_WEIGHT_VERSION)
+SERVER_INFO = Operation(ep.SERVER_INFO, answer=ServerInfoFleetAnswer)
+WEIGHTS_CHECKER = Operation(ep.WEIGHTS_CHECKER, answer=WeightsCheckerFleetAnswer)
+RESET_PREFIX_CACHE = Operation(ep.RESET_PREFIX_CACHE, answer=ResetPrefixCacheFleetAnswer)
+WEIGHT_INFO = Operation(ep.WEIGHT_INFO)
+WEIGHT_CHECKER = Operation(ep.WEIGHT_CHECKER, answer=VllmWeightCheckerFleetAnswer)
+# Any worker method: a weight update unless the method only reads (COLLECTIVE_RPC_READ).
+COLLECTIVE_RPC = Operation(ep.COLLECTIVE_RPC, fenced=True, changes_weights=True)
+SHUTDOWN_WEIGHT_TRANSFER_ENGINE = Operation(ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE)
+
+OPERATIONS: dict[str, AnyOperation] = {
     op.path: op
     for op in (
         # Fleet-changing: one at a time, targets fenced, fail closed.
@@ -101,9 +138,9 @@ OPERATIONS: dict[str, Operation] = {
         Operation(ep.UPDATE_WEIGHTS_FROM_DISK, fenced=True, changes_weights=True),
         Operation(ep.UPDATE_WEIGHTS_FROM_TENSOR, fenced=True, changes_weights=True),
         Operation(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, fenced=True, changes_weights=True, in_group=True),
-        Operation(ep.INIT_WEIGHTS_UPDATE_GROUP, fenced=True, answer=GroupInitFleetAnswer),
+        INIT_GROUP,
         Operation(ep.DESTROY_WEIGHTS_UPDATE_GROUP, fenced=True, ends_group=True),
-        Operation(ep.PREPARE_WEIGHTS_UPDATE, fenced=True, in_group=True, answer=PrepareFleetAnswer),
+        PREPARE,
         Operation(ep.UPDATE_WEIGHT_VERSION, fenced=True, changes_weights=True),
         Operation(ep.RELEASE_MEMORY_OCCUPATION, fenced=True),
         Operation(ep.RESUME_MEMORY_OCCUPATION, fenced=True, changes_weights=True),
@@ -115,34 +152,30 @@ OPERATIONS: dict[str, Operation] = {
         # SGLang 0.5.23's update bracket (miles sends it): serialized with updates, changes nothing.
         Operation(ep.BEGIN_WEIGHT_UPDATE),
         Operation(ep.END_WEIGHT_UPDATE),
-        # Run inside the update a ready prepare holds the lock for (see two_phase).
-        Operation(ep.COMPLETE_WEIGHTS_UPDATE, changes_weights=True, answer=CompleteFleetAnswer),
-        Operation(ep.ABORT_WEIGHTS_UPDATE),
-        # vLLM's weight-transfer API (see weight_transfer): init as /init_weights_update_group; start holds
-        # the lock and the fence until the finish; update_weights runs inside that update.
-        Operation(ep.INIT_WEIGHT_TRANSFER_ENGINE, fenced=True, answer=WeightTransferInitFleetAnswer),
-        Operation(ep.START_WEIGHT_UPDATE, fenced=True, in_group=True, answer=WeightTransferFleetAnswer),
-        Operation(ep.UPDATE_WEIGHTS, answer=WeightTransferFleetAnswer),
-        Operation(ep.FINISH_WEIGHT_UPDATE, changes_weights=True, answer=WeightTransferFleetAnswer),
-        Operation(ep.PAUSE, fenced=True, answer=PauseFleetAnswer),
-        Operation(ep.RESUME, answer=PauseFleetAnswer),
-        Operation(ep.IS_PAUSED, answer=IsPausedFleetAnswer),
-        Operation(ep.IS_SLEEPING, answer=IsSleepingFleetAnswer),
+        COMPLETE,
+        ABORT,
+        INIT_WEIGHT_TRANSFER,
+        START,
+        UPDATE,
+        FINISH,
+        PAUSE,
+        RESUME,
+        IS_PAUSED,
+        IS_SLEEPING,
         # Plain broadcasts.
         Operation(ep.FLUSH_CACHE),
-        Operation(ep.RESET_PREFIX_CACHE, answer=ResetPrefixCacheFleetAnswer),
+        RESET_PREFIX_CACHE,
         Operation(ep.ABORT_REQUEST),
-        Operation(ep.ABORT_REQUESTS, answer=AbortRequestsFleetAnswer),
-        Operation(ep.GET_WEIGHT_VERSION),
-        Operation(ep.SERVER_INFO, answer=ServerInfoFleetAnswer),
-        Operation(ep.WEIGHTS_CHECKER, answer=WeightsCheckerFleetAnswer),
-        Operation(ep.MODEL_INFO),
+        ABORT_REQUESTS,
+        GET_WEIGHT_VERSION,
+        SERVER_INFO,
+        WEIGHTS_CHECKER,
+        MODEL_INFO,
         # vLLM's routes that only vLLM servers serve.
-        Operation(ep.WEIGHT_INFO),
-        Operation(ep.WEIGHT_CHECKER, answer=VllmWeightCheckerFleetAnswer),
-        # Any worker method: a weight update unless the method only reads (COLLECTIVE_RPC_READ).
-        Operation(ep.COLLECTIVE_RPC, fenced=True, changes_weights=True),
-        Operation(ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE),
+        WEIGHT_INFO,
+        WEIGHT_CHECKER,
+        COLLECTIVE_RPC,
+        SHUTDOWN_WEIGHT_TRANSFER_ENGINE,
     )
 }
 #: ``/collective_rpc`` of a method known to leave the weights as they are: serialized, not fenced.

@@ -16,22 +16,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Generic, TypeVar
 
-from router.contract import endpoints as ep
-from router.contract.base import WireRequest
 from router.contract.errors import BadRequest, Unavailable
 from router.contract.fleet import RankAssignment, WorldSizeResponse
-from router.contract.vllm import InitWeightTransferEngineRequest
-from router.contract.weight_sync import DEFAULT_RANK_OFFSET, InitWeightsUpdateGroupRequest
+from router.contract.vllm import InitWeightTransferEngineRequest, VllmResult
+from router.contract.weight_sync import DEFAULT_RANK_OFFSET, InitWeightsUpdateGroupRequest, WeightSyncResponse
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.groups import GroupDialect
 from router.gateway.admin.locked import AdminContext, AdminRun
-from router.gateway.admin.operations import OPERATIONS, Operation
+from router.gateway.admin.operations import INIT_GROUP, INIT_WEIGHT_TRANSFER, Operation
 
-INIT = OPERATIONS[ep.INIT_WEIGHTS_UPDATE_GROUP.path]
-INIT_VLLM = OPERATIONS[ep.INIT_WEIGHT_TRANSFER_ENGINE.path]
+#: A group init of either dialect: SGLang's ``/init_weights_update_group``, vLLM's ``/init_weight_transfer_engine``.
+JoinRequest = TypeVar("JoinRequest", InitWeightsUpdateGroupRequest, InitWeightTransferEngineRequest)
+#: Its answer: both say whether the worker began to join (``join_attempted``).
+JoinAnswer = TypeVar("JoinAnswer", WeightSyncResponse, VllmResult)
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,24 +89,24 @@ def plan_ranks(
 
 
 @dataclass(frozen=True, slots=True)
-class GroupJoin:
+class GroupJoin(Generic[JoinRequest, JoinAnswer]):
     """One group init, whichever dialect asked for it: what the rank plan reads, and each worker's body."""
 
-    op: Operation
-    request: WireRequest
+    op: Operation[JoinRequest, JoinAnswer]
+    request: JoinRequest
     dialect: GroupDialect
     group_name: str
     world_size: int
     rank_offset: int
     timeout_s: float | None
     """The caller's bound on the join (the workers' default when ``None``)."""
-    with_rank_offset: Callable[[int], WireRequest]
+    with_rank_offset: Callable[[int], JoinRequest]
     """The request one worker gets: the caller's, with that worker's own first rank."""
 
-    @classmethod
-    def sglang(cls, req: InitWeightsUpdateGroupRequest) -> GroupJoin:
-        return cls(
-            op=INIT,
+    @staticmethod
+    def sglang(req: InitWeightsUpdateGroupRequest) -> GroupJoin[InitWeightsUpdateGroupRequest, WeightSyncResponse]:
+        return GroupJoin(
+            op=INIT_GROUP,
             request=req,
             dialect="sglang",
             group_name=req.group_name,
@@ -116,15 +116,15 @@ class GroupJoin:
             with_rank_offset=lambda offset: req.model_copy(update={"rank_offset": offset}),
         )
 
-    @classmethod
-    def vllm(cls, req: InitWeightTransferEngineRequest) -> GroupJoin:
+    @staticmethod
+    def vllm(req: InitWeightTransferEngineRequest) -> GroupJoin[InitWeightTransferEngineRequest, VllmResult]:
         info = req.init_info
 
-        def with_rank_offset(offset: int) -> WireRequest:
+        def with_rank_offset(offset: int) -> InitWeightTransferEngineRequest:
             return req.model_copy(update={"init_info": info.model_copy(update={"rank_offset": offset})})
 
-        return cls(
-            op=INIT_VLLM,
+        return GroupJoin(
+            op=INIT_WEIGHT_TRANSFER,
             request=req,
             dialect="vllm",
             group_name=info.group_name,
@@ -147,7 +147,7 @@ class GroupInitializer:
     re-enables it.
     """
 
-    def __init__(self, ctx: AdminContext):
+    def __init__(self, ctx: AdminContext) -> None:
         self._ctx = ctx
 
     async def world_size(self) -> WorldSizeResponse:
@@ -165,7 +165,7 @@ class GroupInitializer:
             groups=self._ctx.groups.views(targets),
         )
 
-    async def init(self, join: GroupJoin, headers: dict[str, str]) -> Outcome:
+    async def init(self, join: GroupJoin[JoinRequest, JoinAnswer], headers: dict[str, str]) -> Outcome[JoinAnswer]:
         async with AdminRun.open(join.op, self._ctx) as run:
             targets = self._ctx.live_targets(serving=join.op.path)
             # Every target's process is read before it joins: the group record names those processes.
@@ -196,6 +196,6 @@ class GroupInitializer:
             return outcome
 
 
-def _join_attempted(body: Any) -> bool:
+def _join_attempted(body: WeightSyncResponse | VllmResult | None) -> bool:
     """Whether a worker's answer to an init leaves open that it began to join (it says so, or says nothing)."""
-    return getattr(body, "join_attempted", None) is not False
+    return body is None or body.join_attempted is not False

@@ -30,33 +30,30 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
 
-from router.contract import endpoints as ep
 from router.contract.admin import HealthStatus
+from router.contract.base import WireResponse
 from router.contract.budget import DEFAULT_RECEIVE_TIMEOUT_S
 from router.contract.errors import Conflict
 from router.contract.fleet import WorkerResult
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
+    AbortWeightsUpdateResponse,
     CompleteWeightsUpdateRequest,
     CompleteWeightsUpdateResponse,
     PrepareWeightsUpdateRequest,
+    PrepareWeightsUpdateResponse,
 )
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.fence import Fence
 from router.gateway.admin.held import HeldUpdate, HeldUpdates
 from router.gateway.admin.locked import AdminRun
-from router.gateway.admin.operations import OPERATIONS
+from router.gateway.admin.operations import ABORT, COMPLETE, PREPARE
 from router.gateway.admin.verdicts import refused_untouched
 from router.gateway.fleet.registry import Worker
 
 log = logging.getLogger(__name__)
-
-PREPARE = OPERATIONS[ep.PREPARE_WEIGHTS_UPDATE.path]
-COMPLETE = OPERATIONS[ep.COMPLETE_WEIGHTS_UPDATE.path]
-ABORT = OPERATIONS[ep.ABORT_WEIGHTS_UPDATE.path]
 
 
 @dataclass(kw_only=True)
@@ -72,7 +69,9 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
     what = "prepared update"
     ending_call = "complete"
 
-    async def prepare(self, req: PrepareWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
+    async def prepare(
+        self, req: PrepareWeightsUpdateRequest, headers: dict[str, str]
+    ) -> Outcome[PrepareWeightsUpdateResponse]:
         async with AdminRun.open(PREPARE, self._ctx) as run:
             self._ended.pop(req.group_name, None)
             targets = self._ctx.live_targets(serving=PREPARE.path)
@@ -99,8 +98,13 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             return Outcome(200, fleet_answer(PREPARE, results, f"all {len(results)} worker(s) ready", status="ready"))
 
     async def _drop_ready(
-        self, fence: Fence, targets: list[Worker], results: list[WorkerResult[Any]], group: str, headers: dict[str, str]
-    ) -> Outcome:
+        self,
+        fence: Fence,
+        targets: list[Worker],
+        results: list[WorkerResult[PrepareWeightsUpdateResponse]],
+        group: str,
+        headers: dict[str, str],
+    ) -> Outcome[PrepareWeightsUpdateResponse]:
         """Some target is not ready: the ready ones drop their receive. A worker stays fenced only if it
         gave no usable answer or could not drop its receive; a refusal touched nothing."""
         ready_ids = {r.worker for r in results if r.success}
@@ -109,7 +113,8 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
         failed = [r for r in results if not r.success]
         undropped = [a for a in aborts if not a.success]
         kept = [r.worker for r in failed if not refused_untouched(PREPARE, r)] + [a.worker for a in undropped]
-        reason = summarize([r for r in failed if r.worker in kept] + undropped)
+        unsettled: list[WorkerResult[WireResponse]] = [*(r for r in failed if r.worker in kept), *undropped]
+        reason = summarize(unsettled)
         await fence.settle(kept, reason)
         message = f"{len(failed)} of {len(results)} worker(s) not ready: {summarize(failed)}; no broadcast may start"
         if not ready and not kept:
@@ -125,7 +130,9 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             message += f"; {', '.join(kept)} stay disabled (fail closed)"
         return Outcome(502, fleet_answer(PREPARE, results, message, success=False, status="error", aborts=aborts))
 
-    async def complete(self, req: CompleteWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
+    async def complete(
+        self, req: CompleteWeightsUpdateRequest, headers: dict[str, str]
+    ) -> Outcome[CompleteWeightsUpdateResponse]:
         prepared = self._take(req.group_name, "call /prepare_weights_update first")
         async with AdminRun.open(COMPLETE, self._ctx, adopt=prepared.lock) as run:
             run.fence = prepared.fence
@@ -142,7 +149,9 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             await self._ctx.record_weight_change(prepared.targets, results)
             return outcome
 
-    async def abort(self, req: AbortWeightsUpdateRequest, headers: dict[str, str]) -> Outcome:
+    async def abort(
+        self, req: AbortWeightsUpdateRequest, headers: dict[str, str]
+    ) -> Outcome[AbortWeightsUpdateResponse]:
         """A caller gives up after a ready prepare: workers drop their receive.
 
         Known-good only if every worker confirms and none reports partially
@@ -153,7 +162,7 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             run.fence = prepared.fence
             results = await run.fan_out(prepared.targets, self._abort_call(req.group_name, headers))
             for r in results:
-                if r.body is not None and getattr(r.body, "weights_partial", False):
+                if r.body is not None and r.body.weights_partial:
                     r.success = False
             return await run.settle(results)
 
@@ -168,7 +177,9 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
         self._detach(prepared)
         return prepared
 
-    def _abort_call(self, group: str, headers: dict[str, str]) -> AdminCall:
+    def _abort_call(
+        self, group: str, headers: dict[str, str]
+    ) -> AdminCall[AbortWeightsUpdateRequest, AbortWeightsUpdateResponse]:
         req = AbortWeightsUpdateRequest(group_name=group)
         return AdminCall(ABORT, "POST", req, headers, timeout_s=ABORT.router_wait(req))
 
@@ -188,10 +199,10 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
         return None
 
 
-def _check_counts(results: list[WorkerResult[Any]], expected: int) -> None:
+def _check_counts(results: list[WorkerResult[CompleteWeightsUpdateResponse]], expected: int) -> None:
     """A worker that applied another number of buckets than announced did not succeed."""
     for r in results:
         body = r.body
-        if r.success and isinstance(body, CompleteWeightsUpdateResponse) and body.num_buckets_received != expected:
+        if r.success and body is not None and body.num_buckets_received != expected:
             r.success = False
             r.error = f"received {body.num_buckets_received} bucket(s), expected {expected}"

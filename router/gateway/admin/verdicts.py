@@ -23,12 +23,15 @@ router answers with the workers' own 4xx status and message.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from router.contract import endpoints as ep
+from router.contract.admin import WeightsReport
+from router.contract.base import WireResponse
 from router.contract.fleet import WorkerResult
-from router.gateway.admin.operations import Operation
+from router.contract.weight_sync import JoinReport
+from router.gateway.admin.operations import AnyOperation
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,17 +46,18 @@ class Verdict:
     """The status to answer an all-refused operation with: the workers' own, when they agree."""
 
 
-def refused_untouched(op: Operation, result: WorkerResult[Any]) -> bool:
+def refused_untouched(op: AnyOperation, result: WorkerResult[WireResponse]) -> bool:
     """``result`` is a refusal that changed nothing on its worker (whatever state its weights were in before)."""
     body = result.body
     if result.success or body is None or not (400 <= (result.status_code or 0) < 500):
         return False
     if op.path == ep.INIT_WEIGHTS_UPDATE_GROUP.path:
-        return getattr(body, "join_attempted", None) is False
-    return getattr(body, "weights", None) == "intact"
+        return isinstance(body, JoinReport) and body.join_attempted is False
+    # An answer that says nothing of the weights (no :class:`WeightsReport`) may have touched them.
+    return isinstance(body, WeightsReport) and body.weights == "intact"
 
 
-def judge(op: Operation, results: list[WorkerResult[Any]]) -> Verdict:
+def judge(op: AnyOperation, results: Sequence[WorkerResult[WireResponse]]) -> Verdict:
     fleet_moved = op.endpoint.writes_weights and any(r.success for r in results)
     kept = tuple(r.worker for r in results if not r.success and (fleet_moved or not refused_untouched(op, r)))
     all_refused = bool(results) and all(refused_untouched(op, r) for r in results)

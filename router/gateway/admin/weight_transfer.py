@@ -31,10 +31,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
-from router.contract import endpoints as ep
 from router.contract.admin import HealthStatus
+from router.contract.base import WireResponse
 from router.contract.budget import DEFAULT_RECEIVE_TIMEOUT_S
 from router.contract.errors import Conflict
 from router.contract.fleet import WeightTransferFleetAnswer, WorkerResult
@@ -50,13 +49,9 @@ from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.fence import RESOLVE_HINT
 from router.gateway.admin.held import HeldUpdate, HeldUpdates
 from router.gateway.admin.locked import AdminRun
-from router.gateway.admin.operations import OPERATIONS
+from router.gateway.admin.operations import FINISH, START, UPDATE
 from router.gateway.admin.verdicts import judge, refused_untouched
 from router.gateway.fleet.registry import Worker
-
-START = OPERATIONS[ep.START_WEIGHT_UPDATE.path]
-UPDATE = OPERATIONS[ep.UPDATE_WEIGHTS.path]
-FINISH = OPERATIONS[ep.FINISH_WEIGHT_UPDATE.path]
 
 
 @dataclass(kw_only=True)
@@ -82,7 +77,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
     what = "weight update"
     ending_call = "/finish_weight_update"
 
-    async def start(self, req: StartWeightUpdateRequest, headers: dict[str, str]) -> Outcome:
+    async def start(self, req: StartWeightUpdateRequest, headers: dict[str, str]) -> Outcome[VllmResult]:
         self._refuse_second()
         async with AdminRun.open(START, self._ctx) as run:
             group = self._group()
@@ -110,7 +105,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
             message = f"weight update started on all {len(results)} worker(s)"
             return Outcome(200, fleet_answer(START, results, message, update_open=True))
 
-    async def update(self, req: UpdateWeightsRequest, headers: dict[str, str]) -> Outcome:
+    async def update(self, req: UpdateWeightsRequest, headers: dict[str, str]) -> Outcome[VllmResult]:
         held = self._open_update(UPDATE.path)
         if held.failed:
             raise Conflict(
@@ -166,7 +161,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
                 return Outcome(verdict.refusal_status, answer.failed(message))
             return Outcome(502, answer)
 
-    async def finish(self, req: FinishWeightUpdateRequest, headers: dict[str, str]) -> Outcome:
+    async def finish(self, req: FinishWeightUpdateRequest, headers: dict[str, str]) -> Outcome[VllmResult]:
         held = self._open_update(FINISH.path)
         if held.calls.locked():
             raise Conflict("an /update_weights of this update is still in flight; finish after its answer")
@@ -212,8 +207,12 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
         return held
 
     async def _close_opened(
-        self, run: AdminRun, targets: list[Worker], results: list[WorkerResult[Any]], headers: dict[str, str]
-    ) -> Outcome:
+        self,
+        run: AdminRun[StartWeightUpdateRequest, VllmResult],
+        targets: list[Worker],
+        results: list[WorkerResult[VllmResult]],
+        headers: dict[str, str],
+    ) -> Outcome[VllmResult]:
         """Some target could not open the update: the ones that did close it again, with nothing written.
         A worker stays fenced if it gave no usable answer or could not close its update."""
         fence = run.fence
@@ -226,7 +225,8 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
         failed = [r for r in results if not r.success]
         unclosed = [c for c in closes if not c.success]
         kept = [r.worker for r in failed if not refused_untouched(START, r)] + [c.worker for c in unclosed]
-        await fence.settle(kept, summarize([r for r in failed if r.worker in kept] + unclosed))
+        unsettled: list[WorkerResult[WireResponse]] = [*(r for r in failed if r.worker in kept), *unclosed]
+        await fence.settle(kept, summarize(unsettled))
         message = f"{len(failed)} of {len(results)} worker(s) could not start the update: {summarize(failed)}"
         if not opened and not kept:
             # Every target refused before opening anything: nothing changed anywhere.
@@ -257,7 +257,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
         return None
 
 
-def _left_update(worker: Worker, why: str) -> WorkerResult[Any]:
+def _left_update(worker: Worker, why: str) -> WorkerResult[VllmResult]:
     """The finish's result for a worker that had left the update: not sent, not committed."""
     return WorkerResult[VllmResult](
         worker=worker.id, url=worker.url, success=False, error=f"not finished: {why}", elapsed_ms=0.0

@@ -16,14 +16,13 @@ before the query is forwarded. The other routes span the whole fleet and refuse 
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlencode
 
 from aiohttp import web
 from pydantic import BaseModel
 
 from router.contract import endpoints as ep
-from router.contract.admin import WeightsCheckerRequest
 from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import BadRequest
 from router.contract.fleet import (
@@ -31,28 +30,15 @@ from router.contract.fleet import (
     FleetModelInfo,
     FleetWeightVersion,
     IsPausedFleetAnswer,
+    IsSleepingFleetAnswer,
     PauseFleetAnswer,
     WorldSizeResponse,
 )
-from router.contract.vllm import (
-    FinishWeightUpdateRequest,
-    InitWeightTransferEngineRequest,
-    PauseStatus,
-    StartWeightUpdateRequest,
-    UpdateWeightsRequest,
-)
-from router.contract.vllm_dev import AbortRequestsResult
-from router.contract.vllm_rl import CollectiveRpcRequest, VllmWeightCheckerRequest
-from router.contract.vllm_server import ServerInfoRequest
+from router.contract.vllm import PauseStatus
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_model, query_fields, read_json
-from router.contract.weight_sync import (
-    AbortWeightsUpdateRequest,
-    CompleteWeightsUpdateRequest,
-    InitWeightsUpdateGroupRequest,
-    PrepareWeightsUpdateRequest,
-)
 from router.gateway import keys
+from router.gateway.admin import operations as ops
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
@@ -61,6 +47,8 @@ from router.gateway.admin.ranks import GroupJoin
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+Req = TypeVar("Req", bound=WireRequest)
+Resp = TypeVar("Resp", bound=WireResponse)
 
 
 def _forward_headers(request: web.Request) -> dict[str, str]:
@@ -74,7 +62,7 @@ def fleet_facts(app: web.Application) -> FleetFacts:
     return FleetFacts(app[keys.REGISTRY], app[keys.WORKERS], app[keys.SERVICE_HEADERS], timeout_s)
 
 
-async def parse_request(request: web.Request, op: Operation, *, targeted: bool = True) -> Any:
+async def parse_request(request: web.Request, op: Operation[Req, Resp], *, targeted: bool = True) -> Req:
     """The request model of ``op`` from the body, query parameters filling the gaps (vLLM's dev routes,
     ``/pause``, ``/sleep``, ``/wake_up``, take their arguments in the query, and they win over the body's;
     the model coerces their text). The target parameters are never fields; a route that is not
@@ -89,7 +77,7 @@ async def parse_request(request: web.Request, op: Operation, *, targeted: bool =
     return parse_model(op.endpoint.request, {**query, **data})
 
 
-async def _parse(request: web.Request, op: Operation) -> Any:
+async def _parse(request: web.Request, op: Operation[Req, Resp]) -> Req:
     """The request of a route that spans the whole fleet (it refuses a target set)."""
     return await parse_request(request, op, targeted=False)
 
@@ -101,7 +89,9 @@ def forwarded_query(request: web.Request) -> str:
     return urlencode([(k, v) for k, v in request.query.items() if k not in TARGET_PARAMS])
 
 
-def _call(request: web.Request, op: Operation, req: WireRequest, only: frozenset[str] | None = None) -> AdminCall:
+def _call(
+    request: web.Request, op: Operation[Req, Resp], req: Req, only: frozenset[str] | None = None
+) -> AdminCall[Req, Resp]:
     return AdminCall(
         op,
         request.method,
@@ -113,7 +103,7 @@ def _call(request: web.Request, op: Operation, req: WireRequest, only: frozenset
     )
 
 
-async def _targeted(request: web.Request, op: Operation) -> AdminCall:
+async def _targeted(request: web.Request, op: Operation[Req, Resp]) -> AdminCall[Req, Resp]:
     """Parse ``op``'s request and resolve the caller's target set (404/400 before anything is locked)."""
     req = await parse_request(request, op)
     workers = await fleet_facts(request.app).resolve(target_query(request.query))
@@ -124,7 +114,7 @@ def _json(status: int, body: WireResponse) -> web.Response:
     return web.Response(body=body.model_dump_json(), status=status, content_type="application/json")
 
 
-async def _detached(request: web.Request, work: Coroutine[Any, Any, Outcome], name: str) -> web.Response:
+async def _detached(request: web.Request, work: Coroutine[Any, Any, Outcome[Resp]], name: str) -> web.Response:
     """Run a fleet operation to its end even if the caller goes away (it must settle its fence), then answer."""
     outcome = await request.app[keys.TASKS].run_detached(work, name=name)
     return _json(outcome.status, outcome.answer)
@@ -138,30 +128,25 @@ async def broadcast_route(request: web.Request) -> web.Response:
 
 
 async def model_info(request: web.Request) -> web.Response:
-    op = OPERATIONS[ep.MODEL_INFO.path]
-    req = await _parse(request, op)
-    status, body = await request.app[keys.VIEWS].model_info(_call(request, op, req))
+    req = await _parse(request, ops.MODEL_INFO)
+    status, body = await request.app[keys.VIEWS].model_info(_call(request, ops.MODEL_INFO, req))
     return _json(status, body)
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
-    op = OPERATIONS[ep.GET_WEIGHT_VERSION.path]
-    req = await _parse(request, op)
-    status, body = await request.app[keys.VIEWS].weight_version(_call(request, op, req))
+    req = await _parse(request, ops.GET_WEIGHT_VERSION)
+    status, body = await request.app[keys.VIEWS].weight_version(_call(request, ops.GET_WEIGHT_VERSION, req))
     return _json(status, body)
 
 
 async def weight_info(request: web.Request) -> web.Response:
     """vLLM's ``/weight_info``: the version every worker holds, 409 when they differ (as ``/get_weight_version``)."""
-    op = OPERATIONS[ep.WEIGHT_INFO.path]
-    status, body = await request.app[keys.VIEWS].weight_version(await _targeted(request, op), op)
+    status, body = await request.app[keys.VIEWS].weight_info(await _targeted(request, ops.WEIGHT_INFO))
     return _json(status, body)
 
 
 async def vllm_weight_checker(request: web.Request) -> web.Response:
-    op = OPERATIONS[ep.WEIGHT_CHECKER.path]
-    call = await _targeted(request, op)
-    assert isinstance(call.request, VllmWeightCheckerRequest)
+    call = await _targeted(request, ops.WEIGHT_CHECKER)
     outcome = await request.app[keys.VIEWS].vllm_weight_checker(call.request, call)
     return _json(outcome.status, outcome.answer)
 
@@ -169,9 +154,8 @@ async def vllm_weight_checker(request: web.Request) -> web.Response:
 async def collective_rpc(request: web.Request) -> web.Response:
     """vLLM's ``/collective_rpc``, admin-only: any worker method can change the weights, so the call is a fenced,
     journaled weight update (its targets recorded on a new fleet version) unless the method is known to read only."""
-    write = OPERATIONS[ep.COLLECTIVE_RPC.path]
-    req: CollectiveRpcRequest = await parse_request(request, write)
-    op = COLLECTIVE_RPC_READ if req.reads_only else write
+    req = await parse_request(request, ops.COLLECTIVE_RPC)
+    op = COLLECTIVE_RPC_READ if req.reads_only else ops.COLLECTIVE_RPC
     workers = await fleet_facts(request.app).resolve(target_query(request.query))
     call = _call(request, op, req, only_ids(workers))
     return await _detached(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
@@ -180,7 +164,7 @@ async def collective_rpc(request: web.Request) -> web.Response:
 async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
     """vLLM's ``/shutdown_weight_transfer_engine`` on every worker; the router then forgets the group vLLM's
     init built (a later ``/start_weight_update`` needs a new ``/init_weight_transfer_engine``)."""
-    op = OPERATIONS[ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.path]
+    op = ops.SHUTDOWN_WEIGHT_TRANSFER_ENGINE
     call = _call(request, op, await _parse(request, op))
     admin = request.app[keys.ADMIN]
     outcome = await request.app[keys.TASKS].run_detached(broadcast(admin, op, call), name=op.name)
@@ -191,28 +175,25 @@ async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
 
 
 async def server_info(request: web.Request) -> web.Response:
-    op = OPERATIONS[ep.SERVER_INFO.path]
-    req: ServerInfoRequest = await _parse(request, op)
-    outcome = await request.app[keys.VIEWS].server_info(req, _call(request, op, req))
+    req = await _parse(request, ops.SERVER_INFO)
+    outcome = await request.app[keys.VIEWS].server_info(req, _call(request, ops.SERVER_INFO, req))
     return _json(outcome.status, outcome.answer)
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
-    op = OPERATIONS[ep.RESET_PREFIX_CACHE.path]
-    req = await _parse(request, op)
-    outcome = await request.app[keys.VIEWS].reset_prefix_cache(_call(request, op, req))
+    req = await _parse(request, ops.RESET_PREFIX_CACHE)
+    outcome = await request.app[keys.VIEWS].reset_prefix_cache(_call(request, ops.RESET_PREFIX_CACHE, req))
     return _json(outcome.status, outcome.answer)
 
 
 async def weights_checker(request: web.Request) -> web.Response:
-    op = OPERATIONS[ep.WEIGHTS_CHECKER.path]
-    req: WeightsCheckerRequest = await _parse(request, op)
-    outcome = await request.app[keys.VIEWS].weights_checker(req, _call(request, op, req))
+    req = await _parse(request, ops.WEIGHTS_CHECKER)
+    outcome = await request.app[keys.VIEWS].weights_checker(req, _call(request, ops.WEIGHTS_CHECKER, req))
     return _json(outcome.status, outcome.answer)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
-    req: InitWeightsUpdateGroupRequest = await _parse(request, OPERATIONS[ep.INIT_WEIGHTS_UPDATE_GROUP.path])
+    req = await _parse(request, ops.INIT_GROUP)
     init = request.app[keys.GROUP_INIT].init(GroupJoin.sglang(req), _forward_headers(request))
     return await _detached(request, init, "init_group")
 
@@ -222,17 +203,17 @@ async def get_world_size(request: web.Request) -> web.Response:
 
 
 async def prepare_weights_update(request: web.Request) -> web.Response:
-    req: PrepareWeightsUpdateRequest = await _parse(request, OPERATIONS[ep.PREPARE_WEIGHTS_UPDATE.path])
+    req = await _parse(request, ops.PREPARE)
     return await _detached(request, request.app[keys.TWO_PHASE].prepare(req, _forward_headers(request)), "prepare")
 
 
 async def complete_weights_update(request: web.Request) -> web.Response:
-    req: CompleteWeightsUpdateRequest = await _parse(request, OPERATIONS[ep.COMPLETE_WEIGHTS_UPDATE.path])
+    req = await _parse(request, ops.COMPLETE)
     return await _detached(request, request.app[keys.TWO_PHASE].complete(req, _forward_headers(request)), "complete")
 
 
 async def abort_weights_update(request: web.Request) -> web.Response:
-    req: AbortWeightsUpdateRequest = await _parse(request, OPERATIONS[ep.ABORT_WEIGHTS_UPDATE.path])
+    req = await _parse(request, ops.ABORT)
     return await _detached(request, request.app[keys.TWO_PHASE].abort(req, _forward_headers(request)), "abort")
 
 
@@ -240,25 +221,25 @@ async def abort_weights_update(request: web.Request) -> web.Response:
 
 
 async def init_weight_transfer_engine(request: web.Request) -> web.Response:
-    req: InitWeightTransferEngineRequest = await _parse(request, OPERATIONS[ep.INIT_WEIGHT_TRANSFER_ENGINE.path])
+    req = await _parse(request, ops.INIT_WEIGHT_TRANSFER)
     init = request.app[keys.GROUP_INIT].init(GroupJoin.vllm(req), _forward_headers(request))
     return await _detached(request, init, "init_weight_transfer_engine")
 
 
 async def start_weight_update(request: web.Request) -> web.Response:
-    req: StartWeightUpdateRequest = await _parse(request, OPERATIONS[ep.START_WEIGHT_UPDATE.path])
+    req = await _parse(request, ops.START)
     work = request.app[keys.WEIGHT_TRANSFER].start(req, _forward_headers(request))
     return await _detached(request, work, "start_weight_update")
 
 
 async def update_weights(request: web.Request) -> web.Response:
-    req: UpdateWeightsRequest = await _parse(request, OPERATIONS[ep.UPDATE_WEIGHTS.path])
+    req = await _parse(request, ops.UPDATE)
     work = request.app[keys.WEIGHT_TRANSFER].update(req, _forward_headers(request))
     return await _detached(request, work, "update_weights")
 
 
 async def finish_weight_update(request: web.Request) -> web.Response:
-    req: FinishWeightUpdateRequest = await _parse(request, OPERATIONS[ep.FINISH_WEIGHT_UPDATE.path])
+    req = await _parse(request, ops.FINISH)
     work = request.app[keys.WEIGHT_TRANSFER].finish(req, _forward_headers(request))
     return await _detached(request, work, "finish_weight_update")
 
@@ -266,34 +247,41 @@ async def finish_weight_update(request: web.Request) -> web.Response:
 async def pause_or_resume(request: web.Request) -> web.Response:
     """vLLM's ``/pause`` (fenced like ``/pause_generation``) and ``/resume`` (like ``/continue_generation``):
     ``status`` is the workers' (``paused``, ``resumed``) once every one of them answered it."""
-    op = OPERATIONS[request.path]
+    op: Operation[WireRequest, PauseStatus] = ops.PAUSE if request.path == ops.PAUSE.path else ops.RESUME
     call = await _targeted(request, op)
     outcome = await request.app[keys.TASKS].run_detached(broadcast(request.app[keys.ADMIN], op, call), name=op.name)
     answer = outcome.answer
-    statuses = {r.body.status for r in answer.results if isinstance(r.body, PauseStatus)}
+    statuses = {r.body.status for r in answer.results if r.body is not None}
     if outcome.ok and isinstance(answer, PauseFleetAnswer) and len(statuses) == 1:
         answer.status = statuses.pop()
     return _json(outcome.status, answer)
 
 
-async def is_paused_or_sleeping(request: web.Request) -> web.Response:
-    """``{"is_paused": true}`` (``{"is_sleeping": true}``) only when every live worker says so."""
-    op = OPERATIONS[request.path]
-    outcome = await broadcast(request.app[keys.ADMIN], op, await _targeted(request, op))
+async def is_paused(request: web.Request) -> web.Response:
+    """``{"is_paused": true}`` only when every live worker says so."""
+    outcome = await broadcast(request.app[keys.ADMIN], ops.IS_PAUSED, await _targeted(request, ops.IS_PAUSED))
     answer = outcome.answer
-    field = "is_paused" if isinstance(answer, IsPausedFleetAnswer) else "is_sleeping"
-    every = outcome.ok and all(getattr(r.body, field, False) is True for r in answer.results)
-    setattr(answer, field, every)
+    if isinstance(answer, IsPausedFleetAnswer):
+        answer.is_paused = outcome.ok and all(r.body is not None and r.body.is_paused for r in answer.results)
+    return _json(outcome.status, answer)
+
+
+async def is_sleeping(request: web.Request) -> web.Response:
+    """``{"is_sleeping": true}`` only when every live worker says so."""
+    outcome = await broadcast(request.app[keys.ADMIN], ops.IS_SLEEPING, await _targeted(request, ops.IS_SLEEPING))
+    answer = outcome.answer
+    if isinstance(answer, IsSleepingFleetAnswer):
+        answer.is_sleeping = outcome.ok and all(r.body is not None and r.body.is_sleeping for r in answer.results)
     return _json(outcome.status, answer)
 
 
 async def abort_requests(request: web.Request) -> web.Response:
     """vLLM's ``/abort_requests`` on every live worker: ``aborted`` is the sum of what each one ended."""
-    op = OPERATIONS[ep.ABORT_REQUESTS.path]
+    op = ops.ABORT_REQUESTS
     outcome = await broadcast(request.app[keys.ADMIN], op, await _targeted(request, op))
     answer = outcome.answer
     if isinstance(answer, AbortRequestsFleetAnswer):
-        answer.aborted = sum(r.body.aborted for r in answer.results if isinstance(r.body, AbortRequestsResult))
+        answer.aborted = sum(r.body.aborted for r in answer.results if r.body is not None)
         answer.status = "aborted" if outcome.ok else "error"
     return _json(outcome.status, answer)
 
@@ -315,8 +303,8 @@ _SPECIAL: dict[str, Handler] = {
     ep.FINISH_WEIGHT_UPDATE.path: finish_weight_update,
     ep.PAUSE.path: pause_or_resume,
     ep.RESUME.path: pause_or_resume,
-    ep.IS_PAUSED.path: is_paused_or_sleeping,
-    ep.IS_SLEEPING.path: is_paused_or_sleeping,
+    ep.IS_PAUSED.path: is_paused,
+    ep.IS_SLEEPING.path: is_sleeping,
     ep.ABORT_REQUESTS.path: abort_requests,
     ep.WEIGHT_INFO.path: weight_info,
     ep.WEIGHT_CHECKER.path: vllm_weight_checker,

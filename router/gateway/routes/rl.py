@@ -40,7 +40,7 @@ from router.contract.web.openapi import Route
 from router.gateway import keys
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
-from router.gateway.admin.operations import OPERATIONS, Operation
+from router.gateway.admin.operations import OPERATIONS, AnyOperation
 from router.gateway.admin.targets import CAPABILITIES, RL_ENGINE, TargetQuery, WorkerFacts, target_query
 from router.gateway.fleet.registry import Worker
 from router.gateway.routes.admin import fleet_facts, forwarded_query, parse_request
@@ -62,7 +62,7 @@ _COORDINATED = frozenset(
 )
 
 #: Every engine path the RL API accepts, by path and alias, without its leading slash.
-_ENGINE_PATHS: dict[str, Operation] = {
+_ENGINE_PATHS: dict[str, AnyOperation] = {
     path.lstrip("/"): op for op in OPERATIONS.values() for path in (op.path, *op.endpoint.aliases)
 }
 
@@ -105,7 +105,7 @@ async def get_worker(request: web.Request) -> web.Response:
     return _json(200, _entry(facts))
 
 
-def _operation(request: web.Request) -> Operation:
+def _operation(request: web.Request) -> AnyOperation:
     path = request.match_info["path"]
     op = _ENGINE_PATHS.get(path)
     if op is None:
@@ -117,18 +117,17 @@ def _operation(request: web.Request) -> Operation:
     return op
 
 
-async def _engine_request(request: web.Request, op: Operation) -> WireRequest:
+async def _engine_request(request: web.Request, op: AnyOperation) -> WireRequest:
     """The body as ``op``'s request (400 ``invalid_body``), before any worker is read or locked."""
     try:
-        req: WireRequest = await parse_request(request, op)
+        return await parse_request(request, op)
     except ApiError as exc:
         raise RlRefusal(400, "invalid_body", f"invalid body for {op.path}: {exc.message}") from None
-    return req
 
 
 async def _run(
-    request: web.Request, op: Operation, req: WireRequest, targets: list[Worker]
-) -> tuple[list[WorkerResult[Any]], list[str]]:
+    request: web.Request, op: AnyOperation, req: WireRequest, targets: list[Worker]
+) -> tuple[list[WorkerResult[WireResponse]], list[str]]:
     """Run ``op`` as the router's own targeted operation; the per-worker results and the targets kept fenced."""
     call = AdminCall(
         op,
@@ -146,13 +145,13 @@ async def _run(
     return outcome.answer.results, [w.id for w in targets if w.id in kept and w.disabled]
 
 
-def _body(result: WorkerResult[Any]) -> Any:
+def _body(result: WorkerResult[WireResponse]) -> dict[str, Any] | None:
     if result.body is not None:
         return result.body.model_dump(mode="json")
     return {"error": {"message": result.error}} if result.error else None
 
 
-def _failure(result: WorkerResult[Any]) -> RlFailedCall:
+def _failure(result: WorkerResult[WireResponse]) -> RlFailedCall:
     if result.status_code is not None:
         return RlFailedCall(
             worker_id=result.worker,
@@ -170,7 +169,7 @@ def _failure(result: WorkerResult[Any]) -> RlFailedCall:
     )
 
 
-def _outcome(result: WorkerResult[Any]) -> RlCallOutcome:
+def _outcome(result: WorkerResult[WireResponse]) -> RlCallOutcome:
     return RlCallOutcome(
         worker_id=result.worker,
         url=result.url,
@@ -208,7 +207,7 @@ async def engine_fanout(request: web.Request) -> web.Response:
     targets = await fleet_facts(request.app).resolve(query) or []
     dead = [w for w in targets if w.is_dead]
     live = [w for w in targets if not w.is_dead]
-    results: list[WorkerResult[Any]] = []
+    results: list[WorkerResult[WireResponse]] = []
     fenced: list[str] = []
     if live:
         results, fenced = await _run(request, op, req, live)

@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from router.contract import endpoints as ep
-from router.contract.endpoints import Endpoint
+from router.contract.endpoints import AnyEndpoint
 from router.contract.vllm_tokens import REQUEST_ID_HEADER, REQUEST_ID_PREFIX
 
 #: Router-assigned rids: a random per-process prefix and a fixed-width counter, so no rid is a prefix of
@@ -104,7 +104,7 @@ def prepare_tokens_payload(raw: bytes, header_id: str | None) -> tuple[bytes, st
 class AbortCall:
     """How to stop a request on its worker once its caller went away: one call of a contract abort route."""
 
-    endpoint: Endpoint[Any, Any]
+    endpoint: AnyEndpoint
     fields: dict[str, Any]
     """The abort request's fields: validated as ``endpoint.request`` only when an abort is sent, never
     for the requests that finish (nearly all of them)."""

@@ -239,7 +239,8 @@ def _payload(name: str, data: bytes) -> dict[str, Any]:
 def _content(found: ConfigMap, name: str) -> bytes | None:
     """The record's bytes in ``found`` (``None`` when the ConfigMap has no such key)."""
     if found.data and name in found.data:
-        return found.data[name].encode("utf-8")
+        text: str = found.data[name]
+        return text.encode("utf-8")
     if found.binaryData and name in found.binaryData:
         try:
             return base64.b64decode(found.binaryData[name], validate=True)

@@ -8,9 +8,8 @@ is never probed with ``dict.get``: the answer carries the parse failure as its `
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
 from pydantic import ValidationError
 
@@ -90,7 +89,10 @@ def decode_plain(model: type[M], status: int, raw: bytes) -> WorkerAnswer[M]:
     return WorkerAnswer(status, body, None)
 
 
-Decoder = Callable[[type[M], int, bytes], WorkerAnswer[M]]
+class Decoder(Protocol):
+    """How an engine's whole answers are decoded into their models: :func:`decode_answer` or :func:`decode_plain`."""
+
+    def __call__(self, model: type[M], status: int, raw: bytes, /) -> WorkerAnswer[M]: ...
 
 
 def unreachable(exc: BaseException, timeout_s: float) -> WorkerAnswer[M]:

@@ -28,7 +28,7 @@
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from router.contract.base import WireRequest, WireResponse
 from router.contract.endpoints import Endpoint
@@ -91,7 +91,7 @@ class WorkerClient:
         body: bytes | None = None,
         headers: dict[str, str],
         timeout_s: float,
-        decode: Decoder[M] = decode_answer,
+        decode: Decoder = decode_answer,
     ) -> WorkerAnswer[M]:
         """One whole exchange decoded as ``model`` (by ``decode``: the worker's engine may answer success
         without JSON); a failure is the answer's ``error``, never raised."""
@@ -117,13 +117,13 @@ class WorkerClient:
     async def call(
         self,
         base_url: str,
-        endpoint: Endpoint[Any, M],
+        endpoint: Endpoint[WireRequest, M],
         request: WireRequest | None = None,
         *,
         headers: dict[str, str],
         cap_s: float | None = None,
         query: str = "",
-        decode: Decoder[M] = decode_answer,
+        decode: Decoder = decode_answer,
     ) -> WorkerAnswer[M]:
         """One call of a contract endpoint, waiting as long as its budget gives the router (or
         ``cap_s``, when the caller's own deadline is shorter).

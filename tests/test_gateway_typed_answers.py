@@ -1,0 +1,129 @@
+"""Worker answers typed end to end: the shared weights report, the typed fan-out and the policy that reads it.
+
+In-process only: the answers' wire shape (fields and their order, unchanged for SGLang's and vLLM's
+clients), the fan-out's results parametrized by the operation's response model, and the policy reading
+answers through the shared base or a protocol rather than by attribute name.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from router.contract import endpoints as ep
+from router.contract.admin import AdminResult, ModelInfo, UpdateWeightsFromDiskRequest, WeightsReport
+from router.contract.fleet import WorkerResult
+from router.contract.vllm import VllmResult
+from router.contract.weight_sync import (
+    AbortWeightsUpdateRequest,
+    AbortWeightsUpdateResponse,
+    CompleteWeightsUpdateResponse,
+    JoinReport,
+    PrepareWeightsUpdateRequest,
+    PrepareWeightsUpdateResponse,
+    WeightSyncResponse,
+)
+from router.gateway.admin import operations as ops
+from router.gateway.admin.fanout import AdminCall, FanOut
+from router.gateway.admin.groups import group_name_of
+from router.gateway.admin.verdicts import refused_untouched
+from router.gateway.fleet.registry import Worker
+from router.gateway.fleet.weights import agreed_checksum
+from router.gateway.upstream import decode_answer
+
+
+def keys(model: Any) -> list[str]:
+    return list(json.loads(model.model_dump_json()))
+
+
+def test_answers_keep_their_field_order_on_the_wire() -> None:
+    assert keys(AdminResult(success=True)) == ["success", "message", "rank_results", "weights", "weights_partial"]
+    assert keys(WeightSyncResponse(success=True)) == [
+        "success", "message", "rank_results", "weights", "weights_partial", "join_attempted",
+    ]  # fmt: skip
+    assert keys(PrepareWeightsUpdateResponse(status="ready")) == [
+        "status", "message", "weights", "weights_partial", "rank_results",
+    ]  # fmt: skip
+    assert keys(AbortWeightsUpdateResponse(success=True))[3:5] == ["weights", "weights_partial"]
+    complete = CompleteWeightsUpdateResponse(success=True, checksum="crc32:00000000")
+    assert keys(complete)[:5] == ["success", "message", "rank_results", "weights", "weights_partial"]
+    # A failure carries error.message last, after any field this version does not know.
+    failed = PrepareWeightsUpdateResponse.model_validate({"status": "error", "newer": 1}).failed("no")
+    assert keys(failed) == ["status", "message", "weights", "weights_partial", "rank_results", "newer", "error"]
+
+
+def test_every_answer_that_says_what_happened_to_the_weights_shares_the_base() -> None:
+    for endpoint in (*ep.WORKER_ADMIN, *ep.VLLM_ONLY_ADMIN):
+        declares = "weights" in endpoint.response.model_fields
+        assert declares == issubclass(endpoint.response, WeightsReport), endpoint.path
+        if endpoint.writes_weights and endpoint is not ep.COLLECTIVE_RPC:
+            assert issubclass(endpoint.response, WeightsReport), endpoint.path
+
+
+def test_a_vllm_init_answer_says_whether_its_join_began_without_changing_shape() -> None:
+    raw = b'{"success": false, "message": "no", "weights": "intact", "join_attempted": false}'
+    body = VllmResult.model_validate_json(raw)
+    assert isinstance(body, JoinReport) and body.join_attempted is False
+    assert json.loads(body.model_dump_json())["join_attempted"] is False
+    assert VllmResult().join_attempted is None and "join_attempted" not in keys(VllmResult())
+    assert VllmResult.model_validate({"join_attempted": "no"}).join_attempted is None
+
+
+def result(body: Any, status: int) -> WorkerResult[Any]:
+    return WorkerResult[type(body)](
+        worker="w", url="u", success=status == 200, status_code=status, body=body, elapsed_ms=1.0
+    )
+
+
+def test_refusals_are_read_through_the_shared_base_and_the_join_report() -> None:
+    intact = PrepareWeightsUpdateResponse(status="error", weights="intact")
+    assert refused_untouched(ops.PREPARE, result(intact, 400))
+    silent = PrepareWeightsUpdateResponse(status="error")
+    assert not refused_untouched(ops.PREPARE, result(silent, 400))
+    # An answer that is no weights report says nothing of the weights: they may have changed.
+    assert not refused_untouched(ops.MODEL_INFO, result(ModelInfo(model_path="m"), 400))
+    before_join = WeightSyncResponse(success=False, join_attempted=False)
+    assert refused_untouched(ops.INIT_GROUP, result(before_join, 400))
+    joined = WeightSyncResponse(success=False, weights="intact", join_attempted=True)
+    assert not refused_untouched(ops.INIT_GROUP, result(joined, 400))
+
+
+def test_requests_over_a_group_and_checksums_are_read_by_protocol() -> None:
+    assert group_name_of(AbortWeightsUpdateRequest(group_name="g")) == "g"
+    assert group_name_of(UpdateWeightsFromDiskRequest(model_path="/m")) == "weight_update_group"
+    same = [CompleteWeightsUpdateResponse(success=True, checksum="c") for _ in range(2)]
+    assert agreed_checksum(same) == "c"
+    assert agreed_checksum([*same, AdminResult(success=True)]) is None
+
+
+def test_the_typed_operations_are_the_table_s() -> None:
+    for op in (ops.PREPARE, ops.COMPLETE, ops.ABORT, ops.START, ops.UPDATE, ops.FINISH, ops.INIT_GROUP):
+        assert ops.OPERATIONS[op.path] is op
+    assert ops.PREPARE.endpoint.response is PrepareWeightsUpdateResponse
+    assert ops.PREPARE.answer_model().__name__ == "PrepareFleetAnswer"
+    assert ops.ABORT.answer_model() is ops.ABORT.answer_model()
+
+
+class _Client:
+    """A worker client that answers every call with one raw body."""
+
+    def __init__(self, status: int, raw: bytes):
+        self.status, self.raw = status, raw
+        self.paths: list[str] = []
+
+    async def fetch(self, base_url: str, path: str, model: Any, **_: Any) -> Any:
+        self.paths.append(path)
+        return decode_answer(model, self.status, self.raw)
+
+
+async def test_the_fan_out_answers_in_the_operation_s_response_model() -> None:
+    client = _Client(200, b'{"status": "ready", "weights": "intact", "newer": true}')
+    req = PrepareWeightsUpdateRequest.model_validate(
+        {"num_buckets": 1, "group_name": "g", "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}]}
+    )
+    call = AdminCall(ops.PREPARE, "POST", req, {}, timeout_s=5.0)
+    (got,) = await FanOut(client).to_all([Worker(id="w1", url="http://w1")], call)
+    assert type(got) is WorkerResult[PrepareWeightsUpdateResponse]
+    assert got.success and isinstance(got.body, PrepareWeightsUpdateResponse) and got.body.weights == "intact"
+    assert json.loads(got.model_dump_json())["body"]["newer"] is True
+    assert client.paths == ["/prepare_weights_update"]
