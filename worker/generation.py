@@ -19,8 +19,8 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
+from router.contract.generate import GenerateMetaInfo, GenerateResponse, LogprobEntry, WeightVersionSpan
 from worker.engine.request import FinishReason, OutputChannel, Request, RequestEvent
 from worker.engine.sampling import trim_stop_string
 
@@ -37,8 +37,8 @@ class VersionSpan:
     start: int
     end: int
 
-    def to_wire(self) -> dict[str, Any]:
-        return {"version": self.version, "start": self.start, "end": self.end}
+    def to_wire(self) -> WeightVersionSpan:
+        return WeightVersionSpan(version=self.version, start=self.start, end=self.end)
 
 
 class GenerationHandle:
@@ -106,7 +106,7 @@ class GenerationHandle:
             self.finish_reason = event.finish_reason
             self.finished_at = time.monotonic()
 
-    def weight_versions(self, current: str) -> list[dict[str, Any]]:
+    def weight_versions(self, current: str) -> list[WeightVersionSpan]:
         """The spans of the output so far; ``current`` (the served version) names the one empty span of an
         empty output."""
         if not self.version_spans:
@@ -123,18 +123,11 @@ class GenerationHandle:
         a request that waits in the queue can see a whole update before its first token."""
         return self.version_spans[0].version if self.version_spans else None
 
-    def version_fields(self, current: str) -> dict[str, Any]:
-        """``weight_version``, ``weight_versions`` and ``first_token_weight_version`` of the output so far."""
-        return {
-            "weight_version": self.weight_version(current),
-            "weight_versions": self.weight_versions(current),
-            "first_token_weight_version": self.first_token_weight_version,
-        }
-
     def build(
         self, decode: Callable[[list[int]], str], weight_version: str, index: int | None = None
-    ) -> dict[str, Any]:
-        """The SGLang-shaped ``{"text", "output_ids", "meta_info"}`` for what was received so far.
+    ) -> GenerateResponse:
+        """SGLang's ``{"text", "output_ids", "meta_info"}`` for what was received so far (``index``: its
+        place in a streamed batch).
 
         ``weight_version`` is the served version now; the answer reports the versions that sampled its
         tokens (see the module docstring) and falls back to it only for an empty output. Input-token
@@ -142,28 +135,30 @@ class GenerationHandle:
         ``input_token_logprobs`` is an empty list, the shape SGLang returns for ``logprob_start_len=-1``.
         """
         text = trim_stop_string(decode(self.output_ids), self.finish_reason, self.params.no_stop_trim)
-        meta: dict[str, Any] = {
-            "id": self.rid,
-            "finish_reason": self.finish_reason.to_wire() if self.finish_reason is not None else None,
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": len(self.output_ids),
-            "cached_tokens": 0,
-            **self.version_fields(weight_version),
-            "total_retractions": self.retractions,
-            "e2e_latency": (self.finished_at or time.monotonic()) - self.created,
-        }
+        meta = GenerateMetaInfo(
+            id=self.rid,
+            finish_reason=self.finish_reason.to_wire() if self.finish_reason is not None else None,
+            prompt_tokens=self.prompt_tokens,
+            completion_tokens=len(self.output_ids),
+            cached_tokens=0,
+            weight_version=self.weight_version(weight_version),
+            weight_versions=self.weight_versions(weight_version),
+            first_token_weight_version=self.first_token_weight_version,
+            total_retractions=self.retractions,
+            e2e_latency=(self.finished_at or time.monotonic()) - self.created,
+        )
         if self.params.return_logprob:
 
-            def entry(lp: float, tok: int) -> list[Any]:
-                return [lp, tok, decode([tok]) if self.return_text_in_logprobs else None]
+            def entry(lp: float, tok: int) -> LogprobEntry:
+                return (lp, tok, decode([tok]) if self.return_text_in_logprobs else None)
 
-            meta["input_token_logprobs"] = []
-            meta["output_token_logprobs"] = [
+            meta.input_token_logprobs = []
+            meta.output_token_logprobs = [
                 entry(lp, tok) for lp, tok in zip(self.logprobs, self.output_ids, strict=False)
             ]
             if self.params.top_logprobs_num:
-                meta["output_top_logprobs"] = [[entry(lp, tok) for lp, tok in row] for row in self.top_logprobs]
-        out: dict[str, Any] = {"text": text, "output_ids": list(self.output_ids), "meta_info": meta}
+                meta.output_top_logprobs = [[entry(lp, tok) for lp, tok in row] for row in self.top_logprobs]
+        out = GenerateResponse(text=text, output_ids=list(self.output_ids), meta_info=meta)
         if index is not None:
-            out["index"] = index
+            out.index = index
         return out

@@ -194,11 +194,16 @@ class WeightVersionSpan(WireResponse):
     end: int
 
 
+#: One token's ``[logprob, token id, text]`` (text only with ``return_text_in_logprobs``), as SGLang lists them.
+LogprobEntry = tuple[float | None, int, str | None]
+
+
 class GenerateMetaInfo(WireResponse):
-    """``meta_info`` of one prompt's response (SGLang field names)."""
+    """``meta_info`` of one prompt's response (SGLang field names); the logprob lists only with
+    ``return_logprob`` (``output_top_logprobs`` only with ``top_logprobs_num``)."""
 
     id: str
-    finish_reason: dict[str, Any] | None = None
+    finish_reason: FinishReason | None = None
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
@@ -210,13 +215,16 @@ class GenerateMetaInfo(WireResponse):
     """The version that sampled the first output token; null before there is one."""
     total_retractions: int = 0
     e2e_latency: float | None = None
-    output_token_logprobs: list[list[Any]] | None = None
-    input_token_logprobs: list[list[Any]] | None = None
+    input_token_logprobs: list[LogprobEntry] | None = None
+    output_token_logprobs: list[LogprobEntry] | None = None
+    output_top_logprobs: list[list[LogprobEntry]] | None = None
 
 
 class GenerateResponse(WireResponse):
-    """One prompt's result: ``{"text", "output_ids", "meta_info"}`` (a list of these for a batch)."""
+    """One prompt's result: ``{"text", "output_ids", "meta_info"}`` (a list of these for a batch).
+    Streamed, each event is the prompt's result so far, with ``index`` (its place) in a batch."""
 
     text: str
     output_ids: list[int]
     meta_info: GenerateMetaInfo
+    index: int | None = None

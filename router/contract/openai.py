@@ -265,6 +265,12 @@ class ChatCompletionRequest(OpenAIRequest):
 
 
 # -- answers ------------------------------------------------------------------------------------
+# The worker sends the keys it sets (``model_dump(mode="json", exclude_unset=True)``): a field it
+# leaves out is absent, not null, as in vLLM's answers (``token_ids`` only with ``return_token_ids``).
+
+
+class PromptTokensDetails(WireResponse):
+    cached_tokens: int | None = None
 
 
 class Usage(WireResponse):
@@ -273,6 +279,8 @@ class Usage(WireResponse):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    #: vLLM's token answer carries it (``null``); the OpenAI routes leave it out.
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(WireResponse):
@@ -285,6 +293,8 @@ class CompletionLogprobs(WireResponse):
 
 
 class CompletionChoice(WireResponse):
+    """One choice; ``token_ids`` and ``prompt_token_ids`` only with ``return_token_ids``."""
+
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
@@ -305,16 +315,19 @@ class ResponseMetadata(WireResponse):
 
 
 class CompletionResponse(WireResponse):
-    """``/v1/completions`` answer (``object`` ``text_completion``; chunks share the shape)."""
+    """``/v1/completions`` answer (``object`` ``text_completion``). Streamed, each chunk has this shape
+    too (as OpenAI streams ``Completion`` objects): a choice's new text, its ``stop_reason`` only on
+    its last chunk, ``usage`` null on every chunk with ``include_usage`` and set on a last chunk
+    without choices; a choice's first chunk echoing the prompt carries no weight versions yet."""
 
     id: str
     object: str = "text_completion"
     created: int
     model: str
-    choices: list[CompletionChoice]
-    usage: Usage | None = None
     weight_version: str
     metadata: ResponseMetadata | None = None
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
 
 
 class TopLogprob(WireResponse):
@@ -329,6 +342,7 @@ class TokenLogprob(TopLogprob):
 
 class ChatLogprobs(WireResponse):
     content: list[TokenLogprob] | None = None
+    refusal: str | None = None
 
 
 class ChatResponseMessage(WireResponse):
@@ -356,11 +370,11 @@ class ChatCompletionResponse(WireResponse):
     object: str = "chat.completion"
     created: int
     model: str
+    weight_version: str
+    metadata: ResponseMetadata | None = None
     choices: list[ChatChoice]
     usage: Usage | None = None
     prompt_token_ids: list[int] | None = None
-    weight_version: str
-    metadata: ResponseMetadata | None = None
 
 
 class ModelCard(WireResponse):

@@ -29,7 +29,7 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator, model_validator
 
 from router.contract.base import MAX_ITEMS, Label, WireRequest, WireResponse
-from router.contract.generate import Seed
+from router.contract.generate import Seed, WeightVersionSpan
 from router.contract.openai import (
     MAX_LOGPROBS,
     MAX_N,
@@ -235,22 +235,28 @@ class TokensLogprobs(WireResponse):
 
 
 class TokensChoice(WireResponse):
+    """One choice (each of its chunks, streamed: the new ``token_ids``, ``finish_reason`` on the last)."""
+
     index: int
     logprobs: TokensLogprobs | None = None
     finish_reason: str | None = "stop"
     token_ids: list[int] | None = None
     routed_experts: str | None = None
     sampling_mask: list[list[int]] | None = None
+    #: The weights that sampled each span of the choice's tokens, and its first token's (omni-worker).
+    weight_versions: list[WeightVersionSpan] | None = None
+    first_token_weight_version: str | None = None
 
 
 class TokensGenerateResponse(WireResponse):
-    """vLLM's ``GenerateResponse``, plus this project's ``weight_version`` (the weights that sampled it).
-    Streamed, each ``data:`` event is vLLM's ``GenerateStreamResponse`` (``request_id``, ``choices``
-    with the new ``token_ids``, ``usage``), then ``data: [DONE]``."""
+    """vLLM's ``GenerateResponse`` (every field sent, ``null`` when absent, as its ``model_dump``
+    writes them), plus this project's ``weight_version`` (the weights that sampled its newest token).
+    Streamed, each ``data:`` event is a :class:`TokensStreamResponse`, then ``data: [DONE]``."""
 
     request_id: str
     model: str | None = None
     created: int | None = None
+    weight_version: str | None = None
     choices: list[TokensChoice]
     usage: Usage | None = None
     prompt_logprobs: list[Any] | None = None
@@ -260,7 +266,19 @@ class TokensGenerateResponse(WireResponse):
     metrics: dict[str, Any] | None = None
     kv_transfer_params: dict[str, Any] | None = None
     ec_transfer_params: dict[str, Any] | None = None
+
+
+class TokensStreamResponse(WireResponse):
+    """One event of a streamed token answer: vLLM's ``GenerateStreamResponse`` (``request_id``, the
+    choices' new ``token_ids``, ``usage``: null, or each choice's counts so far with
+    ``continuous_usage_stats``; ``prompt_token_ids`` on the first event with ``return_token_ids``),
+    plus ``weight_version``. With ``include_usage`` a last event without choices carries the counts."""
+
+    request_id: str
     weight_version: str | None = None
+    choices: list[TokensChoice]
+    usage: Usage | None = None
+    prompt_token_ids: list[int] | None = None
 
 
 class TokenizeRequest(WireRequest):

@@ -1,7 +1,8 @@
 """What a trainer imports: the router client, the sync driver and the torch sender.
 
 The HTTP client (:class:`RouterClient`, :class:`AsyncRouterClient`) and the sync
-driver (:class:`WeightSync`, behind ``RouterClient.sync_weights``) are torch-free. The sender (:class:`TrainerWeightSender`,
+driver (:class:`WeightSync`, behind ``RouterClient.sync_weights``, whose keywords are
+:class:`SyncOptions`) are torch-free. The sender (:class:`TrainerWeightSender`,
 :class:`BucketPlan`, :func:`sent_checksum`) needs torch (``pip install
 'omni-router[trainer]'``) and is imported on first use, so importing this package
 never pulls torch in. It builds on :mod:`router.contract` and :mod:`router.dataplane`
@@ -19,6 +20,7 @@ from router.trainer.aio import AsyncRouterClient
 from router.trainer.calls import RouterCallError
 from router.trainer.client import RouterClient
 from router.trainer.driver import GroupSpec, SyncError, SyncReport, WeightSync
+from router.trainer.options import SyncOptions
 
 if TYPE_CHECKING:
     from router.trainer.sender import BucketPlan, TrainerWeightSender, sent_checksum
@@ -33,6 +35,7 @@ __all__ = [
     "RouterCallError",
     "RouterClient",
     "SyncError",
+    "SyncOptions",
     "SyncReport",
     "TrainerWeightSender",
     "WeightSync",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Unpack
 
 import aiohttp
 
@@ -24,6 +24,7 @@ from router.trainer.failover import (
     TransportFailed,
     through_failover_async,
 )
+from router.trainer.options import SyncOptions
 
 A = TypeVar("A", bound=WireResponse)
 
@@ -101,7 +102,7 @@ class AsyncRouterClient(RouterCalls):
         return status, raw
 
     async def sync_weights(
-        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Any
+        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Unpack[SyncOptions]
     ) -> SyncReport:
         """:meth:`RouterClient.sync_weights` on a thread (``broadcast`` and ``join`` run there too)."""
         return await asyncio.to_thread(self._blocking.sync_weights, buckets=buckets, broadcast=broadcast, **options)

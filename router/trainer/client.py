@@ -5,13 +5,14 @@ from __future__ import annotations
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar, Unpack
 
 from router.contract.base import WireResponse
 from router.contract.fleet import ROUTER_ROLE_HEADER, STANDBY_ROLE
 from router.trainer.calls import Bucket, Call, RouterCalls, decode_answer, unreachable
 from router.trainer.driver import SyncReport, WeightSync
 from router.trainer.failover import StandbyAnswered, TransportFailed, never_connected, through_failover
+from router.trainer.options import SyncOptions
 
 A = TypeVar("A", bound=WireResponse)
 
@@ -43,7 +44,8 @@ class RouterClient(RouterCalls):
         return status, raw
 
     def sync_weights(
-        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Any
+        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Unpack[SyncOptions]
     ) -> SyncReport:
-        """Run one whole weight sync through the router; see :class:`WeightSync`."""
+        """Run one whole weight sync through the router: ``group`` and :class:`WeightSync`'s other
+        keywords (:class:`~router.trainer.options.SyncOptions`)."""
         return WeightSync(self, **options).run(buckets, broadcast)

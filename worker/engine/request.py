@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from router.contract import generate as wire
 from worker.model import KVCache
 
 
@@ -64,14 +65,14 @@ class FinishReason:
         """The stop string it matched, if it stopped on one (the text is cut before it)."""
         return self.matched if self.kind is FinishKind.STOP and isinstance(self.matched, str) else None
 
-    def to_wire(self) -> dict[str, int | str | None]:
-        """The JSON edge: SGLang's ``{"type": "stop", "matched": ...}`` | ``{"type": "length", "length": N}``
-        | ``{"type": "abort", "message": ...}``."""
+    def to_wire(self) -> wire.FinishReason:
+        """SGLang's ``{"type": "stop", "matched": ...}`` | ``{"type": "length", "length": N}``
+        | ``{"type": "abort", "message": ...}``: only its kind's field is set, so only it is sent."""
         if self.kind is FinishKind.STOP:
-            return {"type": "stop", "matched": self.matched}
+            return wire.FinishReason(type="stop", matched=self.matched)
         if self.kind is FinishKind.LENGTH:
-            return {"type": "length", "length": self.length}
-        return {"type": "abort", "message": self.message}
+            return wire.FinishReason(type="length", length=self.length)
+        return wire.FinishReason(type="abort", message=self.message)
 
 
 @dataclass(frozen=True)

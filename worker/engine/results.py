@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from router.contract.admin import WeightsEffect
 
@@ -42,7 +42,7 @@ class OpResult(Generic[T]):
     data: T | None = None
 
 
-def wire_fields(payload: object) -> dict[str, Any]:
+def wire_fields(payload: object) -> dict[str, object]:
     """The JSON edge: a payload's fields under their wire names (``{}`` for ``None``).
 
     A field marked ``omit_none`` is left out while it is ``None``; a payload with its own
@@ -51,7 +51,7 @@ def wire_fields(payload: object) -> dict[str, Any]:
         return {}
     if isinstance(payload, CheckerReport):
         return payload.to_wire()
-    out: dict[str, Any] = {}
+    out: dict[str, object] = {}
     for f in dataclasses.fields(payload):  # type: ignore[arg-type]
         value = getattr(payload, f.name)
         if value is not None or not f.metadata.get("omit_none"):
@@ -205,11 +205,11 @@ class CheckerReport:
     def tensor_count(self) -> int:
         return len(self.checksums)
 
-    def to_wire(self) -> dict[str, Any]:
+    def to_wire(self) -> dict[str, object]:
         """The JSON edge: the summary's fields, in the checker's order (``{"action"}`` alone for a failure)."""
         if self.per_gpu_checksum is None:
             return {"action": self.action}
-        out: dict[str, Any] = {
+        out: dict[str, object] = {
             "action": self.action,
             "tensor_count": self.tensor_count,
             "checksums": dict(self.checksums),

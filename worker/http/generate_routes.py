@@ -27,6 +27,7 @@ from worker.generation import GenerationHandle
 from worker.generation_service import SHUTTING_DOWN
 from worker.http.keys import COORDINATOR
 from worker.http.streaming import ClientGone, client_gone, event_stream, open_sse, send_event
+from worker.http.wire import json_answer
 
 POLL_S = 0.5
 
@@ -176,7 +177,7 @@ async def _collect(
         return web.Response(status=499)
     worker = coord.worker
     outs = [h.build(worker.decode, worker.weight_version) for h in handles]
-    return web.json_response(outs if is_batch else outs[0])
+    return json_answer(outs if is_batch else outs[0])
 
 
 async def _stream(

@@ -33,6 +33,7 @@ from router.contract.openai import (
     ChatCompletionResponse,
     CompletionRequest,
     CompletionResponse,
+    ModelCard,
     ModelList,
     OpenAIRequest,
 )
@@ -44,7 +45,9 @@ from worker.generation import GenerationHandle
 from worker.http import openai_answers as answers
 from worker.http.generate_routes import check_admission, check_lengths, check_prompts, follow
 from worker.http.keys import COORDINATOR
+from worker.http.openai_calls import Call, Choice, Kind
 from worker.http.streaming import ClientGone, event_stream, open_sse, send_event
+from worker.http.wire import json_answer
 from worker.model.chat_template import ChatTemplateError
 
 _SEED_SPAN = 2**64
@@ -90,18 +93,18 @@ class Sampling(Protocol):
 def _plan(
     request: web.Request,
     body: OpenAIRequest,
-    kind: answers.Kind,
+    kind: Kind,
     prompts: list[list[int]],
     *,
     logprobs: int | None,
     echo_texts: list[str] | None,
-) -> tuple[Coordinator, answers.Call]:
+) -> tuple[Coordinator, Call]:
     base = body.rid or uuid.uuid4().hex
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
     return plan_call(
         request,
         body,
-        answers.Call(
+        Call(
             kind=kind,
             id=f"{prefix}-{base}",
             created=int(time.time()),
@@ -118,9 +121,7 @@ def _plan(
     )
 
 
-def plan_call(
-    request: web.Request, sampling: Sampling, call: answers.Call, *, rid: str
-) -> tuple[Coordinator, answers.Call]:
+def plan_call(request: web.Request, sampling: Sampling, call: Call, *, rid: str) -> tuple[Coordinator, Call]:
     """Fill ``call`` with ``sampling.choices_per_prompt`` choices per prompt, each one engine request
     (``rid``, or ``rid-<index>`` when the call has several), checked against the context and the
     requests in flight."""
@@ -153,9 +154,7 @@ def plan_call(
                 top_logprobs_num=call.logprobs or 0,
             )
             offset = len(call.echo_texts[p]) if call.echo_texts is not None else 0
-            call.choices.append(
-                answers.Choice(index=index, prompt_index=p, rid=choice_rid, params=params, text_offset=offset)
-            )
+            call.choices.append(Choice(index=index, prompt_index=p, rid=choice_rid, params=params, text_offset=offset))
     return coord, call
 
 
@@ -192,7 +191,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     return await run_call(request, coord, call, stream=bool(body.stream))
 
 
-async def run_call(request: web.Request, coord: Coordinator, call: answers.Call, *, stream: bool) -> web.StreamResponse:
+async def run_call(request: web.Request, coord: Coordinator, call: Call, *, stream: bool) -> web.StreamResponse:
     check_admission(coord)  # no await between this and the submits
     wakeup = asyncio.Event()
     submitted: list[GenerationHandle] = []
@@ -211,39 +210,37 @@ async def run_call(request: web.Request, coord: Coordinator, call: answers.Call,
 
 
 async def _collect(
-    request: web.Request, coord: Coordinator, call: answers.Call, handles: list[GenerationHandle], wakeup: asyncio.Event
+    request: web.Request, coord: Coordinator, call: Call, handles: list[GenerationHandle], wakeup: asyncio.Event
 ) -> web.StreamResponse:
     try:
         async for _ in follow(request, coord, handles, wakeup):
             pass
     except ClientGone:
         return web.Response(status=499)
-    return web.json_response(answers.response_body(call, coord.worker))
+    return json_answer(answers.response_body(call, coord.worker))
 
 
 async def _stream(
-    request: web.Request, coord: Coordinator, call: answers.Call, handles: list[GenerationHandle], wakeup: asyncio.Event
+    request: web.Request, coord: Coordinator, call: Call, handles: list[GenerationHandle], wakeup: asyncio.Event
 ) -> web.StreamResponse:
     resp = await open_sse(request)
     worker = coord.worker
     by_handle = {id(c.handle): c for c in call.choices}
     async with event_stream(resp):  # the handles are aborted by the caller's finally
         for choice in call.choices:
-            opening = answers.opening(call, choice)
+            opening = answers.opening(call, worker, choice)
             if opening is not None:
-                await send_event(resp, answers.chunk(call, worker, [opening]))
+                await send_event(resp, opening)
         async for changed in follow(request, coord, handles, wakeup):
             for handle in changed:
                 choice = by_handle[id(handle)]
                 if choice.closed:
                     continue
-                item = answers.delta(call, worker, choice)
-                if item is not None:
-                    await send_event(resp, answers.chunk(call, worker, [item]))
+                event = answers.delta(call, worker, choice)
+                if event is not None:
+                    await send_event(resp, event)
         if call.include_usage:
-            last = answers.envelope(call, worker, chunk=True)
-            last.update(choices=[], usage=answers.usage(call))
-            await send_event(resp, last)
+            await send_event(resp, answers.usage_chunk(call, worker))
     return resp
 
 
@@ -252,15 +249,15 @@ async def _stream(
 
 async def models(request: web.Request) -> web.Response:
     worker = request.app[COORDINATOR].worker
-    card = {
-        "id": worker.served_model_name,
-        "object": "model",
-        "created": int(time.time()),
-        "owned_by": "omni-worker",
-        "root": worker.model_path,
-        "max_model_len": worker.context_len,
-    }
-    return web.json_response({"object": "list", "data": [card]})
+    card = ModelCard(
+        id=worker.served_model_name,
+        object="model",
+        created=int(time.time()),
+        owned_by="omni-worker",
+        root=worker.model_path,
+        max_model_len=worker.context_len,
+    )
+    return json_answer(ModelList(object="list", data=[card]))
 
 
 ROUTES = [

@@ -6,13 +6,13 @@ Each chunk is ``data: {json}\\n\\n``; the stream ends with ``data: [DONE]\\n\\n`
 from __future__ import annotations
 
 import contextlib
-import json
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Mapping
 
 from aiohttp import web
+from pydantic import BaseModel
 
 from router.contract.errors import ApiError, error_body
+from worker.http.wire import sse_event
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -23,8 +23,8 @@ async def open_sse(request: web.Request) -> web.StreamResponse:
     return resp
 
 
-async def send_event(resp: web.StreamResponse, payload: Any) -> None:
-    await resp.write(b"data: " + json.dumps(payload).encode() + b"\n\n")
+async def send_event(resp: web.StreamResponse, payload: BaseModel | Mapping[str, object]) -> None:
+    await resp.write(sse_event(payload))
 
 
 async def send_done(resp: web.StreamResponse) -> None:

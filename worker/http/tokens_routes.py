@@ -36,9 +36,9 @@ from router.contract.vllm_tokens import (
 )
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
-from worker.http import openai_answers as answers
 from worker.http.generate_routes import check_prompts
 from worker.http.keys import COORDINATOR
+from worker.http.openai_calls import Call
 from worker.http.openai_routes import plan_call, run_call
 from worker.model.chat_template import ChatTemplateError
 
@@ -67,7 +67,7 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     check_prompts([prompt], worker.vocab_size, False)
     sampling = body.sampling_params
     request_id = _request_id(request, body)
-    call = answers.Call(
+    call = Call(
         kind="tokens",
         id=request_id,
         created=int(time.time()),

@@ -16,11 +16,21 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import jinja2
 
 log = logging.getLogger(__name__)
+
+#: The special tokens a template may name: ``bos_token`` and the like, ``additional_special_tokens``.
+SpecialTokens = dict[str, str | list[str]]
+#: What a template is given as the caller sent it (a message, a tool, a ``chat_template_kwargs``
+#: value): JSON that only the template reads.
+TemplateInput = Mapping[str, object]
 
 #: The tokens of ``tokenizer_config.json`` a template may refer to by name.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -30,7 +40,7 @@ class ChatTemplateError(Exception):
     """The template could not be loaded, or could not render these messages."""
 
 
-def _token_text(value: Any) -> str | None:
+def _token_text(value: object) -> str | None:
     """A special token as ``tokenizer_config.json`` writes it: a string or an ``AddedToken`` object."""
     if isinstance(value, str):
         return value
@@ -39,7 +49,7 @@ def _token_text(value: Any) -> str | None:
     return None
 
 
-def _compile(source: str) -> Any:
+def _compile(source: str) -> jinja2.Template:
     import jinja2
     import jinja2.ext
     import jinja2.nodes
@@ -110,18 +120,18 @@ def _compile(source: str) -> Any:
 class ChatTemplate:
     """A compiled chat template (or several, by name) and the special tokens it may use."""
 
-    def __init__(self, templates: dict[str, str], special_tokens: dict[str, Any], origin: str):
+    def __init__(self, templates: dict[str, str], special_tokens: SpecialTokens, origin: str):
         self.origin = origin
         self.special_tokens = special_tokens
         self._sources = templates
-        self._compiled: dict[str, Any] = {}
+        self._compiled: dict[str, jinja2.Template] = {}
         for name, source in templates.items():
             try:
                 self._compiled[name] = _compile(source)
             except Exception as exc:
                 raise ChatTemplateError(f"the chat template {name!r} of {origin} does not compile: {exc}") from None
 
-    def _pick(self, has_tools: bool) -> Any:
+    def _pick(self, has_tools: bool) -> jinja2.Template:
         if has_tools and "tool_use" in self._compiled:
             return self._compiled["tool_use"]
         if "default" in self._compiled:
@@ -131,11 +141,11 @@ class ChatTemplate:
 
     def render(
         self,
-        messages: list[dict[str, Any]],
+        messages: Sequence[TemplateInput],
         *,
         add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        extra: dict[str, Any] | None = None,
+        tools: Sequence[TemplateInput] | None = None,
+        extra: TemplateInput | None = None,
     ) -> str:
         """The prompt text for ``messages``; :class:`ChatTemplateError` saying why when it cannot."""
         template = self._pick(bool(tools))
@@ -155,8 +165,8 @@ class ChatTemplate:
             raise ChatTemplateError(f"the chat template could not render these messages: {exc}") from None
 
 
-def _special_tokens(config: dict[str, Any]) -> dict[str, Any]:
-    tokens: dict[str, Any] = {}
+def _special_tokens(config: Mapping[str, object]) -> SpecialTokens:
+    tokens: SpecialTokens = {}
     for name in SPECIAL_TOKEN_NAMES:
         text = _token_text(config.get(name))
         if text is not None:
@@ -167,7 +177,7 @@ def _special_tokens(config: dict[str, Any]) -> dict[str, Any]:
     return tokens
 
 
-def _named(value: Any, origin: str) -> dict[str, str]:
+def _named(value: object, origin: str) -> dict[str, str]:
     if isinstance(value, str):
         return {"default": value}
     if isinstance(value, list):
@@ -186,7 +196,7 @@ def load_chat_template(model_path: str | Path) -> ChatTemplate | None:
     read or compiled raises :class:`ChatTemplateError`."""
     root = Path(model_path)
     config_file = root / "tokenizer_config.json"
-    config: dict[str, Any] = {}
+    config: dict[str, object] = {}
     if config_file.is_file():
         try:
             loaded = json.loads(config_file.read_text(encoding="utf-8"))

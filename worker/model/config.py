@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+#: A ``config.json`` as Hugging Face writes it: its keys and their types are transformers' to define
+#: (and grow with every release), so it is read field by field, each checked where it is used.
+HFConfigJson = dict[str, Any]
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -42,7 +46,7 @@ class ModelConfig:
     """Bias on the output projection (Llama's ``attention_bias`` only)."""
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
-    raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
+    raw: HFConfigJson = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:
@@ -58,7 +62,7 @@ class ModelConfig:
         return cls.from_dict(data)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+    def from_dict(cls, data: HFConfigJson) -> ModelConfig:
         archs = data.get("architectures") or []
         hf_arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if hf_arch is None:
@@ -112,7 +116,7 @@ class ModelConfig:
         )
 
 
-def _rope_settings(data: dict[str, Any]) -> tuple[float, str | None]:
+def _rope_settings(data: HFConfigJson) -> tuple[float, str | None]:
     """RoPE base and type, from either the classic fields or ``rope_parameters``
     (the layout newer ``transformers`` releases write)."""
     params = data.get("rope_parameters") or {}

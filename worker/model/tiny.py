@@ -19,6 +19,8 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from worker.model.config import HFConfigJson
+
 BYTE_BOS = 256
 BYTE_EOS = 257
 
@@ -35,9 +37,13 @@ TINY_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
 #: The special tokens written beside :data:`TINY_CHAT_TEMPLATE` (as a Qwen2 chat checkpoint names them).
-TINY_SPECIAL_TOKENS: dict[str, Any] = {"bos_token": None, "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"}
+TINY_SPECIAL_TOKENS: dict[str, str | None] = {
+    "bos_token": None,
+    "eos_token": "<|im_end|>",
+    "pad_token": "<|endoftext|>",
+}
 
-_BASE: dict[str, Any] = {
+_BASE: HFConfigJson = {
     "vocab_size": 512,
     "hidden_size": 64,
     "intermediate_size": 128,
@@ -54,7 +60,7 @@ _BASE: dict[str, Any] = {
     "torch_dtype": "float32",
 }
 
-_ARCHS: dict[str, dict[str, Any]] = {
+_ARCHS: dict[str, HFConfigJson] = {
     "llama": {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -70,13 +76,13 @@ _ARCHS: dict[str, dict[str, Any]] = {
 }
 
 
-def tiny_config(arch: str = "llama", **overrides: Any) -> dict[str, Any]:
+def tiny_config(arch: str = "llama", **overrides: Any) -> HFConfigJson:
     if arch not in _ARCHS:
         raise ValueError(f"unknown arch {arch!r}; choose from {sorted(_ARCHS)}")
     return {**_BASE, **_ARCHS[arch], **overrides}
 
 
-def random_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
+def random_state_dict(config: HFConfigJson, seed: int = 0) -> dict[str, torch.Tensor]:
     """Unfused, checkpoint-named random tensors for ``config``.
 
     Weights are drawn larger than a trained model's so that greedy decoding has
@@ -116,7 +122,7 @@ def random_state_dict(config: dict[str, Any], seed: int = 0) -> dict[str, torch.
     return sd
 
 
-def write_checkpoint(out_dir: str | Path, config: dict[str, Any], state_dict: dict[str, torch.Tensor]) -> Path:
+def write_checkpoint(out_dir: str | Path, config: HFConfigJson, state_dict: dict[str, torch.Tensor]) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2))

@@ -327,7 +327,7 @@ def _parse(model: type[WireRequest], raw: bytes, query: dict[str, str], allow_em
 def _answer(endpoint: ep.Endpoint[Any, Any], model: WireResponse) -> JSONResponse:
     """200 with the response model, or 400 with it and ``error.message`` when it reports a failure."""
     if isinstance(model, (AdminResult, PrepareWeightsUpdateResponse)):
-        update: dict[str, Any] = {"weights_partial": bool(model.weights_partial)}
+        update: dict[str, object] = {"weights_partial": bool(model.weights_partial)}
         if model.weights is None and not endpoint.writes_weights:
             update["weights"] = "intact"
         model = model.model_copy(update=update)
