@@ -1,14 +1,16 @@
-"""Router settings: one typed dataclass, filled by the CLI or by tests."""
+"""Router settings: one typed dataclass, filled by the CLI (its flags are declared here) or by tests."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 from router.contract.budget import DEFAULT_LOCK_WAIT_S
 from router.contract.fleet import EngineName
+from router.contract.settings import Flag, key_value
+from router.contract.web.auth import ADMIN_KEY_ENV
 from router.gateway.routing.versions import parse_version_policy
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
@@ -25,130 +27,191 @@ WORKER_ENGINE_NAMES: tuple[str, ...] = get_args(WorkerEngineName)
 
 @dataclass(kw_only=True, slots=True)
 class RouterConfig:
-    """Everything ``create_app`` needs; defaults are the CLI defaults."""
+    """Everything ``create_app`` needs. A field annotated with a :class:`~router.contract.settings.Flag` is an
+    ``omni-router`` flag, with the field's default (:mod:`router.contract.settings`)."""
 
-    worker_urls: list[str] = field(default_factory=list)
-    """Workers registered at start-up, in order (their order fixes rank assignment)."""
+    worker_urls: Annotated[
+        list[str], Flag("workers to register at start-up, in rank order", nargs="*", metavar="URL")
+    ] = field(default_factory=list)
+    worker_engine: Annotated[
+        WorkerEngineName,
+        Flag(
+            "the server behind worker URLs that do not say (--worker-urls, POST /workers without engine, pods without "
+            "the omni-router.io/engine label): omni, vllm, sglang, or auto (detected at registration; docs/engines.md)"
+        ),
+    ] = "auto"
+    admin_api_key: Annotated[str | None, Flag("bearer key for admin and registry routes", env=ADMIN_KEY_ENV)] = None
+    worker_api_key: Annotated[
+        str | None,
+        Flag(
+            "the key the router presents to workers (admin calls, metadata); default: the admin key. Callers' keys "
+            "are never forwarded, so they cannot reach a URL someone registered",
+            empty_is_unset=True,
+        ),
+    ] = None
+    api_key: Annotated[
+        str | None, Flag("bearer key for /generate (the admin key is accepted too)", empty_is_unset=True)
+    ] = None
+    policy: Annotated[PolicyName, Flag("how /generate picks among routable workers")] = "least_inflight"
 
-    worker_engine: WorkerEngineName = "auto"
-    """The server behind each worker URL that does not say (``--worker-urls``, ``POST /workers`` without
-    ``engine``, discovered pods without the ``omni-router.io/engine`` label): ``omni``, ``vllm``, ``sglang``,
-    or ``auto``, detected at registration (docs/engines.md)."""
+    # -- Session affinity (docs/router.md, "Session affinity").
+    session_affinity: Annotated[
+        bool,
+        Flag(
+            "pin each session (X-Session-Id, else X-SMG-Routing-Key, else the caller's rid without its _t<n>/_r<n> "
+            "suffixes) to one worker by bounded-load rendezvous hashing, so a multi-turn rollout reuses its prefix "
+            "cache; requests without a key follow --policy"
+        ),
+    ] = False
+    session_affinity_ttl_s: Annotated[float, Flag("seconds a session's pin outlives its last request")] = 600.0
+    session_affinity_load_factor: Annotated[
+        float,
+        Flag(
+            "epsilon of the load bound: a new session goes to a worker holding fewer than ceil((1+epsilon)*mean) pins"
+        ),
+    ] = 0.25
+    session_affinity_max_sessions: Annotated[
+        int, Flag("pins kept at most per process; past it the least recently used is forgotten")
+    ] = 100_000
 
-    admin_api_key: str | None = None
-    """Bearer key for every admin and registry route."""
-
-    worker_api_key: str | None = None
-    """The key the router presents to workers (admin calls, metadata reads); ``None``: the admin key.
-    A caller's own key is never forwarded, so it cannot reach a URL someone registered."""
-
-    api_key: str | None = None
-    """Optional bearer key for ``/generate`` (the admin key is accepted too)."""
-
-    policy: PolicyName = "least_inflight"
-    """How ``/generate`` picks among routable workers."""
-
-    session_affinity: bool = False
-    """Pin each session (``X-Session-Id``, ``X-SMG-Routing-Key`` or a caller's ``rid`` lineage) to one
-    worker, so a multi-turn rollout reuses its prefix cache; requests without a key follow ``policy``."""
-
-    session_affinity_ttl_s: float = 600.0
-    """How long a pin outlives its session's last request."""
-
-    session_affinity_load_factor: float = 0.25
-    """ε of the load bound: a new session goes to a worker holding fewer than ceil((1+ε)·mean) pins."""
-
-    session_affinity_max_sessions: int = 100_000
-    """Pins kept at most; past it the least recently used is forgotten."""
-
-    version_policy: str = "latest-only"
-    """Which recorded fleet versions a generation request may be served from when it names none
-    (``X-Version-Policy``): ``latest-only``, ``max-staleness:K``, ``min-version:V`` or ``any``."""
-
-    sync_joiners: SyncJoinersName = "peer"
-    """``peer``: a worker pending because it has not received the fleet's weights (joined or restarted since
-    the last weight change) loads them from a verified holder, then takes traffic; ``off``: it waits for the
-    trainer's next sync."""
-
-    admin_lock_timeout_s: float = DEFAULT_LOCK_WAIT_S
-    """How long an admin update waits for the update lock before answering 503."""
-
-    request_timeout_s: float = 1800.0
-    """Upper bound on one proxied ``/generate`` call, streaming included."""
-
-    connect_timeout_s: float = 5.0
-    """Bound on opening a connection to a worker (also ends a dead worker's retry quickly)."""
-
-    max_retries: int = 2
-    """Extra attempts for ``/generate`` on another worker, only before the first response byte."""
-
+    version_policy: Annotated[
+        str,
+        Flag(
+            "which recorded fleet weight versions /generate may be served from when a request sends no "
+            "X-Version-Policy: latest-only, max-staleness:K, min-version:V or any"
+        ),
+    ] = "latest-only"
+    sync_joiners: Annotated[
+        SyncJoinersName,
+        Flag(
+            "peer: a worker pending because it has not received the fleet's weights (it joined or restarted after a "
+            "weight update) loads them from a verified holder (POST /update_weights_from_peer) and then takes "
+            "traffic; off: it stays pending until the trainer's next sync"
+        ),
+    ] = "peer"
+    admin_lock_timeout_s: Annotated[
+        float, Flag("seconds an admin update waits for the update lock before answering 503")
+    ] = DEFAULT_LOCK_WAIT_S
+    request_timeout_s: Annotated[float, Flag("seconds one proxied /generate may take, streaming included")] = 1800.0
+    connect_timeout_s: Annotated[
+        float, Flag("seconds to open a connection to a worker (also ends a dead worker's retry quickly)")
+    ] = 5.0
+    max_retries: Annotated[
+        int, Flag("extra /generate attempts on other workers (before the first response byte only)")
+    ] = 2
     retry_initial_backoff_s: float = 0.05
     retry_max_backoff_s: float = 1.0
 
-    health_check_interval_s: float = 10.0
-    health_check_timeout_s: float = 5.0
-    health_failure_threshold: int = 3
-    """Consecutive failed probes that take a healthy worker out of routing (unhealthy)."""
+    health_check_interval_s: Annotated[
+        float, Flag("seconds between health probes of each worker (with +-20% jitter)")
+    ] = 10.0
+    health_check_timeout_s: Annotated[float, Flag("seconds one health probe may take")] = 5.0
+    health_failure_threshold: Annotated[
+        int, Flag("consecutive failed probes that take a healthy worker out of routing (unhealthy)")
+    ] = 3
+    health_dead_threshold: Annotated[
+        int | None,
+        Flag(
+            "consecutive failed probes until a worker is dead (no traffic, no broadcasts either); default: twice "
+            "the failure threshold"
+        ),
+    ] = None
+    health_success_threshold: Annotated[
+        int, Flag("consecutive good probes that bring an unhealthy or dead worker back")
+    ] = 2
+    update_session_timeout_s: Annotated[
+        float | None,
+        Flag(
+            "seconds a prepared two-phase update may wait for its complete or abort before the router fails it "
+            "closed; default: the prepare's receive window (its timeout_s, else the workers' default) plus one "
+            "margin of the timeout budget"
+        ),
+    ] = None
+    shutdown_grace_s: Annotated[
+        float,
+        Flag(
+            "seconds that requests in flight (streams included) may run to completion after SIGTERM or SIGINT, once "
+            "the router stopped accepting connections; the rest are then cancelled and aborted on their workers. "
+            "Keep it below Kubernetes' terminationGracePeriodSeconds"
+        ),
+    ] = 30.0
+    state_dir: Annotated[
+        Path | None,
+        Flag(
+            "directory of the durable update journal (keeps a failed update's workers fenced across router "
+            "restarts); default: memory only, no crash safety"
+        ),
+    ] = None
+    max_connections: Annotated[
+        int, Flag("size of the connection pool to workers; admitted calls should not wait inside it")
+    ] = 1024
 
-    health_dead_threshold: int | None = None
-    """Consecutive failed probes after which a worker is dead (no traffic, no broadcasts).
-    ``None`` means twice the failure threshold."""
-
-    health_success_threshold: int = 2
-    """Consecutive good probes that bring an unhealthy or dead worker back."""
-
-    update_session_timeout_s: float | None = None
-    """Life of a prepared two-phase update (ready prepare to its complete or abort); past it
-    the router fails the update closed. ``None``: the prepare's receive window (its
-    ``timeout_s``, else the workers' default) plus one margin of the timeout budget."""
-
-    shutdown_grace_s: float = 30.0
-    """On SIGTERM or SIGINT: how long requests in flight (streams included) may run to completion
-    after the router stopped accepting connections; what is still running then is cancelled
-    (and aborted on its worker). Keep it below Kubernetes' ``terminationGracePeriodSeconds``."""
-
-    state_dir: Path | None = None
-    """Where the update journal lives. ``None``: in-memory only (no crash safety)."""
-
-    max_connections: int = 1024
-    """Size of the shared connection pool; admitted calls should not wait inside it."""
-
-    service_discovery: DiscoveryName = "static"
-    """``static``: only ``worker_urls`` and ``POST /workers``; ``k8s``: also the pods that match ``selector``."""
-
-    selector: dict[str, str] = field(default_factory=dict)
-    """Pod labels a worker pod carries (every one must match)."""
-
-    discovery_namespace: str | None = None
-    """Namespace to watch; ``None``: the client configuration's (the pod's own inside a cluster)."""
-
-    discovery_port: int | None = None
-    """Worker port on each pod; ``None``: the container port named ``http``."""
+    # -- Service discovery (docs/router.md, "Service discovery").
+    service_discovery: Annotated[
+        DiscoveryName,
+        Flag(
+            "static: --worker-urls and POST /workers only; k8s: also the Running, Ready pods matching --selector "
+            "(needs omni-router[k8s]; credentials: the pod's service account, else KUBECONFIG, else ~/.kube/config)"
+        ),
+    ] = "static"
+    selector: Annotated[
+        dict[str, str],
+        Flag(
+            "labels every worker pod carries (every one must match), e.g. app=omni-worker",
+            nargs="+",
+            metavar="KEY=VALUE",
+            parse=key_value,
+        ),
+    ] = field(default_factory=dict)
+    discovery_namespace: Annotated[
+        str | None,
+        Flag(
+            "namespace to watch for worker pods; default: the router's own (or the kubeconfig context's)",
+            name="--service-discovery-namespace",
+        ),
+    ] = None
+    discovery_port: Annotated[
+        int | None,
+        Flag("worker port on each pod; default: the container port named 'http'", name="--service-discovery-port"),
+    ] = None
 
     # -- High availability on Kubernetes (docs/router.md): where durable records live, leader election.
-
-    state_store: StateStoreName | None = None
-    """``dir``: files under ``state_dir``; ``k8s``: one ConfigMap per record in the router's namespace,
-    which every replica reads. ``None``: ``dir`` when ``state_dir`` is set, else memory only."""
-
-    state_configmap_prefix: str = "omni-router-state"
-    """ConfigMap names of ``k8s`` records: ``<prefix>-<record>``."""
-
-    leader_election: bool = False
-    """Run as one of several replicas: the one holding the Lease serves, the others stand by."""
-
-    leader_lease_name: str = "omni-router-leader"
-    leader_lease_duration_s: float = 15.0
-    """How long a standby waits, after it last saw the Lease renewed, before it takes it."""
-    leader_renew_deadline_s: float = 10.0
-    """How long the leader may fail to renew before it steps down (below the lease duration)."""
-    leader_retry_period_s: float = 2.0
-    """How often the leader renews and a standby tries."""
+    state_store: Annotated[
+        StateStoreName | None,
+        Flag(
+            "where the durable records live: dir (files under --state-dir; the default when it is given) or k8s "
+            "(one ConfigMap per record in the router's namespace, read by every replica; needs omni-router[k8s])"
+        ),
+    ] = None
+    state_configmap_prefix: Annotated[
+        str, Flag("name prefix of the ConfigMaps of --state-store k8s (<prefix>-<record>)")
+    ] = "omni-router-state"
+    leader_election: Annotated[
+        bool,
+        Flag(
+            "run as one of several replicas on Kubernetes: the holder of a coordination.k8s.io Lease serves, the "
+            "others stand by (503 to clients) and take over when it stops renewing; needs --state-store k8s"
+        ),
+    ] = False
+    leader_lease_name: Annotated[str, Flag("the Lease (in the router's namespace)")] = "omni-router-leader"
+    leader_lease_duration_s: Annotated[
+        float, Flag("seconds a standby waits, after it last saw the Lease renewed, before taking it")
+    ] = 15.0
+    leader_renew_deadline_s: Annotated[
+        float, Flag("seconds the leader may fail to renew before it steps down and exits (below the lease duration)")
+    ] = 10.0
+    leader_retry_period_s: Annotated[float, Flag("seconds between the leader's renewals and a standby's tries")] = 2.0
     leader_identity: str | None = None
     """This replica in the election; ``None``: ``POD_NAME``, else ``<hostname>_<pid>``."""
-    leader_pod_label: str | None = None
-    """A label key the replica sets on its own pod (named by its identity) to ``leader`` or ``standby``,
-    for a Service that selects the leader while both replicas are Ready (:mod:`router.gateway.leader.pod_label`)."""
+    leader_pod_label: Annotated[
+        str | None,
+        Flag(
+            "set KEY=leader or KEY=standby on this replica's own pod (POD_NAME), so a Service can select the leader "
+            "while both replicas are Ready (e.g. omni-router.io/role; needs patch on pods)",
+            metavar="KEY",
+            empty_is_unset=True,
+        ),
+    ] = None
 
     @property
     def effective_state_store(self) -> StateStoreName | None:
@@ -199,6 +262,8 @@ class RouterConfig:
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting."""
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"--shutdown-grace-s must be >= 0, got {self.shutdown_grace_s}")
         positive = {
             "admin_lock_timeout_s": self.admin_lock_timeout_s,
             "request_timeout_s": self.request_timeout_s,
