@@ -231,9 +231,14 @@ def test_leader_killed_mid_update_the_standby_takes_over_with_its_targets_fenced
     thread = hanging_init(a_url, answer)
     try:
         wait_for(lambda: all(w["disabled"] for w in workers(a_url, ADMIN_KEY)), 10, a, "targets fenced")
-        # The journal entry reached the store before any worker was touched.
-        stored = api.config_map(configmap_name(DEFAULT_PREFIX, JOURNAL_FILE), NS)
-        assert stored is not None and json.loads(stored["data"][JOURNAL_FILE])["state"] == "in_flight"
+
+        # The fence is written to the store while the data planes acknowledge it (the call goes to the
+        # workers once both are done), so the entry may land a moment after the fence shows.
+        def journaled() -> bool:
+            stored = api.config_map(configmap_name(DEFAULT_PREFIX, JOURNAL_FILE), NS)
+            return stored is not None and json.loads(stored["data"][JOURNAL_FILE])["state"] == "in_flight"
+
+        wait_for(journaled, 10, a, "the journal entry in the store")
         killed = time.monotonic()
         a.kill()  # SIGKILL: no cleanup, no lease release
     finally:
