@@ -16,4 +16,6 @@ def test_generated_docs_are_current(capsys: pytest.CaptureFixture[str]) -> None:
     generator = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(generator)
     code = generator.main(["--check"])
-    assert code == 0, f"docs/endpoints.md is stale: run python docs/generate_tables.py\n{capsys.readouterr().err}"
+    assert code == 0, (
+        f"a generated table in docs/ is stale: run python docs/generate_tables.py\n{capsys.readouterr().err}"
+    )
