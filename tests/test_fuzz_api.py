@@ -17,6 +17,7 @@ are partial is never routable.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -72,9 +73,72 @@ def _allowed_5xx(path: str, *, via_router: bool) -> Any:
     return allowed
 
 
-def _fence_state(url: str) -> tuple[Any, ...]:
-    fleet = workers(url, ADMIN_KEY)
-    journal = http_json("GET", url + "/weight_update_journal", headers=auth(), timeout=10)[1]
+class _Fleet:
+    """The router's fleet as the checks read it and the harness restores it, over kept-alive connections.
+
+    ``settled`` is what :meth:`state` read right after the last restore. A case that leaves
+    :meth:`state` as it was then changed nothing that a restore undoes (which workers there are
+    and which are disabled or pending, the journal, and the worker's pause, sleep, memory, weights
+    and open updates), so restoring again would do nothing: it is skipped. A weight-update group
+    is the one thing a restore undoes that no route shows; only a join that succeeded makes one,
+    and every case that succeeded is restored."""
+
+    def __init__(self, client: _fuzz.Client, url: str, behind: str, model: str, keep: set[str]) -> None:
+        self.client, self.url, self.behind, self.model, self.keep = client, url, behind, model, keep
+        self.settled: tuple[Any, ...] | None = None
+
+    def call(self, method: str, url: str, body: Any = None, timeout: float = 10) -> tuple[int, Any]:
+        return self.client.call(method, url, body, headers=auth(), timeout=timeout)
+
+    def workers(self) -> list[dict[str, Any]]:
+        status, body = self.call("GET", self.url + "/workers")
+        assert status == 200, body
+        return body["workers"]
+
+    def state(self) -> tuple[Any, ...]:
+        """``(fence, everything else a restore acts on)``: ``fence`` is :func:`_fence`'s tuple."""
+        fleet = self.workers()
+        journal = self.call("GET", self.url + "/weight_update_journal")[1]
+        health = self.call("GET", self.behind + "/health")[1]
+        sleeping = self.call("GET", self.behind + "/is_sleeping")[1]
+        records = sorted((w["id"], w["url"], w.get("paused"), w.get("asleep"), w.get("weight_version")) for w in fleet)
+        # The journal's storage health is left out: restores do not act on it, and it flips while a write is due.
+        return _fence(fleet, journal), (records, journal["pending"], health, sleeping)
+
+    def fence_state(self) -> tuple[Any, ...]:
+        return _fence(self.workers(), self.call("GET", self.url + "/weight_update_journal")[1])
+
+    def weights_partial(self) -> bool:
+        """Weights released without a copy (``keep_weights: false``) come back partial: reload them."""
+        return self.call("GET", self.behind + "/health")[1].get("weight_state") == "partial"
+
+    def restore(self) -> None:
+        """Undo what a successful or failed case left: extra workers, fences, a paused or released worker."""
+        for w in self.workers():
+            if w["id"] not in self.keep:
+                self.call("DELETE", f"{self.url}/workers/{w['id']}")
+            elif w["disabled"]:
+                self.call("PUT", f"{self.url}/workers/{w['id']}", {"disabled": False})
+        self.call("POST", self.url + "/weight_update_journal/resolve", {"acknowledge": True})
+        _restore_worker(self.client, self.url)
+        if self.weights_partial():  # through the router, so its record of the fleet's weights follows
+            self.call("POST", self.url + "/update_weights_from_disk", {"model_path": self.model}, timeout=60)
+        self.settled = self.state()
+
+    def partial_weights(self) -> None:
+        """Through the router: release the weights without a copy and resume them. The worker's weights are
+        partial (it serves nothing) until updates rewrite every tensor; the router holds it pending."""
+        for path, body in (
+            ("/release_memory_occupation", {"tags": ["weights"], "keep_weights": False}),
+            ("/resume_memory_occupation", {"tags": ["weights"]}),
+        ):
+            status, answer = self.call("POST", self.url + path, body, timeout=30)
+            assert status == 200, (path, status, answer)
+        assert self.weights_partial()
+
+
+def _fence(fleet: list[dict[str, Any]], journal: dict[str, Any]) -> tuple[Any, ...]:
+    """Disabled workers, pending workers, and whether the journal holds an update."""
     return (
         sorted(w["id"] for w in fleet if w["disabled"]),
         sorted(w["id"] for w in fleet if w.get("pending")),
@@ -82,67 +146,46 @@ def _fence_state(url: str) -> tuple[Any, ...]:
     )
 
 
-def _restore_router(url: str, keep: set[str], behind: str, model: str) -> None:
-    """Undo what a successful or failed case left: extra workers, fences, a paused or released worker."""
-    for w in workers(url, ADMIN_KEY):
-        if w["id"] not in keep:
-            http_json("DELETE", f"{url}/workers/{w['id']}", headers=auth(), timeout=10)
-        elif w["disabled"]:
-            http_json("PUT", f"{url}/workers/{w['id']}", {"disabled": False}, headers=auth(), timeout=10)
-    http_json("POST", url + "/weight_update_journal/resolve", {"acknowledge": True}, headers=auth(), timeout=10)
-    _restore_worker(url)
-    if _weights_partial(behind):  # through the router, so its record of the fleet's weights follows
-        http_json("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)
-
-
-def _restore_worker(url: str, model: str | None = None) -> None:
+def _restore_worker(client: _fuzz.Client, url: str, model: str | None = None) -> None:
     for path in (
         "/finish_weight_update",
         "/destroy_weights_update_group",
         "/resume_memory_occupation",
         "/continue_generation",
     ):
-        http_json("POST", url + path, {}, headers=auth(), timeout=30)
-    if model is not None and _weights_partial(url):
-        http_json("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)
+        client.call("POST", url + path, {}, headers=auth(), timeout=30)
+    if model is not None and client.call("GET", url + "/health", headers=auth())[1].get("weight_state") == "partial":
+        client.call("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)
 
 
-def _weights_partial(worker_url: str) -> bool:
-    """Weights released without a copy (``keep_weights: false``) come back partial: reload them."""
-    return http_json("GET", worker_url + "/health", timeout=10)[1].get("weight_state") == "partial"
-
-
-def _partial_weights(url: str, behind: str) -> None:
-    """Through the router: release the weights without a copy and resume them. The worker's weights are
-    partial (it serves nothing) until updates rewrite every tensor; the router holds it pending."""
-    for path, body in (
-        ("/release_memory_occupation", {"tags": ["weights"], "keep_weights": False}),
-        ("/resume_memory_occupation", {"tags": ["weights"]}),
-    ):
-        status, answer = http_json("POST", url + path, body, headers=auth(), timeout=30)
-        assert status == 200, (path, status, answer)
-    assert _weights_partial(behind)
-
-
-def _run_fuzz(base: str, *, via_router: bool, restore: Any, check_fences: bool) -> _fuzz.Tally:
+def _run_fuzz(client: _fuzz.Client, base: str, *, restore: Callable[[], None], fleet: _Fleet | None) -> _fuzz.Tally:
+    """Fuzz every operation of ``base``; ``fleet`` when ``base`` is its router (fences checked)."""
     doc = _doc(base)
     rng = random.Random(0)
     tally = _fuzz.Tally()
     headers = {**auth(), "Content-Type": "application/json"}
-    baseline = _fence_state(base) if check_fences else None
+    via_router = fleet is not None
+    baseline = fleet.fence_state() if fleet is not None else None
 
     def execute(label: str, method: str, url: str, data: bytes | None, detail: str, path: str) -> None:
         try:
-            answer = _fuzz.send(method, url, data=data, headers=headers)
+            answer = client.send(method, url, data=data, headers=headers)
         except TimeoutError:
             # A hang: name the case, so a failure says which request never got its answer.
             raise AssertionError(f"no answer within {_fuzz.HANG_S + 30:.0f}s: {label} {detail[:500]}") from None
         tally.record(label, answer, detail, allowed_5xx=_allowed_5xx(path, via_router=via_router))
-        if check_fences and 400 <= answer.status < 500:
-            after = _fence_state(base)
-            if after != baseline:
-                tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {after}")
-        if check_fences or answer.status >= 500 or (answer.status < 400 and method != "GET"):
+        # A failure, or a call other than a read that succeeded, may have changed anything: restore.
+        # Through the router, a refusal or a read is restored too unless the state shows it changed
+        # nothing a restore undoes (see _Fleet); a refusal that moved the fence is a problem besides.
+        acted = answer.status >= 500 or (answer.status < 400 and method != "GET")
+        if fleet is None:
+            if acted:
+                restore()
+            return
+        state = fleet.state() if not acted else None
+        if state is not None and 400 <= answer.status < 500 and state[0] != baseline:
+            tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {state[0]}")
+        if acted or state != fleet.settled:
             restore()
 
     for op in _fuzz.operations(doc):
@@ -167,51 +210,60 @@ def _processes_alive(servers) -> None:
         assert proc.alive, proc.log_text()
 
 
-def test_fuzz_every_router_route(servers):
+@pytest.fixture
+def client():
+    client = _fuzz.Client()
+    yield client
+    client.close()
+
+
+def _router_fleet(servers, client: _fuzz.Client) -> _Fleet:
     url = servers["router"]
     keep = {w["id"] for w in workers(url, ADMIN_KEY)}
+    return _Fleet(client, url, servers["behind"], servers["model"], keep)
 
-    def restore() -> None:
-        _restore_router(url, keep, servers["behind"], servers["model"])
 
-    tally = _run_fuzz(url, via_router=True, restore=restore, check_fences=True)
+def test_fuzz_every_router_route(servers, client):
+    fleet = _router_fleet(servers, client)
+    fleet.settled = fleet.state()
+    tally = _run_fuzz(client, fleet.url, restore=fleet.restore, fleet=fleet)
     print(f"router fuzz: {tally.summary()}")
     assert not tally.problems, "\n".join(tally.problems[:40])
     assert tally.cases >= 300, tally.summary()
     _processes_alive(servers)
     # The fleet is whole and serves afterwards.
-    restore()
-    assert all(not w["disabled"] and not w.get("pending") for w in workers(url, ADMIN_KEY))
+    fleet.restore()
+    assert all(not w["disabled"] and not w.get("pending") for w in workers(fleet.url, ADMIN_KEY))
 
 
-def test_fuzz_fenced_routes_on_partial_weights(servers):
-    url, behind = servers["router"], servers["behind"]
-    keep = {w["id"] for w in workers(url, ADMIN_KEY)}
+def test_fuzz_fenced_routes_on_partial_weights(servers, client):
+    fleet = _router_fleet(servers, client)
+    url, keep = fleet.url, fleet.keep
     fenced = {path for path, op in OPERATIONS.items() if op.fenced}
     rng = random.Random(1)
     tally = _fuzz.Tally()
     headers = {**auth(), "Content-Type": "application/json"}
-    _partial_weights(url, behind)
-    baseline = _fence_state(url)
+    fleet.partial_weights()
+    baseline = fleet.fence_state()
     assert baseline == ([], sorted(keep), False), baseline  # pending (partial weights), not fenced
 
     def execute(label: str, case: Any) -> None:
         method, case_url, data, detail = _fuzz.case_request(case, url, rng)
         try:
-            answer = _fuzz.send(method, case_url, data=data, headers=headers)
+            answer = client.send(method, case_url, data=data, headers=headers)
         except TimeoutError:
             raise AssertionError(f"no answer within {_fuzz.HANG_S + 30:.0f}s: {label} {detail[:500]}") from None
         tally.record(label, answer, detail, allowed_5xx=_allowed_5xx(case.operation.path, via_router=True))
-        after = _fence_state(url)
+        after = fleet.fence_state()
         if 400 <= answer.status < 500 and after != baseline:
             tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {after}")
         pending = set(after[1])
-        if _weights_partial(behind) and not keep <= pending:
+        if fleet.weights_partial() and not keep <= pending:
             tally.problems.append(f"a worker with partial weights is routable after {label} {detail[:200]}: {after}")
         if not 400 <= answer.status < 500 or after != baseline:
-            _restore_router(url, keep, behind, servers["model"])
-            _partial_weights(url, behind)
-            again = _fence_state(url)
+            fleet.restore()
+            fleet.partial_weights()
+            again = fleet.fence_state()
             if again != baseline:
                 tally.problems.append(f"the harness could not restore partial weights after {label}: {again}")
 
@@ -226,13 +278,13 @@ def test_fuzz_fenced_routes_on_partial_weights(servers):
     assert tally.cases >= 2 * len(fenced), tally.summary()
     _processes_alive(servers)
     # Reloaded through the router, the fleet is whole and serves again.
-    _restore_router(url, keep, behind, servers["model"])
+    fleet.restore()
     assert all(not w["disabled"] and not w.get("pending") for w in workers(url, ADMIN_KEY))
 
 
-def test_fuzz_every_worker_route(servers):
+def test_fuzz_every_worker_route(servers, client):
     url = servers["worker"]
-    tally = _run_fuzz(url, via_router=False, restore=lambda: _restore_worker(url, servers["model"]), check_fences=False)
+    tally = _run_fuzz(client, url, restore=lambda: _restore_worker(client, url, servers["model"]), fleet=None)
     print(f"worker fuzz: {tally.summary()}")
     assert not tally.problems, "\n".join(tally.problems[:40])
     assert tally.cases >= 300, tally.summary()
