@@ -55,6 +55,16 @@ class TestDurableRecord:
         view = state.view()
         assert view is not None and view.healthy and view.unsaved == []
 
+    def test_a_write_on_its_way_is_no_storage_fault(self, tmp_path):
+        state = DurableState.in_directory(tmp_path)
+        record = state.record("r.json")
+        record.want(b"next")  # as a clean end of an update leaves it: written after the call answers
+        assert record.unsaved and not record.failing
+        view = state.view()
+        assert view is not None and view.healthy and view.unsaved == [], view
+        record.flush()
+        assert (tmp_path / "r.json").read_bytes() == b"next" and not record.unsaved
+
     async def test_save_or_raise_keeps_the_previous_content_wanted(self, tmp_path):
         state = DurableState.in_directory(tmp_path)
         record = state.record("r.json")

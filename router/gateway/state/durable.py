@@ -46,8 +46,14 @@ class DurableRecord:
 
     @property
     def unsaved(self) -> bool:
-        """Memory holds something the store has not taken yet."""
+        """Memory holds something the store has not taken yet (a write may be on its way)."""
         return self._wanted[0] != self._written
+
+    @property
+    def failing(self) -> bool:
+        """Unsaved because the last write failed: what storage health reports. A write still on its
+        way (one a clean end of an update does not wait for) is not a storage fault."""
+        return self.unsaved and self.error is not None
 
     def load(self) -> bytes | None:
         """The stored content (blocking; at start-up). Raises :class:`OSError` when it cannot be read."""
@@ -151,8 +157,8 @@ class DurableState:
         """What ``/health`` and the journal view report (``None`` without a store)."""
         if self.store is None:
             return None
-        unsaved = sorted(r.name for r in self._records.values() if r.unsaved)
-        errors = [f"{r.name}: {r.error}" for r in self._records.values() if r.unsaved and r.error]
+        unsaved = sorted(r.name for r in self._records.values() if r.failing)
+        errors = [f"{r.name}: {r.error}" for r in self._records.values() if r.failing]
         if self.problem is not None:
             errors.insert(0, self.problem)
         healthy = not unsaved and self.problem is None
