@@ -29,8 +29,7 @@ def auth(key: str | None = ADMIN_KEY) -> dict[str, str]:
 def make_tiny_checkpoint(out_dir: Path, seed: int = 0) -> Path:
     """``omni-worker make-tiny``: the checkpoint a worker started with ``--model-path out_dir`` serves."""
     proc = ManagedProcess("make-tiny", [cli("omni-worker"), "make-tiny", str(out_dir), "--seed", str(seed)]).start()
-    assert proc.proc is not None
-    assert proc.proc.wait(timeout=120) == 0, proc.log_text()
+    assert proc.wait_exit(120) == 0, proc.log_text()
     return out_dir
 
 

@@ -192,12 +192,7 @@ def run_trainer(
         **extra,
     }
     trainer = ManagedProcess("trainer", [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)]).start()
-    assert trainer.proc is not None
-    try:
-        code = trainer.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        trainer.kill()
-        raise AssertionError(f"the trainer hung:\n{trainer.log_text()}") from None
+    code = trainer.wait_exit(timeout)
     done = subprocess.CompletedProcess(trainer.argv, code, "", trainer.log_text())
     return done, json.loads(out.read_text()) if out.exists() else {}
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -34,11 +33,7 @@ def run_trainer(tmp: Path, workers: list[str], *, wait: bool = True, **cfg: Any)
     }
     proc = ManagedProcess("trainer", [sys.executable, "-m", "tests._weight_sync_trainer", json.dumps(full)]).start()
     if wait:
-        try:
-            proc.proc.wait(timeout=TRAINER_EXIT_S)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            pytest.fail(f"the trainer hung:\n{proc.log_text()}")
+        proc.wait_exit(TRAINER_EXIT_S)
     report = json.loads(out.read_text()) if out.exists() else {}
     assert "crash" not in report, report["crash"]
     return report, proc

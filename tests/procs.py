@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import functools
 import os
+import subprocess
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import pytest
 
 from demo import launch
 from demo.launch import cli, free_port, http_json
@@ -36,6 +39,15 @@ class ManagedProcess(launch.ManagedProcess):
         else:
             self.proc = _server().spawn(self.argv, env=self.env, log=self.log_path, target=target)  # type: ignore[assignment]
         return self
+
+    def wait_exit(self, timeout: float) -> int:
+        """Its exit code once it has exited; past ``timeout`` it is killed and the test fails with its log."""
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"{self.name} did not exit within {timeout:g}s:\n{self.log_text()}")
 
 
 def start_worker(model_dir: str | Path, *, extra_args: Sequence[str] = (), **kwargs: Any) -> tuple[ManagedProcess, str]:

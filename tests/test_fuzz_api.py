@@ -102,7 +102,7 @@ class _Fleet:
         health = self.call("GET", self.behind + "/health")[1]
         sleeping = self.call("GET", self.behind + "/is_sleeping")[1]
         records = sorted((w["id"], w["url"], w.get("paused"), w.get("asleep"), w.get("weight_version")) for w in fleet)
-        # The journal's storage health is left out: restores do not act on it, and it flips while a write is due.
+        # The journal's storage health is left out: no case changes it and restores do not act on it.
         return _fence(fleet, journal), (records, journal["pending"], health, sleeping)
 
     def fence_state(self) -> tuple[Any, ...]:
