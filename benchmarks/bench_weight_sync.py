@@ -5,7 +5,7 @@
 
 Part 1 — transport (receiver classes in processes, no HTTP). This process is
 the trainer (rank 0, ``TrainerWeightSender``); ``--receivers`` spawned
-processes run ``worker.transfer.receiver.BucketReceiver`` exactly as a worker
+processes run ``worker.transfer.group.receiver.BucketReceiver`` exactly as a worker
 does, applying each bucket into a preallocated "model" (one destination tensor
 per name) on a separate apply thread, as the worker's scheduler thread would.
 Control messages travel over multiprocessing queues instead of HTTP. Rows:
@@ -50,7 +50,7 @@ from router.contract.bucket_layout import BucketLayout
 from router.dataplane.formats import get_format
 from router.dataplane.group import init_weight_update_group
 from router.trainer.sender import BucketPlan, TrainerWeightSender
-from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
+from worker.transfer.group.receiver import BucketReceiver, ReceiveBuffers
 
 GROUP = "bench_weight_sync"
 TIMEOUT_S = 300.0

@@ -27,7 +27,8 @@ if str(ROOT) not in sys.path:
 
 from router import __version__  # noqa: E402
 from router.contract.budget import DEFAULT_LOCK_WAIT_S, HOP_MARGIN_S  # noqa: E402
-from router.contract.endpoints import VLLM_ONLY_ADMIN, WORKER_ADMIN, Endpoint  # noqa: E402
+from router.contract.endpoint import Endpoint  # noqa: E402
+from router.contract.endpoints import VLLM_ONLY_ADMIN, WORKER_ADMIN  # noqa: E402
 from router.contract.web.openapi import Route, openapi_route  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "endpoints.md"
@@ -111,8 +112,9 @@ def render() -> str:
         "",
         "## Admin routes and their timeouts",
         "",
-        "Every worker admin route is one row of `router/contract/endpoints.py`; the worker, the router",
-        "and the trainer client all read it. Each layer adds one margin",
+        "Every worker admin route is one row of the table gathered in `router/contract/endpoints.py`",
+        "(vLLM's routes written in `router/contract/vllm_endpoints.py`); the worker, the router and the",
+        "trainer client all read it. Each layer adds one margin",
         f"(`HOP_MARGIN_S`, {_seconds(HOP_MARGIN_S)}) to the wait of the layer below, so a timeout is",
         "reported, with a message, by the layer that owns the work (`router/contract/budget.py`):",
         "",

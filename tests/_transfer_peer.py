@@ -33,7 +33,7 @@ from router.dataplane.buckets import pack, raw_bytes
 from router.dataplane.formats import for_load_format, get_format
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
 from router.trainer.sender import BucketPlan, TrainerWeightSender
-from worker.transfer.receiver import BucketReceiver
+from worker.transfer.group.receiver import BucketReceiver
 
 # One bucket's tensors: mixed dtypes and odd sizes, so a naive order would be unaligned.
 BUCKET_TEMPLATE = [

@@ -18,7 +18,7 @@ from router.contract.openai import ChatCompletionResponse, CompletionResponse
 from router.contract.openai_stream import ChatCompletionChunk
 from router.contract.vllm_tokens import TokensGenerateResponse, TokensStreamResponse
 from worker.engine.request import FinishReason, GenerationParams
-from worker.generation import GenerationHandle, VersionSpan
+from worker.generation_handle import GenerationHandle, VersionSpan
 from worker.http import openai_answers as answers
 from worker.http.openai_calls import Call, Choice, Kind
 from worker.http.wire import dump

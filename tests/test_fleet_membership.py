@@ -17,7 +17,8 @@ import pytest
 
 from router.contract.admin import UpdateWeightVersionResult
 from router.contract.errors import Conflict
-from router.contract.fleet import RankAssignment, WorkerResult
+from router.contract.fleet import RankAssignment
+from router.contract.fleet_answers import WorkerResult
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.groups import WeightGroups, membership_changes
 from router.gateway.admin.journal import UpdateJournal

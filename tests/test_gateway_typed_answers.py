@@ -12,7 +12,7 @@ from typing import Any
 
 from router.contract import endpoints as ep
 from router.contract.admin import AdminResult, ModelInfo, UpdateWeightsFromDiskRequest, WeightsReport
-from router.contract.fleet import WorkerResult
+from router.contract.fleet_answers import WorkerResult, agreed_fields
 from router.contract.vllm import VllmResult
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
@@ -127,3 +127,24 @@ async def test_the_fan_out_answers_in_the_operation_s_response_model() -> None:
     assert got.success and isinstance(got.body, PrepareWeightsUpdateResponse) and got.body.weights == "intact"
     assert json.loads(got.model_dump_json())["body"]["newer"] is True
     assert client.paths == ["/prepare_weights_update"]
+
+
+def test_a_fleet_answer_keeps_only_the_fields_every_worker_reported_alike() -> None:
+    def info(**fields: Any) -> ModelInfo:
+        return ModelInfo.model_validate({"model_path": "/m", **fields})
+
+    same = [info(weight_version="v2", model_type="llama"), info(weight_version="v2", model_type="llama")]
+    assert agreed_fields(ModelInfo, same) == {"model_path": "/m", "weight_version": "v2", "model_type": "llama"}
+    # Workers that disagree, or one that left a field unset (its default), agree on nothing there.
+    split = [info(weight_version="v2", model_type="llama"), info(weight_version="v3")]
+    assert agreed_fields(ModelInfo, split) == {"model_path": "/m"}
+    # Per-worker fields never lift to the fleet; one worker without an answer makes nothing agreed.
+    done = [AdminResult(success=True, message="a"), AdminResult(success=True, message="a")]
+    assert "success" not in agreed_fields(AdminResult, done) and "message" not in agreed_fields(AdminResult, done)
+    assert agreed_fields(ModelInfo, [same[0], None]) == {}
+
+
+def test_a_parametrized_answer_model_is_built_once_per_process() -> None:
+    # Pydantic holds parametrized models weakly; the broadcast path must not rebuild one per call.
+    assert ops.parametrized(WorkerResult, ModelInfo) is ops.parametrized(WorkerResult, ModelInfo)
+    assert ops.MODEL_INFO.answer_model() is ops.MODEL_INFO.answer_model()

@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 from aiohttp.test_utils import TestClient
 
-from router.contract.fleet import FleetAnswer, JournalView, WorkerList
+from router.contract.fleet import JournalView, WorkerList
+from router.contract.fleet_answers import FleetAnswer
 from router.gateway import keys
 from router.gateway.admin.operations import OPERATIONS
 from router.gateway.app import create_app

@@ -21,7 +21,7 @@ from router.contract.admin import (
 )
 from router.contract.budget import HOP_MARGIN_S
 from router.contract.errors import BadRequest, Conflict, NotFound, Unavailable
-from router.contract.fleet import CompleteFleetAnswer, WorkerResult
+from router.contract.fleet_answers import CompleteFleetAnswer, WorkerResult
 from router.contract.weight_sync import (
     CompleteWeightsUpdateResponse,
     InitWeightsUpdateGroupRequest,

@@ -36,8 +36,8 @@ from torch.multiprocessing import reductions
 
 from router.trainer.sender import sent_checksum
 from worker.model.checkpoint import read_checkpoint
-from worker.transfer import safe_unpickle, sglang_wrappers
-from worker.transfer.pickle_records import CudaTensor, SharedTensor, UnsafePayload
+from worker.transfer.handles import safe_unpickle, sglang_wrappers
+from worker.transfer.handles.pickle_records import CudaTensor, SharedTensor, UnsafePayload
 
 PATH = "/update_weights_from_tensor"
 WEIGHT_UPDATER = "sglang.srt.model_executor.model_runner_components.weight_updater"

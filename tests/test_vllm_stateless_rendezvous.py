@@ -1,4 +1,4 @@
-"""The worker's end of vLLM's stateless NCCL rendezvous (:mod:`worker.transfer.vllm_nccl`).
+"""The worker's end of vLLM's stateless NCCL rendezvous (:mod:`worker.transfer.vllm.nccl`).
 
 The trainer here is rank 0 of vLLM's ``StatelessProcessGroup`` written with torch's ``TCPStore``
 and ``pickle`` only (vLLM is not installed in this suite's environment): a listening socket handed
@@ -36,7 +36,7 @@ from torch.distributed import TCPStore
 
 from router.dataplane.group import GroupError
 from tests.procs import free_port
-from worker.transfer.vllm_nccl import (
+from worker.transfer.vllm.nccl import (
     NCCL_UNIQUE_ID_BYTES,
     RefusedUniqueId,
     RendezvousError,
@@ -45,7 +45,7 @@ from worker.transfer.vllm_nccl import (
     receive_unique_id,
     unique_id_from_pickle,
 )
-from worker.transfer.vllm_nccl.rendezvous import MAX_PICKLE_BYTES, UNIQUE_ID_KEY, VLLM_PYNCCL_MODULE
+from worker.transfer.vllm.nccl.rendezvous import MAX_PICKLE_BYTES, UNIQUE_ID_KEY, VLLM_PYNCCL_MODULE
 
 HOST = "127.0.0.1"
 #: Not a speed check: every bound under test here is 0.3 to 2 s; a wait that lasts this long ignored it
@@ -410,8 +410,8 @@ two_gpus = pytest.mark.skipif(
 
 def _trainer_group(unique_id: bytes, world_size: int, timeout_s: float) -> Any:
     """Trainer rank 0 on cuda:0 with this package's binding: init, vLLM's warm-up, a group to send on."""
-    from worker.transfer.vllm_nccl.group import VllmNcclGroup, _placeholder_pg, _warm_up
-    from worker.transfer.vllm_nccl.nccl import Communicator, load_library
+    from worker.transfer.vllm.nccl.group import VllmNcclGroup, _placeholder_pg, _warm_up
+    from worker.transfer.vllm.nccl.libnccl import Communicator, load_library
 
     deadline = time.monotonic() + timeout_s
     comm = Communicator.join(
@@ -433,7 +433,7 @@ def _trainer_group(unique_id: bytes, world_size: int, timeout_s: float) -> Any:
 
 
 def _run_pair(mode: str) -> None:
-    from worker.transfer.vllm_nccl.nccl import load_library
+    from worker.transfer.vllm.nccl.libnccl import load_library
 
     lib = load_library()
     minted = lib.get_unique_id()

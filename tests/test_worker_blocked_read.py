@@ -36,7 +36,7 @@ from worker.engine.model_worker import ModelWorker
 from worker.engine.scheduler import Scheduler
 from worker.model import WeightLoadError, load_model, read_checkpoint, shard_io
 from worker.model.checkpoint import read_checkpoint_chunked
-from worker.stage import AdminBusy, AdminTimeout, Stage
+from worker.ranks import AdminBusy, AdminTimeout, Stage
 
 # -- helpers ---------------------------------------------------------------------------------
 
@@ -403,7 +403,7 @@ WRITER_WAIT_S = 2.0
 _STUCK_WORKER = f"""
 import os, sys
 from pathlib import Path
-from worker import updates
+from worker import update_pipeline
 from worker.model import shard_io
 
 def open_stuck(path):
@@ -411,7 +411,7 @@ def open_stuck(path):
     return os.open(os.environ["STUCK_FIFO"], os.O_RDONLY)
 
 shard_io.open_checked = open_stuck
-updates.WRITER_WAIT_S = {WRITER_WAIT_S!r}
+update_pipeline.WRITER_WAIT_S = {WRITER_WAIT_S!r}
 from worker.cli import main
 sys.exit(main())
 """

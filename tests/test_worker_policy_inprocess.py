@@ -3,7 +3,7 @@
 One coordinator (a tiny llama on CPU, built by ``build_coordinator`` and its scheduler thread started
 once for the module) serves every test through an app of its own, ``create_app(config,
 coordinator=...)``, driven with pytest-aiohttp's client. The rules checked are those of
-``worker/updates.py`` and ``worker/coordinator.py``:
+``worker/update_pipeline.py`` and ``worker/coordinator.py``:
 
 * an update is refused (400, ``weights: intact``, nothing changed) while requests hold KV computed
   with the current weights: running, or frozen by an ``in_place`` pause; ``abort_all_requests`` ends

@@ -1,17 +1,17 @@
 """Coordinator: the event-loop facade the HTTP handlers use.
 
 It submits generations to the stage leader's scheduler, runs admin operations
-on every rank through the :class:`~worker.stage.Stage`, serializes operations
+on every rank through the :class:`~worker.ranks.Stage`, serializes operations
 that change weights or pause state, and bounds every wait with a timeout.
 Extension point for other admin routes: :meth:`Coordinator.admin` (an op on
-every rank, aggregated into one typed :class:`~worker.stage.StageResult`), inside
+every rank, aggregated into one typed :class:`~worker.ranks.StageResult`), inside
 :meth:`Coordinator.admin_section` when the op changes weights.
 
 The worker's lock order, stated once here (a call holding one lock waits only for those below it):
 
-1. the weight-sync call lock (:meth:`~worker.transfer.controller.WeightSyncController.holding`):
+1. the weight-sync call lock (:meth:`~worker.transfer.group.controller.WeightSyncController.holding`):
    one weight-sync call at a time, SGLang's and vLLM's; a complete holds it while it waits for its receive;
-2. the writer lock (:class:`~worker.updates.UpdatePipeline`): one update transaction at a time. A
+2. the writer lock (:class:`~worker.update_pipeline.UpdatePipeline`): one update transaction at a time. A
    transaction holds it, not a call: a prepared two-phase or open vLLM update keeps it between calls,
    and the calls that end it (complete, abort, finish, the expiry) take only the call lock;
 3. the admin lock (:meth:`Coordinator.admin_section`): one step that changes weights or pause state.
@@ -55,11 +55,11 @@ from worker.engine.request import GenerationParams
 from worker.engine.results import AbortedRequests, OpResult, Paused, RankInfo
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_state import WeightState
-from worker.generation_service import SHUTDOWN_ABORT_WAIT_S, GenerationService
-from worker.one_step_updates import OneStepUpdates, answered
-from worker.stage import AdminTimeout, RankOp, Stage, StageResult, held
+from worker.generation_admission import SHUTDOWN_ABORT_WAIT_S, GenerationService
+from worker.ranks import AdminTimeout, RankOp, Stage, StageResult, held
+from worker.staged_updates import OneStepUpdates, answered
 from worker.tp.follower import RankState
-from worker.updates import UpdatePipeline
+from worker.update_pipeline import UpdatePipeline
 
 log = logging.getLogger(__name__)
 

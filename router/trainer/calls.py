@@ -50,25 +50,28 @@ from router.contract.admin import (
 )
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import DEFAULT_LOCK_WAIT_S
+from router.contract.endpoint import Endpoint
 from router.contract.errors import ErrorBody
 from router.contract.fleet import (
     AddWorkerRequest,
-    CompleteFleetAnswer,
-    FleetAnswer,
     FleetModelInfo,
     FleetWeightVersion,
-    GroupInitFleetAnswer,
     JournalResolved,
     JournalResolveRequest,
     JournalView,
-    PrepareFleetAnswer,
     RemovedWorker,
     UpdateWorkerRequest,
-    WeightsCheckerFleetAnswer,
     WorkerList,
     WorkerRecord,
-    WorkerResult,
     WorldSizeResponse,
+)
+from router.contract.fleet_answers import (
+    CompleteFleetAnswer,
+    FleetAnswer,
+    GroupInitFleetAnswer,
+    PrepareFleetAnswer,
+    WeightsCheckerFleetAnswer,
+    WorkerResult,
 )
 from router.contract.weight_sync import (
     DEFAULT_GROUP_NAME,
@@ -232,7 +235,7 @@ class RouterCalls:
     def _call(self, call: Call[A]) -> A:
         raise NotImplementedError
 
-    def _admin(self, endpoint: ep.Endpoint[Any, Any], req: WireRequest, answer: type[A]) -> A:
+    def _admin(self, endpoint: Endpoint[Any, Any], req: WireRequest, answer: type[A]) -> A:
         lock = self.lock_wait_s if endpoint.serialized else 0.0
         wait = endpoint.budget.client_wait(endpoint.timeout_of(req), lock_wait_s=lock)
         return self._call(Call(endpoint.methods[-1], endpoint.path, req, answer, wait))

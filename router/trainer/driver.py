@@ -44,7 +44,8 @@ from pydantic import BaseModel, Field
 
 from router.contract import endpoints as ep
 from router.contract.budget import HOP_MARGIN_S
-from router.contract.fleet import CompleteFleetAnswer, GroupInitFleetAnswer, WorkerResult
+from router.contract.endpoint import Endpoint
+from router.contract.fleet_answers import CompleteFleetAnswer, GroupInitFleetAnswer, WorkerResult
 from router.contract.weight_sync import DEFAULT_GROUP_NAME, BucketMetadata
 from router.trainer.calls import Bucket, RouterCallError, RouterCalls
 from router.trainer.rendezvous import alongside
@@ -116,7 +117,7 @@ def _log_progress(stage: str, info: dict[str, Any]) -> None:
     log.info("weight sync: %s %s", stage, info)
 
 
-def _guard_s(endpoint: ep.Endpoint[Any, Any], timeout_s: float | None, client: RouterCalls) -> float:
+def _guard_s(endpoint: Endpoint[Any, Any], timeout_s: float | None, client: RouterCalls) -> float:
     """How long to wait for a background call: a guard only, since the call's own HTTP timeout (after the
     tries through a failover of the router's leader, if any) fires first."""
     wait = endpoint.budget.client_wait(timeout_s, lock_wait_s=client.lock_wait_s)

@@ -1,4 +1,4 @@
-"""vLLM 0.31's own rendezvous code against the worker's end of it (:mod:`worker.transfer.vllm_nccl`).
+"""vLLM 0.31's own rendezvous code against the worker's end of it (:mod:`worker.transfer.vllm.nccl`).
 
 The trainer is vLLM's ``StatelessProcessGroup`` (rank 0: its ``TCPStore`` host) broadcasting vLLM's
 own ctypes ``ncclUniqueId`` with ``broadcast_obj``, unchanged; ``pynccl_wrapper`` imports without
@@ -29,7 +29,7 @@ from vllm.distributed.utils import StatelessProcessGroup
 from vllm.distributed.weight_transfer.nccl_common import decode_nccl_unique_id
 
 from tests.procs import free_port
-from worker.transfer.vllm_nccl import (
+from worker.transfer.vllm.nccl import (
     decode_unique_id_b64,
     join_vllm_nccl_group,
     receive_unique_id,

@@ -2,7 +2,7 @@
 
 Each function runs on one rank's scheduler thread, between forward steps, and
 returns a typed :class:`~worker.engine.results.OpResult`; the event-loop side that
-sequences them is :class:`worker.updates.UpdatePipeline`. Together they are one
+sequences them is :class:`worker.update_pipeline.UpdatePipeline`. Together they are one
 transaction:
 
     check → take → apply (atomic, with rollback; or streamed bucket by bucket) → commit | fail

@@ -31,6 +31,7 @@ from router.contract.admin import (
     WeightVersionResult,
 )
 from router.contract.base import WireResponse
+from router.contract.endpoint import Endpoint
 from router.contract.errors import ApiError
 from router.contract.vllm_server import ResetPrefixCacheRequest, ResetPrefixCacheResult
 from router.contract.web.openapi import Route
@@ -41,8 +42,8 @@ from worker.engine.checker import engine_report
 from worker.engine.results import CheckerReport, wire_fields
 from worker.http.keys import CONFIG, COORDINATOR
 from worker.http.server_info import server_info
-from worker.stage import AdminBusy, AdminTimeout, StageResult
-from worker.transfer import tensor_update
+from worker.ranks import AdminBusy, AdminTimeout, StageResult
+from worker.transfer.handles import from_tensor_request
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -67,7 +68,7 @@ def admin_handler(fn: Handler) -> Handler:
 RANKED_ANSWERS = (AdminResult, PrepareWeightsUpdateResponse)
 
 
-def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], model: WireResponse) -> web.Response:
+def answer(request: web.Request, endpoint: Endpoint[Any, Any], model: WireResponse) -> web.Response:
     """The route's response model as JSON: 200, or 400 with ``error.message`` when it reports a failure.
 
     ``weights`` says what this call did to the weights. A route that never writes them
@@ -88,14 +89,14 @@ def answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], model: WireRes
 
 
 def stage_answer(
-    request: web.Request, endpoint: ep.Endpoint[Any, Any], result: StageResult[Any], **extra: Any
+    request: web.Request, endpoint: Endpoint[Any, Any], result: StageResult[Any], **extra: Any
 ) -> web.Response:
     """A stage's aggregate as the route's response model (the JSON edge of a typed result)."""
     return answer(request, endpoint, result.response(endpoint.response, **extra))
 
 
 async def _exclusive(
-    request: web.Request, endpoint: ep.Endpoint[Any, Any], op: Callable[..., Any], req: Any, **extra: Any
+    request: web.Request, endpoint: Endpoint[Any, Any], op: Callable[..., Any], req: Any, **extra: Any
 ) -> web.Response:
     """Run a state-changing admin op inside the coordinator's admin section, so it
     cannot interleave with another one (a weight update, a memory release)."""
@@ -211,7 +212,7 @@ async def update_weights_from_tensor(request: web.Request) -> web.Response:
     coord = request.app[COORDINATOR]
     model = coord.worker.model
     try:
-        stage = tensor_update.prepare(
+        stage = from_tensor_request.prepare(
             req,
             model.checkpoint_spec(),
             model.is_ignored_weight,
@@ -243,7 +244,7 @@ async def resume_memory_occupation(request: web.Request) -> web.Response:
     return await _exclusive(request, ep.RESUME_MEMORY_OCCUPATION, admin_ops.resume_memory, req)
 
 
-def endpoint_routes(endpoint: ep.Endpoint[Any, Any], handler: Handler) -> list[Route]:
+def endpoint_routes(endpoint: Endpoint[Any, Any], handler: Handler) -> list[Route]:
     """``handler`` on every method of ``endpoint``, under its path and its older aliases.
 
     A ``GET`` carries no body: its request fields are all defaults (or query parameters)."""

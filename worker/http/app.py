@@ -38,7 +38,7 @@ from worker.http import (
     weight_sync_routes,
 )
 from worker.http.keys import CONFIG, COORDINATOR
-from worker.stage import Stage
+from worker.ranks import Stage
 from worker.tp.follower import RankSpec
 from worker.tp.peers import TP_TIMEOUT_S, TPPeers, free_local_port
 

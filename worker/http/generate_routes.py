@@ -23,8 +23,8 @@ from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker
 from worker.engine.request import GenerationParams
-from worker.generation import GenerationHandle
-from worker.generation_service import SHUTTING_DOWN
+from worker.generation_admission import SHUTTING_DOWN
+from worker.generation_handle import GenerationHandle
 from worker.http.keys import COORDINATOR
 from worker.http.streaming import ClientGone, client_gone, event_stream, open_sse, send_event
 from worker.http.wire import json_answer

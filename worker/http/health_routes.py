@@ -11,7 +11,7 @@ from aiohttp import web
 
 from router.contract.admin import HealthStatus
 from router.contract.web.openapi import Route
-from worker.generation_service import SHUTTING_DOWN
+from worker.generation_admission import SHUTTING_DOWN
 from worker.http.keys import COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
 
 

@@ -6,8 +6,8 @@ from aiohttp import web
 
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
-from worker.transfer.controller import WeightSyncController
-from worker.transfer.vllm_engine import VllmWeightTransfer
+from worker.transfer.group.controller import WeightSyncController
+from worker.transfer.vllm.engine import VllmWeightTransfer
 
 COORDINATOR = web.AppKey("coordinator", Coordinator)
 """The event-loop facade over the stage and its scheduler threads."""

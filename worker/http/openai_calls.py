@@ -7,7 +7,7 @@ sent so far when it streams. The answers are built from it in :mod:`worker.http.
 
 Weight versions: each choice carries its own ``weight_versions`` spans and
 ``first_token_weight_version`` (a choice is one engine request, see
-:mod:`worker.generation`); the answer's ``weight_version`` is the version that sampled the call's
+:mod:`worker.generation_handle`); the answer's ``weight_version`` is the version that sampled the call's
 newest token, or the served one before any token.
 """
 
@@ -22,7 +22,7 @@ from router.contract.openai import LOGPROB_FLOOR, FinishReasonName, Usage
 from worker.engine.model_worker import ModelWorker
 from worker.engine.request import FinishKind, GenerationParams
 from worker.engine.sampling import trim_stop_string
-from worker.generation import GenerationHandle
+from worker.generation_handle import GenerationHandle
 
 Kind = Literal["completion", "chat", "tokens"]
 

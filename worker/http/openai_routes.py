@@ -41,7 +41,7 @@ from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
 from worker.engine.request import GenerationParams
-from worker.generation import GenerationHandle
+from worker.generation_handle import GenerationHandle
 from worker.http import openai_answers as answers
 from worker.http.generate_routes import check_admission, check_lengths, check_prompts, follow
 from worker.http.keys import COORDINATOR

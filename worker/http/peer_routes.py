@@ -10,7 +10,7 @@ the connection closes before the announced length, so the sink fails.
 
 The sink reads that stream with its own admin key as bearer (a fleet shares one
 worker key) and loads it through the worker's update pipeline
-(:meth:`worker.one_step_updates.OneStepUpdates.from_peer`): checked against the
+(:meth:`worker.staged_updates.OneStepUpdates.from_peer`): checked against the
 model before any tensor byte is read, checksum verified before anything is written,
 written in one step; any failure leaves the old weights intact.
 """

@@ -1,7 +1,7 @@
 """vLLM's RL routes: the weight-transfer engine (init, start, update, finish), pause/resume, and the
 dev routes ``/sleep``, ``/wake_up``, ``/is_sleeping``, ``/abort_requests``.
 
-Thin handlers over :class:`worker.transfer.vllm_engine.VllmWeightTransfer` and the
+Thin handlers over :class:`worker.transfer.vllm.engine.VllmWeightTransfer` and the
 coordinator's pause. Answers keep vLLM's fields (``message``, ``status``,
 ``is_paused``, ``world_size``) and add the project's ``success`` and ``weights``;
 a refusal is 400, a call out of order 409, both with ``error.message`` and nothing
@@ -18,6 +18,7 @@ from aiohttp import web
 
 from router.contract import endpoints as ep
 from router.contract.admin import ContinueRequest
+from router.contract.endpoint import Endpoint
 from router.contract.vllm import (
     SCHEDULER_PAUSE_MODE,
     EmptyVllmRequest,
@@ -33,10 +34,10 @@ from router.contract.web.parsing import parse_body, parse_model, parse_query_fir
 from worker.engine import admin_ops
 from worker.http.admin_routes import Handler, admin_handler, answer, endpoint_routes, stage_answer
 from worker.http.keys import CONFIG, COORDINATOR, VLLM_TRANSFER, WEIGHT_SYNC
-from worker.transfer.vllm_engine import VllmWeightTransfer
+from worker.transfer.vllm.engine import VllmWeightTransfer
 
 
-def _answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], status: int, body: VllmResult) -> web.Response:
+def _answer(request: web.Request, endpoint: Endpoint[Any, Any], status: int, body: VllmResult) -> web.Response:
     response = answer(request, endpoint, body)
     if status != 200 and not body.success:
         response.set_status(status)
@@ -46,7 +47,7 @@ def _answer(request: web.Request, endpoint: ep.Endpoint[Any, Any], status: int, 
 Call = Callable[[VllmWeightTransfer, Any], Awaitable[tuple[int, VllmResult]]]
 
 
-def _transfer_handler(endpoint: ep.Endpoint[Any, Any], call: Call, required: str | None = None) -> Handler:
+def _transfer_handler(endpoint: Endpoint[Any, Any], call: Call, required: str | None = None) -> Handler:
     """Parse ``endpoint``'s request (``required``: the field vLLM answers 400 "Missing ..." without),
     run ``call`` on the engine state, answer its status and body."""
 
@@ -137,7 +138,7 @@ async def vllm_transfer_ctx(app: web.Application) -> AsyncIterator[None]:
 
 
 _V = VllmWeightTransfer
-_TABLE: list[tuple[ep.Endpoint[Any, Any], Handler]] = [
+_TABLE: list[tuple[Endpoint[Any, Any], Handler]] = [
     (ep.INIT_WEIGHT_TRANSFER_ENGINE, _transfer_handler(ep.INIT_WEIGHT_TRANSFER_ENGINE, _V.init_engine, "init_info")),
     (ep.START_WEIGHT_UPDATE, _transfer_handler(ep.START_WEIGHT_UPDATE, _V.start)),
     (ep.UPDATE_WEIGHTS, _transfer_handler(ep.UPDATE_WEIGHTS, _V.update, "update_info")),

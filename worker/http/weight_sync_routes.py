@@ -1,7 +1,7 @@
 """Weight-sync routes: group lifecycle, SGLang's single-phase update, and the
 two-phase prepare/complete/abort protocol. Thin handlers over
-:class:`worker.transfer.controller.WeightSyncController` (the groups) and its
-adapters (:mod:`worker.transfer.two_phase`, :mod:`worker.transfer.single_phase`),
+:class:`worker.transfer.group.controller.WeightSyncController` (the groups) and its
+adapters (:mod:`worker.transfer.group.two_phase`, :mod:`worker.transfer.group.single_phase`),
 one per row of the table at the bottom (its endpoint, the call, whether an empty
 body is allowed).
 
@@ -13,7 +13,7 @@ call's own ``timeout_s`` when shorter; 10 s for an abort: the lock order in
 :mod:`worker.coordinator`); 504 when the scheduler thread did not answer in time.
 
 ``/begin_weight_update`` and ``/end_weight_update`` are SGLang 0.5.23's
-bracket (:mod:`worker.transfer.bracket`): accepted, not required.
+bracket (:mod:`worker.transfer.group.bracket`): accepted, not required.
 
 ``/abort_weights_update`` answers 200 only when the prepared receive was
 dropped with the weights untouched; 400 when nothing was prepared for the
@@ -30,16 +30,17 @@ from aiohttp import web
 from router.contract import endpoints as ep
 from router.contract.admin import RankResult
 from router.contract.base import WireRequest, WireResponse
+from router.contract.endpoint import Endpoint
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.http.admin_routes import RANKED_ANSWERS, Handler, admin_handler, answer, endpoint_routes
 from worker.http.keys import COORDINATOR, WEIGHT_SYNC
-from worker.transfer.controller import WeightSyncController
+from worker.transfer.group.controller import WeightSyncController
 
 Call = Callable[[WeightSyncController, Any], Awaitable[WireResponse]]
 
 
-def _handler(endpoint: ep.Endpoint[Any, Any], call: Call, *, allow_empty: bool) -> Handler:
+def _handler(endpoint: Endpoint[Any, Any], call: Call, *, allow_empty: bool) -> Handler:
     """Parse the endpoint's request, run ``call`` on the controller, answer its response model."""
 
     @admin_handler
@@ -81,7 +82,7 @@ async def controller_ctx(app: web.Application) -> AsyncIterator[None]:
 
 _W = WeightSyncController
 #: (endpoint, the call on the controller or its adapter, whether an empty body is allowed)
-_TABLE: list[tuple[ep.Endpoint[Any, Any], Call, bool]] = [
+_TABLE: list[tuple[Endpoint[Any, Any], Call, bool]] = [
     (ep.INIT_WEIGHTS_UPDATE_GROUP, _W.init_group, False),
     (ep.DESTROY_WEIGHTS_UPDATE_GROUP, _W.destroy_group, True),
     (ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, lambda sync, req: sync.single_phase.update(req), False),

@@ -1,7 +1,7 @@
 """The type of an operation a rank runs on its own scheduler state (rank 0 and every follower alike).
 
 Rank 0 sends such operations to the followers (:mod:`worker.tp.peers`) and runs its own
-(:mod:`worker.stage`); the operation must be picklable to reach a follower's process.
+(:mod:`worker.ranks`); the operation must be picklable to reach a follower's process.
 """
 
 from __future__ import annotations

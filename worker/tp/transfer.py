@@ -8,7 +8,7 @@ drives the followers with the operations below, sent like every admin operation
 process's :class:`FollowerTransfer`:
 
 - ``join`` / ``destroy``: the follower's side of a group;
-- ``start_receive``: a :class:`~worker.transfer.receiver.BucketReceiver` on its
+- ``start_receive``: a :class:`~worker.transfer.group.receiver.BucketReceiver` on its
   own thread (the follower keeps running forward steps meanwhile);
 - ``apply_bucket`` (streaming): rank 0 applied bucket *i*; the follower waits,
   bounded, until its receiver delivered bucket *i*, verifies its announced
@@ -35,7 +35,7 @@ from router.dataplane.group import WeightUpdateGroup, init_weight_update_group
 from worker.engine.results import Applied, OpResult, Received
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import apply_atomic
-from worker.transfer.receiver import BucketReceiver, ReceiveBuffers
+from worker.transfer.group.receiver import BucketReceiver, ReceiveBuffers
 from worker.transfer.validation import ChecksumMismatch, verify_bucket, verify_staged
 
 log = logging.getLogger(__name__)

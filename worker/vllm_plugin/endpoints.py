@@ -47,6 +47,7 @@ from router.contract import endpoints as ep
 from router.contract.admin import AdminResult, ContinueRequest, ContinueResult, PauseRequest, PauseResult
 from router.contract.base import WireRequest, WireResponse
 from router.contract.budget import APPLY_S, DEFAULT_RECEIVE_TIMEOUT_S, HOP_MARGIN_S
+from router.contract.endpoint import Endpoint
 from router.contract.errors import ApiError, error_body
 from router.contract.web.parsing import decode_json, parse_model
 from router.contract.weight_sync import (
@@ -60,8 +61,8 @@ from router.contract.weight_sync import (
     PrepareWeightsUpdateResponse,
     WeightSyncResponse,
 )
-from worker.stage import AdminBusy, held
-from worker.transfer.receive_session import RECEIVE_GRACE_S
+from worker.ranks import AdminBusy, held
+from worker.transfer.group.receive_session import RECEIVE_GRACE_S
 from worker.vllm_plugin.merge import merge_abort, merge_complete, merge_group, merge_prepare
 
 log = logging.getLogger(__name__)
@@ -93,7 +94,7 @@ class OmniWeightSyncEndpoints:
     # -- vLLM's plugin protocol ----------------------------------------------------------------
 
     def attach_router(self, app: FastAPI) -> None:
-        table: list[tuple[ep.Endpoint[Any, Any], Call, bool]] = [
+        table: list[tuple[Endpoint[Any, Any], Call, bool]] = [
             (ep.INIT_WEIGHTS_UPDATE_GROUP, self._init, False),
             (ep.DESTROY_WEIGHTS_UPDATE_GROUP, self._destroy, True),
             (ep.PREPARE_WEIGHTS_UPDATE, self._prepare, False),
@@ -116,7 +117,7 @@ class OmniWeightSyncEndpoints:
 
     # -- the routes ----------------------------------------------------------------------------
 
-    def _route(self, endpoint: ep.Endpoint[Any, Any], call: Call, allow_empty: bool) -> Callable[..., Any]:
+    def _route(self, endpoint: Endpoint[Any, Any], call: Call, allow_empty: bool) -> Callable[..., Any]:
         async def handle(request: Request) -> JSONResponse:
             try:
                 req = _parse(endpoint.request, await request.body(), dict(request.query_params), allow_empty)
@@ -137,7 +138,7 @@ class OmniWeightSyncEndpoints:
         handle.__name__ = f"omni_{endpoint.name}"
         return handle
 
-    def _plain_route(self, endpoint: ep.Endpoint[Any, Any], call: Call) -> Callable[..., Any]:
+    def _plain_route(self, endpoint: Endpoint[Any, Any], call: Call) -> Callable[..., Any]:
         async def handle(request: Request) -> JSONResponse:
             try:
                 req = _parse(endpoint.request, await request.body(), dict(request.query_params), True)
@@ -324,7 +325,7 @@ def _parse(model: type[WireRequest], raw: bytes, query: dict[str, str], allow_em
     return parse_model(model, data)
 
 
-def _answer(endpoint: ep.Endpoint[Any, Any], model: WireResponse) -> JSONResponse:
+def _answer(endpoint: Endpoint[Any, Any], model: WireResponse) -> JSONResponse:
     """200 with the response model, or 400 with it and ``error.message`` when it reports a failure."""
     if isinstance(model, (AdminResult, PrepareWeightsUpdateResponse)):
         update: dict[str, object] = {"weights_partial": bool(model.weights_partial)}

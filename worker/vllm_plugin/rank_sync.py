@@ -42,10 +42,10 @@ from router.dataplane.buckets import NamedTensors
 from router.dataplane.digest import digest_named_tensors
 from router.dataplane.formats import for_load_format
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
-from worker.transfer.groups import group_note
-from worker.transfer.receive_session import RECEIVE_GRACE_S
-from worker.transfer.receiver import BucketReceiver
-from worker.transfer.two_phase import ABORTED
+from worker.transfer.group.receive_session import RECEIVE_GRACE_S
+from worker.transfer.group.receiver import BucketReceiver
+from worker.transfer.group.table import group_note
+from worker.transfer.group.two_phase import ABORTED
 from worker.transfer.validation import ChecksumMismatch, MetadataError, Spec, validate_buckets, verify_staged
 from worker.vllm_plugin.spec import missing_names
 

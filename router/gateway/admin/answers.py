@@ -1,7 +1,7 @@
 """The router's answer to a broadcast: per-worker results folded into one fleet answer.
 
 Every field of the route's response model holds the value all workers agree on
-(see :func:`router.contract.fleet.agreed_fields`); ``success`` is true only when
+(see :func:`router.contract.fleet_answers.agreed_fields`); ``success`` is true only when
 every target succeeded; ``message`` says who failed and why.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from router.contract.base import WireRequest, WireResponse
-from router.contract.fleet import FleetAnswer, WorkerResult, agreed_fields
+from router.contract.fleet_answers import FleetAnswer, WorkerResult, agreed_fields
 from router.gateway.admin.operations import Operation
 
 Resp = TypeVar("Resp", bound=WireResponse)

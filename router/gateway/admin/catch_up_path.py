@@ -38,7 +38,7 @@ from router.contract.admin import (
     WeightsCheckerResult,
 )
 from router.contract.base import WireRequest
-from router.contract.endpoints import AnyEndpoint
+from router.contract.endpoint import AnyEndpoint
 from router.contract.fleet import FleetVersionEntry
 from router.contract.vllm_rl import CollectiveRpcRequest, VllmWeightCheckerRequest, VllmWeightCheckerResult
 from router.gateway.engines import engine_of, serves

@@ -38,7 +38,7 @@ from aiohttp import web
 from router.contract import endpoints as ep
 from router.contract.admin import ContinueRequest, MemoryOccupationRequest
 from router.contract.base import WireRequest
-from router.contract.endpoints import AnyEndpoint
+from router.contract.endpoint import AnyEndpoint
 from router.contract.errors import Unavailable
 from router.contract.vllm import EmptyVllmRequest
 from router.contract.vllm_dev import WakeUpQuery

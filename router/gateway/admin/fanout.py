@@ -19,11 +19,11 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 from router.contract.base import WireRequest, WireResponse
-from router.contract.fleet import WorkerResult
-from router.gateway.admin.operations import Operation
+from router.contract.fleet_answers import WorkerResult
+from router.gateway.admin.operations import Operation, parametrized
 from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
@@ -58,18 +58,6 @@ class AdminCall(Generic[Req, Resp]):
         return self.request_for(worker).to_json() if self.request_for is not None else self._body
 
 
-_RESULT_TYPES: dict[type[WireResponse], type[WorkerResult[Any]]] = {}
-
-
-def _result_type(response: type[Resp]) -> type[WorkerResult[Resp]]:
-    """``WorkerResult[response]``, parametrized once per response model (a broadcast builds hundreds)."""
-    made = _RESULT_TYPES.get(response)
-    if made is None:
-        # Pydantic parametrizes by the class it is given at run time, which mypy cannot follow into a type.
-        made = _RESULT_TYPES[response] = WorkerResult[response]  # type: ignore[valid-type]
-    return made
-
-
 class FanOut:
     """One typed :class:`WorkerResult` per worker and call."""
 
@@ -89,7 +77,8 @@ class FanOut:
             timeout_s=call.timeout_s,
             decode=engine.decode if engine is not None else decode_answer,
         )
-        return _result_type(call.op.endpoint.response)(
+        result: type[WorkerResult[Resp]] = parametrized(WorkerResult, call.op.endpoint.response)
+        return result(
             worker=worker.id,
             url=worker.url,
             success=answer.value is not None and answer.value.ok,

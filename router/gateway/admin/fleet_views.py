@@ -32,16 +32,14 @@ from router.contract.admin import (
 )
 from router.contract.base import WireResponse
 from router.contract.errors import Conflict
-from router.contract.fleet import (
+from router.contract.fleet import FleetModelInfo, FleetWeightVersion, WorkerVersion
+from router.contract.fleet_answers import (
     FleetAnswer,
-    FleetModelInfo,
-    FleetWeightVersion,
     ResetPrefixCacheFleetAnswer,
     ServerInfoFleetAnswer,
     VllmWeightCheckerFleetAnswer,
     WeightsCheckerFleetAnswer,
     WorkerResult,
-    WorkerVersion,
 )
 from router.contract.vllm import EmptyVllmRequest
 from router.contract.vllm_rl import VllmWeightCheckerRequest, VllmWeightCheckerResult, WeightInfo

@@ -32,7 +32,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import Unavailable
-from router.contract.fleet import WorkerResult
+from router.contract.fleet_answers import WorkerResult
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.fanout import AdminCall, FanOut
 from router.gateway.admin.fence import RESOLVE_HINT, Fence

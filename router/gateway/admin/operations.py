@@ -20,11 +20,12 @@ every member of a weight-update group or of a held update (:attr:`Operation.targ
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from router.contract import endpoints as ep
 from router.contract.base import WireRequest, WireResponse
-from router.contract.fleet import (
+from router.contract.endpoint import Endpoint
+from router.contract.fleet_answers import (
     AbortRequestsFleetAnswer,
     CompleteFleetAnswer,
     FleetAnswer,
@@ -41,7 +42,7 @@ from router.contract.fleet import (
     WeightTransferInitFleetAnswer,
 )
 
-#: Covariant, as :class:`~router.contract.endpoints.Endpoint` is: the table holds operations of every route.
+#: Covariant, as :class:`~router.contract.endpoint.Endpoint` is: the table holds operations of every route.
 Req = TypeVar("Req", bound=WireRequest, covariant=True)
 Resp = TypeVar("Resp", bound=WireResponse, covariant=True)
 
@@ -49,9 +50,9 @@ Resp = TypeVar("Resp", bound=WireResponse, covariant=True)
 @dataclass(frozen=True, slots=True)
 class Operation(Generic[Req, Resp]):
     """One worker admin route and how the router treats it: its calls send a ``Req`` and each
-    worker answers a ``Resp`` (:class:`~router.contract.fleet.WorkerResult` ``[Resp]`` after a fan-out)."""
+    worker answers a ``Resp`` (:class:`~router.contract.fleet_answers.WorkerResult` ``[Resp]`` after a fan-out)."""
 
-    endpoint: ep.Endpoint[Req, Resp]
+    endpoint: Endpoint[Req, Resp]
     fenced: bool = False
     changes_weights: bool = False
     in_group: bool = False
@@ -78,12 +79,27 @@ class Operation(Generic[Req, Resp]):
         return not (self.in_group or self.ends_group or self.path in _FLEET_WIDE)
 
     def answer_model(self) -> type[FleetAnswer[Resp]]:
-        # Pydantic parametrizes by the class it is given at run time, which mypy cannot follow into a type.
-        return self.answer if self.answer is not None else FleetAnswer[self.endpoint.response]  # type: ignore[name-defined]
+        return self.answer if self.answer is not None else parametrized(FleetAnswer, self.endpoint.response)
 
     def router_wait(self, req: WireRequest) -> float:
         """How long the router waits for one worker's answer to ``req`` (the budget plus one margin)."""
         return self.endpoint.budget.router_wait(self.endpoint.timeout_of(req))
+
+
+_PARAMETRIZED: dict[tuple[type[Any], type[Any]], type[Any]] = {}
+
+
+def parametrized(generic: type[Any], arg: type[Any]) -> type[Any]:
+    """``generic[arg]`` for a pydantic generic model, built once per process.
+
+    Pydantic keeps the classes it parametrizes only weakly: one built per call is built again (its
+    whole schema, about a millisecond) whenever the collector has freed the last one, which a
+    broadcast answered hundreds of times a second hits on most calls.
+    """
+    made = _PARAMETRIZED.get((generic, arg))
+    if made is None:
+        made = _PARAMETRIZED[(generic, arg)] = generic[arg]
+    return made
 
 
 #: An operation of any route (what :data:`OPERATIONS` holds).

@@ -35,7 +35,7 @@ from router.contract.admin import HealthStatus
 from router.contract.base import WireResponse
 from router.contract.budget import DEFAULT_RECEIVE_TIMEOUT_S
 from router.contract.errors import Conflict
-from router.contract.fleet import WorkerResult
+from router.contract.fleet_answers import WorkerResult
 from router.contract.weight_sync import (
     AbortWeightsUpdateRequest,
     AbortWeightsUpdateResponse,

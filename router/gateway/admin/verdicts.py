@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from router.contract import endpoints as ep
 from router.contract.admin import WeightsReport
 from router.contract.base import WireResponse
-from router.contract.fleet import WorkerResult
+from router.contract.fleet_answers import WorkerResult
 from router.contract.weight_sync import JoinReport
 from router.gateway.admin.operations import AnyOperation
 

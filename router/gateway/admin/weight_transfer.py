@@ -36,7 +36,7 @@ from router.contract.admin import HealthStatus
 from router.contract.base import WireResponse
 from router.contract.budget import DEFAULT_RECEIVE_TIMEOUT_S
 from router.contract.errors import Conflict
-from router.contract.fleet import WeightTransferFleetAnswer, WorkerResult
+from router.contract.fleet_answers import WeightTransferFleetAnswer, WorkerResult
 from router.contract.vllm import (
     VLLM_GROUP_NAME,
     FinishWeightUpdateRequest,

@@ -25,14 +25,12 @@ from pydantic import BaseModel
 from router.contract import endpoints as ep
 from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import BadRequest
-from router.contract.fleet import (
+from router.contract.fleet import FleetModelInfo, FleetWeightVersion, WorldSizeResponse
+from router.contract.fleet_answers import (
     AbortRequestsFleetAnswer,
-    FleetModelInfo,
-    FleetWeightVersion,
     IsPausedFleetAnswer,
     IsSleepingFleetAnswer,
     PauseFleetAnswer,
-    WorldSizeResponse,
 )
 from router.contract.vllm import PauseStatus
 from router.contract.web.openapi import Route

@@ -27,7 +27,7 @@ from aiohttp import web
 from router.contract import endpoints as ep
 from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import ApiError
-from router.contract.fleet import WorkerResult
+from router.contract.fleet_answers import WorkerResult
 from router.contract.rl import (
     RlCallOutcome,
     RlFailedCall,

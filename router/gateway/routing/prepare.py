@@ -20,7 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from router.contract import endpoints as ep
-from router.contract.endpoints import AnyEndpoint
+from router.contract.endpoint import AnyEndpoint
 from router.contract.vllm_tokens import REQUEST_ID_HEADER, REQUEST_ID_PREFIX
 
 #: Router-assigned rids: a random per-process prefix and a fixed-width counter, so no rid is a prefix of

@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from router.contract.base import WireRequest, WireResponse
-from router.contract.endpoints import Endpoint
+from router.contract.endpoint import Endpoint
 from router.gateway.upstream.answer import Decoder, WorkerAnswer, decode_answer, unreachable
 from router.gateway.upstream.lean_http import HttpUpstream
 from router.gateway.upstream.transport import Transport, UpstreamError, UpstreamResponse

@@ -1,6 +1,6 @@
 """Updates whose weights the call itself brings: a checkpoint on disk, tensors in the request, a peer's snapshot.
 
-Each is one transaction of the worker's update pipeline (:mod:`worker.updates`):
+Each is one transaction of the worker's update pipeline (:mod:`worker.update_pipeline`):
 begin (refused before anything is read when the worker cannot take it) → stage the
 new weights whole, off the event loop and off the scheduler thread, bounded by the
 step's time (inference keeps running meanwhile) → take the worker (abort requests if
@@ -25,8 +25,8 @@ from worker.engine.model_worker import StagedCheckpoint, WeightUpdateError
 from worker.engine.results import Answered, OpResult
 from worker.engine.weight_ops import CommitOptions
 from worker.peer.fetch import Receipt
-from worker.stage import AdminTimeout, Stage, StageResult
-from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
+from worker.ranks import AdminTimeout, Stage, StageResult
+from worker.update_pipeline import UpdateFailed, UpdatePipeline, UpdateRefused
 
 S = TypeVar("S")
 

@@ -1,4 +1,4 @@
-"""The records the restricted unpickler (:mod:`worker.transfer.safe_unpickle`) builds instead of tensors.
+"""The records the restricted unpickler (:mod:`worker.transfer.handles.safe_unpickle`) builds instead of tensors.
 
 Each admitted torch rebuild function is replaced here by a function of the same
 arguments that checks their types and returns a record (:class:`SharedTensor`,
@@ -82,10 +82,10 @@ class SharedTensor:
 
 @dataclass
 class CudaTensor:
-    """``rebuild_cuda_tensor``'s arguments (replayed by :func:`~worker.transfer.safe_unpickle.materialize`).
+    """``rebuild_cuda_tensor``'s arguments (replayed by :func:`~worker.transfer.handles.safe_unpickle.materialize`).
 
     ``args[6]`` is the producer's device: an index, or (SGLang's patched reductions) a GPU
-    UUID; :func:`~worker.transfer.sglang_wrappers.on_local_devices` turns it into this
+    UUID; :func:`~worker.transfer.handles.sglang_wrappers.on_local_devices` turns it into this
     host's index before anything is opened."""
 
     args: tuple[Any, ...] = field(default_factory=tuple)

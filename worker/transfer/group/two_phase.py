@@ -3,8 +3,8 @@
 ``/prepare_weights_update`` checks everything and posts the receive before the trainer
 broadcasts; ``/complete_weights_update`` waits for the receive, applies and commits;
 ``/abort_weights_update`` drops a prepared update the trainer will not broadcast. Each update is
-one transaction of the worker's update pipeline (:mod:`worker.updates`), begun by the prepare
-through the controller's shared :meth:`~worker.transfer.controller.WeightSyncController.start_receive`
+one transaction of the worker's update pipeline (:mod:`worker.update_pipeline`), begun by the prepare
+through the controller's shared :meth:`~worker.transfer.group.controller.WeightSyncController.start_receive`
 (which refuses before anything is received), and held in between:
 
 * **Streaming** (default): buckets are applied as they arrive, double-buffered.
@@ -26,7 +26,7 @@ through the controller's shared :meth:`~worker.transfer.controller.WeightSyncCon
   (streaming, trainer already sending): failure with ``weights_partial``, and the
   worker stays paused.
 * **At most one prepared update**, held from prepare to complete or abort
-  (:mod:`worker.transfer.held`). It holds the worker's writer lock in between, so
+  (:mod:`worker.transfer.group.held`). It holds the worker's writer lock in between, so
   nobody may hold it forever: one never completed nor aborted ends by itself, as a
   failed receive would, once its receive window, the receive loop's grace and an
   apply have passed. While its receive runs every new receive is refused; one whose
@@ -57,11 +57,11 @@ from router.contract.weight_sync import (
 from router.dataplane.formats import BucketFormat, for_load_format
 from router.dataplane.group import WeightUpdateGroup
 from worker.engine.results import effect_of
-from worker.stage import AdminBusy
-from worker.transfer.groups import group_note
-from worker.transfer.held import Held
-from worker.transfer.receive_session import PARTIAL_NOTE, Receives, ReceiveSession
-from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
+from worker.ranks import AdminBusy
+from worker.transfer.group.held import Held
+from worker.transfer.group.receive_session import PARTIAL_NOTE, Receives, ReceiveSession
+from worker.transfer.group.table import group_note
+from worker.update_pipeline import UpdateFailed, UpdatePipeline, UpdateRefused
 
 if TYPE_CHECKING:
     from worker.engine.model_worker import ModelWorker
@@ -77,7 +77,7 @@ ABORTED = "a prepared receive was aborted"
 
 
 class TwoPhasePorts(Protocol):
-    """What the two-phase calls use of the weight-sync controller (:mod:`worker.transfer.controller`)."""
+    """What the two-phase calls use of the weight-sync controller (:mod:`worker.transfer.group.controller`)."""
 
     @property
     def updates(self) -> UpdatePipeline: ...

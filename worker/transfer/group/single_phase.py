@@ -3,12 +3,12 @@
 One call per bucket: the receive is posted when the call arrives, the bucket is received while
 the request is open, then staged and applied in one scheduler step with rollback, and the cache
 flushed as asked. Each call is one transaction of the worker's update pipeline
-(:mod:`worker.updates`), begun through the controller's shared
-:meth:`~worker.transfer.controller.WeightSyncController.start_receive`.
+(:mod:`worker.update_pipeline`), begun through the controller's shared
+:meth:`~worker.transfer.group.controller.WeightSyncController.start_receive`.
 
 * A refusal cannot stop a trainer that broadcasts right after its HTTP call (slime
   does): its broadcast then waits until the trainer's own timeout. That race is what
-  the two-phase protocol (:mod:`worker.transfer.two_phase`) removes.
+  the two-phase protocol (:mod:`worker.transfer.group.two_phase`) removes.
 * A receive that fails leaves the weights ``partial``: earlier calls of the same
   sync (one per bucket) may already have been applied, so the whole is a mix.
 """
@@ -23,8 +23,8 @@ from typing import Any, Protocol, TypeVar
 from router.contract.weight_sync import TensorListMeta, UpdateWeightsFromDistributedRequest, WeightSyncResponse
 from router.dataplane.formats import BucketFormat, for_load_format
 from worker.engine.results import effect_of
-from worker.transfer.receive_session import PARTIAL_NOTE, Receives, ReceiveSession
-from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused
+from worker.transfer.group.receive_session import PARTIAL_NOTE, Receives, ReceiveSession
+from worker.update_pipeline import UpdateFailed, UpdatePipeline, UpdateRefused
 
 T = TypeVar("T")
 
@@ -33,7 +33,7 @@ FAILED = "Failed to update parameter online"
 
 
 class SinglePhasePorts(Protocol):
-    """What the single-phase call uses of the weight-sync controller (:mod:`worker.transfer.controller`)."""
+    """What the single-phase call uses of the weight-sync controller (:mod:`worker.transfer.group.controller`)."""
 
     @property
     def updates(self) -> UpdatePipeline: ...

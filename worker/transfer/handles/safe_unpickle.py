@@ -20,12 +20,12 @@ adapter, sends). Plain ``pickle.loads`` would run any callable the caller names,
   ``collections.OrderedDict``, and ``_codecs.encode`` only as ``(str, "latin1")``
   (protocol 2's spelling of ``bytes``);
 * any ``<module>.FlattenedTensorMetadata``, mapped onto the local dataclass
-  :class:`~worker.transfer.pickle_records.FlattenedTensorMetadata` (its fields are
+  :class:`~worker.transfer.handles.pickle_records.FlattenedTensorMetadata` (its fields are
   checked after loading);
 * ``LocalSerializedTensor`` under SGLang's two module paths
   (``sglang.srt.model_executor.model_runner_components.weight_updater``, and
   ``sglang.srt.model_executor.model_runner`` before SGLang 0.5.16), mapped onto
-  :class:`~worker.transfer.sglang_wrappers.LocalSerializedRecord`: only as pickle stores
+  :class:`~worker.transfer.handles.sglang_wrappers.LocalSerializedRecord`: only as pickle stores
   an instance, with state exactly ``{"values": [bytes | base64 str, ...]}``, only as the
   tensor of a ``(name, tensor)`` pair, with exactly one pickle per TP rank of this
   worker. This worker's rank's pickle (``values[tp_rank]``) is loaded by this same
@@ -40,10 +40,10 @@ descriptor; callers should use the ``file_system`` strategy or the JSON handle
 format (:mod:`router.contract.tensor_handles`).
 
 Even the admitted rebuild functions do not run while loading: they are replaced
-by records (:mod:`worker.transfer.pickle_records`), so names, dtypes and shapes are
+by records (:mod:`worker.transfer.handles.pickle_records`), so names, dtypes and shapes are
 checked against the model first, a CUDA record's device (an index, or SGLang's GPU
 UUID) is mapped to this host's index — a UUID of a GPU this host does not have is
-refused (:func:`~worker.transfer.sglang_wrappers.on_local_devices`) — and memory is
+refused (:func:`~worker.transfer.handles.sglang_wrappers.on_local_devices`) — and memory is
 only opened after that, by :func:`materialize`. What this still trusts:
 ``rebuild_storage_filename`` opens a shared-memory segment by a name the caller
 chose, through the ``torch_shm_manager`` socket path the caller chose (a local Unix
@@ -69,8 +69,8 @@ from typing import Any
 import torch
 
 from router.contract.bucket_layout import DTYPE_ITEMSIZE
-from worker.transfer import pickle_records as rec
-from worker.transfer.pickle_records import (
+from worker.transfer.handles import pickle_records as rec
+from worker.transfer.handles.pickle_records import (
     CUDA_DEVICE_ARG,
     CUDA_HANDLE_ARG,
     CUDA_SIZE_ARG,
@@ -82,7 +82,7 @@ from worker.transfer.pickle_records import (
     int_tuple,
     rebuild_cuda_record,
 )
-from worker.transfer.sglang_wrappers import (
+from worker.transfer.handles.sglang_wrappers import (
     LOCAL_SERIALIZED_TENSOR,
     LOCAL_SERIALIZED_TENSOR_MODULES,
     MAX_WRAPPER_DEPTH,

@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from router.contract.budget import HOP_MARGIN_S
 from router.contract.weight_sync import InitWeightsUpdateGroupRequest, WeightSyncResponse
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
-from worker.stage import Stage
+from worker.ranks import Stage
 from worker.tp import transfer as tp_transfer
 
 log = logging.getLogger(__name__)

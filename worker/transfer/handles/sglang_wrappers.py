@@ -19,7 +19,7 @@ Here neither SGLang class nor function is ever constructed or called:
   ``...model_runner``). Its state must be exactly ``{"values": [bytes | str, ...]}``;
   :func:`rank_payload` checks the list against this worker's TP size and returns its own
   rank's pickle, which the restricted unpickler then loads again, one level deep only.
-* ``_rebuild_cuda_tensor_modified`` becomes the same :class:`~worker.transfer.pickle_records.CudaTensor`
+* ``_rebuild_cuda_tensor_modified`` becomes the same :class:`~worker.transfer.handles.pickle_records.CudaTensor`
   record as torch's ``rebuild_cuda_tensor``; :func:`on_local_devices` maps its device
   (UUID or index) to this host's index before any IPC handle is opened, and refuses a
   UUID that is not on this host.
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from worker.transfer.pickle_records import CUDA_DEVICE_ARG, CudaTensor, LazyTensor, UnsafePayload
+from worker.transfer.handles.pickle_records import CUDA_DEVICE_ARG, CudaTensor, LazyTensor, UnsafePayload
 
 #: The modules SGLang's ``LocalSerializedTensor`` has lived in (0.5.16 moved it).
 LOCAL_SERIALIZED_TENSOR_MODULES = (

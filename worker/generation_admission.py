@@ -22,8 +22,8 @@ from typing import Any
 from router.contract import endpoints as ep
 from worker.engine.request import GenerationParams, OutputChannel, Request
 from worker.engine.scheduler import Scheduler
-from worker.generation import GenerationHandle
-from worker.stage import Stage
+from worker.generation_handle import GenerationHandle
+from worker.ranks import Stage
 
 log = logging.getLogger(__name__)
 

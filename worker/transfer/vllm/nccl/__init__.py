@@ -9,16 +9,16 @@ shared out of band as ``nccl_unique_id_b64``), and every rank joins a bare NCCL 
 
 * :mod:`.rendezvous`: the store's key protocol, a bounded client, and a restricted unpickler that
   admits only vLLM's ``ncclUniqueId`` record (never ``pickle.loads`` of the trainer's bytes);
-* :mod:`.nccl`: a ctypes binding to the ``libnccl`` of torch's CUDA wheels, with non-blocking
+* :mod:`.libnccl`: a ctypes binding to the ``libnccl`` of torch's CUDA wheels, with non-blocking
   communicators so that every wait has a deadline;
 * :mod:`.group`: :func:`join_vllm_nccl_group` and :class:`VllmNcclGroup`, a
   :class:`~router.dataplane.group.WeightUpdateGroup` the receive path uses unchanged.
 """
 
 from router.contract.vllm import NCCL_UNIQUE_ID_BYTES, decode_unique_id_b64
-from worker.transfer.vllm_nccl.group import VllmNcclGroup, join_vllm_nccl_group
-from worker.transfer.vllm_nccl.nccl import NcclError
-from worker.transfer.vllm_nccl.rendezvous import (
+from worker.transfer.vllm.nccl.group import VllmNcclGroup, join_vllm_nccl_group
+from worker.transfer.vllm.nccl.libnccl import NcclError
+from worker.transfer.vllm.nccl.rendezvous import (
     RefusedUniqueId,
     RendezvousError,
     receive_unique_id,

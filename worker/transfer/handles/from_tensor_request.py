@@ -16,7 +16,7 @@ from collections.abc import Callable
 from router.contract.admin import UpdateWeightsFromTensorRequest
 from router.contract.weight_sync import TensorListMeta
 from router.dataplane.buckets import NamedTensors, dtype_name
-from worker.transfer import safe_unpickle, sglang_wrappers, tensor_handles
+from worker.transfer.handles import json_message, safe_unpickle, sglang_wrappers
 from worker.transfer.validation import Spec, validate_buckets
 
 PICKLE_FORMATS = (None, "direct", "flattened_bucket")
@@ -40,8 +40,8 @@ def prepare(
         if req.serialized_named_tensors or req.load_format is not None:
             raise ValueError("send either tensor_handles or serialized_named_tensors (with load_format), not both")
         message = req.tensor_handles
-        tensor_handles.check_against_model(message, spec, is_ignored)
-        return lambda: tensor_handles.load(message)
+        json_message.check_against_model(message, spec, is_ignored)
+        return lambda: json_message.load(message)
     if not req.serialized_named_tensors:
         raise ValueError("serialized_named_tensors (one entry per TP rank) or tensor_handles is required")
     if req.load_format not in PICKLE_FORMATS:

@@ -7,7 +7,7 @@ Two encodings, both through the project's one handle layer:
 * ``ipc_handles_pickled``: vLLM's HTTP form, ``base64(pickle([{gpu_uuid: (rebuild_cuda_tensor,
   args)}, ...]))``, one entry per name. Refused unless the worker runs with
   ``--allow-pickled-tensors``; decoded with the restricted unpickler
-  (:mod:`worker.transfer.safe_unpickle`), which admits ``rebuild_cuda_tensor`` as a
+  (:mod:`worker.transfer.handles.safe_unpickle`), which admits ``rebuild_cuda_tensor`` as a
   record, never as a call. The handle for this worker's GPU is picked by its UUID and
   its device index replaced by the local one, as vLLM's receiver does.
 
@@ -24,7 +24,7 @@ import torch
 from router.contract.vllm import WeightTransferUpdateInfo
 from router.contract.weight_sync import TensorListMeta
 from router.dataplane.buckets import NamedTensors, dtype_name
-from worker.transfer import safe_unpickle, tensor_handles
+from worker.transfer.handles import json_message, safe_unpickle
 from worker.transfer.validation import Spec, validate_buckets
 
 #: ``rebuild_cuda_tensor``'s argument that holds the producer's device index.
@@ -48,7 +48,7 @@ def prepare(
         carried = {t.name: (t.dtype, tuple(t.shape)) for b in message.buckets for t in b.tensors}
         if carried != wanted:
             raise ValueError("tensor_handles must carry exactly the tensors names/dtype_names/shapes announce")
-        return lambda: tensor_handles.load(message)
+        return lambda: json_message.load(message)
     if not allow_pickled:
         raise ValueError(
             "ipc_handles_pickled is refused: start the worker with --allow-pickled-tensors (restricted unpickler), "

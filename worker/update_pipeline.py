@@ -46,7 +46,7 @@ from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import CommitOptions
 from worker.engine.weight_state import WeightsEffect
 from worker.peer.lease import ReadLeases
-from worker.stage import AdminBusy, RankOp, Stage, StageResult
+from worker.ranks import AdminBusy, RankOp, Stage, StageResult
 
 
 class PipelinePorts(Protocol):
@@ -207,7 +207,7 @@ class UpdatePipeline:
         """Take the writer lock and check every rank; the update's own work must end within ``timeout_s``.
 
         Raises :class:`UpdateRefused` (nothing changed, lock released) or
-        :class:`~worker.stage.AdminBusy` when another update still holds the
+        :class:`~worker.ranks.AdminBusy` when another update still holds the
         worker after a short wait (a prepared two-phase update holds it until
         its complete or abort).
         """

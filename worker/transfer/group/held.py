@@ -2,7 +2,7 @@
 
 A two-phase update is held from prepare to complete or abort; vLLM's from
 ``/start_weight_update`` to ``/finish_weight_update``. Either holds the worker's
-writer lock (:mod:`worker.updates`) in between, so nobody may hold it forever:
+writer lock (:mod:`worker.update_pipeline`) in between, so nobody may hold it forever:
 
 - :meth:`Held.hold` records the update and starts its expiry task.
 - :meth:`Held.detach` is called by whoever now ends the update (its closing call,

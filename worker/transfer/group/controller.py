@@ -2,7 +2,7 @@
 
 It owns what the protocol adapters share:
 
-* the weight-update groups (:mod:`worker.transfer.groups`): init, adopt, destroy;
+* the weight-update groups (:mod:`worker.transfer.group.table`): init, adopt, destroy;
 * the call lock (:meth:`WeightSyncController.holding`): one weight-sync call at a time on this
   worker. It is the first lock in the worker's lock order, stated once in :mod:`worker.coordinator`
   with the rule that a call's own ``timeout_s`` caps its wait for it;
@@ -11,12 +11,12 @@ It owns what the protocol adapters share:
 * shutdown (:meth:`WeightSyncController.close`).
 
 The protocols are adapters over it: SGLang's two-phase prepare/complete/abort and the prepared
-update's expiry (:mod:`worker.transfer.two_phase`, :attr:`WeightSyncController.two_phase`), SGLang's
-single-phase call (:mod:`worker.transfer.single_phase`, :attr:`WeightSyncController.single_phase`),
-and vLLM's start/update/finish (:mod:`worker.transfer.vllm_engine`). One receive on every rank is
-:mod:`worker.transfer.receive_session`.
+update's expiry (:mod:`worker.transfer.group.two_phase`, :attr:`WeightSyncController.two_phase`), SGLang's
+single-phase call (:mod:`worker.transfer.group.single_phase`, :attr:`WeightSyncController.single_phase`),
+and vLLM's start/update/finish (:mod:`worker.transfer.vllm.engine`). One receive on every rank is
+:mod:`worker.transfer.group.receive_session`.
 
-Every update is a transaction of the worker's one update pipeline (:mod:`worker.updates`), so the
+Every update is a transaction of the worker's one update pipeline (:mod:`worker.update_pipeline`), so the
 rules below are the pipeline's, stated for the distributed sources:
 
 * **Never block the event loop.** Joining a group and waiting for a receive run
@@ -27,7 +27,7 @@ rules below are the pipeline's, stated for the distributed sources:
   ``abort_all_requests``) before a receive is posted. A refused prepare starts
   nothing, so the trainer never broadcasts into the void.
 * **At most one update in flight.** A receive starts only once the prepared
-  two-phase update is out of the way (:meth:`~worker.transfer.two_phase.TwoPhase.make_room`);
+  two-phase update is out of the way (:meth:`~worker.transfer.group.two_phase.TwoPhase.make_room`);
   the pipeline's writer lock holds off every other update.
 """
 
@@ -50,13 +50,13 @@ from router.contract.weight_sync import (
 )
 from router.dataplane.formats import BucketFormat
 from router.dataplane.group import WeightUpdateGroup
-from worker.stage import held
-from worker.transfer.bracket import UpdateBracket
-from worker.transfer.groups import GroupTable
-from worker.transfer.receive_session import SYNC_ACTION, Receives, ReceiveSession
-from worker.transfer.single_phase import SinglePhase
-from worker.transfer.two_phase import TwoPhase
-from worker.updates import UpdateRefused
+from worker.ranks import held
+from worker.transfer.group.bracket import UpdateBracket
+from worker.transfer.group.receive_session import SYNC_ACTION, Receives, ReceiveSession
+from worker.transfer.group.single_phase import SinglePhase
+from worker.transfer.group.table import GroupTable
+from worker.transfer.group.two_phase import TwoPhase
+from worker.update_pipeline import UpdateRefused
 
 if TYPE_CHECKING:
     from worker.coordinator import Coordinator

@@ -4,13 +4,13 @@ A :class:`ReceiveSession` is one update's receive: rank 0's :class:`BucketReceiv
 follower ranks' own receives (:mod:`worker.tp.transfer`), and the pipeline transaction the
 buckets are written in. :class:`Receives` plans (checks), starts and finishes sessions; the
 protocol adapters decide when, and own the transaction: two-phase and single-phase
-(:mod:`worker.transfer.two_phase`, :mod:`worker.transfer.single_phase`) begin one per receive, vLLM's
-(:mod:`worker.transfer.vllm_engine`) writes several receives into the one it opened.
+(:mod:`worker.transfer.group.two_phase`, :mod:`worker.transfer.group.single_phase`) begin one per receive, vLLM's
+(:mod:`worker.transfer.vllm.engine`) writes several receives into the one it opened.
 
 Invariants:
 
 - Metadata is checked against the model before anything is posted: a refused start posts no
-  receive on any rank (:class:`~worker.updates.UpdateRefused`), and undoes the transaction it began.
+  receive on any rank (:class:`~worker.update_pipeline.UpdateRefused`), and undoes the transaction it began.
 - Every rank receives its own copy of every bucket; rank 0 waits for the followers' outcomes
   before it reports a streaming receive as successful.
 - Atomic: the staged buckets' announced checksums are verified before anything is taken or
@@ -35,9 +35,9 @@ from router.dataplane.group import GroupError, WeightUpdateGroup
 from worker.engine.model_worker import ModelWorker
 from worker.engine.results import Committed
 from worker.engine.weight_ops import CommitOptions
-from worker.stage import Stage, StageResult
+from worker.ranks import Stage, StageResult
 from worker.tp import transfer as tp_transfer
-from worker.transfer.receiver import BucketReceiver, ReceiveBuffers, ReceiveOutcome, ReceiveState
+from worker.transfer.group.receiver import BucketReceiver, ReceiveBuffers, ReceiveOutcome, ReceiveState
 from worker.transfer.validation import (
     ChecksumMismatch,
     MetadataError,
@@ -46,7 +46,7 @@ from worker.transfer.validation import (
     verify_bucket,
     verify_staged,
 )
-from worker.updates import UpdateFailed, UpdatePipeline, UpdateRefused, UpdateTransaction
+from worker.update_pipeline import UpdateFailed, UpdatePipeline, UpdateRefused, UpdateTransaction
 
 T = TypeVar("T")
 

@@ -1,11 +1,11 @@
 """vLLM's NCCL weight-transfer group as this worker's receive path sees a group.
 
-The receive loop (:class:`~worker.transfer.receiver.BucketReceiver`) and the bucket formats
+The receive loop (:class:`~worker.transfer.group.receiver.BucketReceiver`) and the bucket formats
 (:mod:`router.dataplane.formats`) use a :class:`~router.dataplane.group.WeightUpdateGroup`:
 ``alive``, ``require_usable()``, ``mark_broken()``, ``broadcast(tensor, timeout_s)``,
 ``broadcast_async(tensor)`` and ``wait(work, timeout_s)``, ``destroy()``, and ``backend``
 (``"nccl"``: receives are exact, with no gloo slack). :class:`VllmNcclGroup` is that class over an
-NCCL communicator of :mod:`.nccl` instead of a ``torch.distributed`` group, so the controller can
+NCCL communicator of :mod:`.libnccl` instead of a ``torch.distributed`` group, so the controller can
 hold it among its groups and hand it to the receive path unchanged.
 
 Broadcasts run on the group's own CUDA stream (a non-blocking stream, after the work already
@@ -37,8 +37,8 @@ import torch.distributed as dist
 
 from router.contract.vllm import VLLM_GROUP_NAME, decode_unique_id_b64
 from router.dataplane.group import DESTROY_TIMEOUT_S, GroupError, WeightUpdateGroup
-from worker.transfer.vllm_nccl.nccl import NCCL_FLOAT32, Communicator, NcclError, load_library, nccl_type
-from worker.transfer.vllm_nccl.rendezvous import receive_unique_id
+from worker.transfer.vllm.nccl.libnccl import NCCL_FLOAT32, Communicator, NcclError, load_library, nccl_type
+from worker.transfer.vllm.nccl.rendezvous import receive_unique_id
 
 P = ParamSpec("P")
 

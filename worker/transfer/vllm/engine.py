@@ -1,7 +1,7 @@
 """vLLM's weight-transfer engine on this worker: init, start, update (×N), finish.
 
 The four calls are one transaction of the worker's update pipeline
-(:mod:`worker.updates`), opened by ``/start_weight_update`` and committed by
+(:mod:`worker.update_pipeline`), opened by ``/start_weight_update`` and committed by
 ``/finish_weight_update``:
 
 * **start** takes the worker's writer lock and holds generation (an ``in_place``
@@ -25,7 +25,7 @@ The four calls are one transaction of the worker's update pipeline
 Calls out of order answer 409 and change nothing. An update nobody finishes ends
 by itself once its window has passed (``timeout_s`` of the start, else the
 receive default), failing as a receive would. Each call runs inside the
-controller's call lock (:meth:`~worker.transfer.controller.WeightSyncController.holding`);
+controller's call lock (:meth:`~worker.transfer.group.controller.WeightSyncController.holding`);
 a start or an update with a ``timeout_s`` waits for it no longer than that.
 """
 
@@ -58,13 +58,13 @@ from router.dataplane.formats import for_load_format
 from router.dataplane.group import WeightUpdateGroup
 from worker.engine.results import effect_of
 from worker.engine.weight_ops import CommitOptions
-from worker.stage import AdminBusy
+from worker.ranks import AdminBusy
 from worker.tp import transfer as tp_transfer
-from worker.transfer import vllm_handles
-from worker.transfer.controller import WeightSyncController
-from worker.transfer.held import Held
-from worker.transfer.receive_session import RECEIVE_GRACE_S
-from worker.updates import UpdateRefused, UpdateTransaction
+from worker.transfer.group.controller import WeightSyncController
+from worker.transfer.group.held import Held
+from worker.transfer.group.receive_session import RECEIVE_GRACE_S
+from worker.transfer.handles import vllm_update_info
+from worker.update_pipeline import UpdateRefused, UpdateTransaction
 
 log = logging.getLogger(__name__)
 
@@ -136,7 +136,7 @@ class VllmWeightTransfer:
     def _join_vllm_nccl(self, info: WeightTransferInitInfo, cancel: threading.Event) -> WeightUpdateGroup:
         """vLLM's NCCL engine rendezvous (its trainer hosts the store, or shares the NCCL id), as rank
         ``rank_offset``. Runs on a thread; bounded by the init's timeout, given up once ``cancel`` is set."""
-        from worker.transfer.vllm_nccl import join_vllm_nccl_group
+        from worker.transfer.vllm.nccl import join_vllm_nccl_group
 
         return join_vllm_nccl_group(
             master_address=info.master_address,
@@ -240,7 +240,7 @@ class VllmWeightTransfer:
         coord = self.sync.coordinator
         model = coord.worker.model
         try:
-            stage: Callable[[], NamedTensors] = vllm_handles.prepare(
+            stage: Callable[[], NamedTensors] = vllm_update_info.prepare(
                 info,
                 model.checkpoint_spec(),
                 model.is_ignored_weight,
