@@ -46,263 +46,31 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import platform
 import re
 import shlex
-import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.load_tools import LUA_SCRIPT, REQUEST_BODY, Sample, nginx_config, run_wrk
+from benchmarks.peer_tools import (
+    DEFAULT_SGLANG_VENV,
+    DEFAULT_SMG_VENV,
+    PEERS,
+    SetupError,
+    ensure_peer,
+    ensure_system_tools,
+    machine_line,
+    peer_argv,
+)
 from demo.launch import ManagedProcess, cli, free_port, http_json
-from router.gateway.processes.launch import data_plane_count
-
-SGLANG_ROUTER_VERSION = "0.3.2"
-SMG_VERSION = "1.13.0"
-DEFAULT_SGLANG_VENV = Path(tempfile.gettempdir()) / f"omni-bench-sglang-router-{SGLANG_ROUTER_VERSION}"
-DEFAULT_SMG_VENV = Path(tempfile.gettempdir()) / f"omni-bench-smg-{SMG_VERSION}"
-
-#: One prompt as a trainer sends it (no rid: the routers assign one where they need it).
-REQUEST_BODY = json.dumps(
-    {"text": "The capital of France is", "sampling_params": {"max_new_tokens": 8, "temperature": 0.0}}
-)
-
-#: What the upstream answers, SGLang's shape (one prompt).
-GENERATE_REPLY = json.dumps(
-    {
-        "text": " Paris. It is also the largest city",
-        "output_ids": [12366, 13, 1084, 374, 1083, 279, 7772, 3283],
-        "meta_info": {
-            "id": "bench",
-            "finish_reason": {"type": "length", "length": 8},
-            "prompt_tokens": 5,
-            "completion_tokens": 8,
-            "cached_tokens": 0,
-            "weight_version": "default",
-            "e2e_latency": 0.001,
-        },
-    }
-)
-
-#: Read-only worker routes, answered so that the routers take the upstream as a healthy SGLang server.
-WORKER_INFO = {
-    "/health": {"status": "ok", "weight_version": "default"},
-    "/model_info": {
-        "model_path": "bench/fixed-answer",
-        "tokenizer_path": None,
-        "is_generation": True,
-        "weight_version": "default",
-        "tp_size": 1,
-    },
-    "/server_info": {"tp_size": 1, "dp_size": 1, "weight_version": "default", "version": "bench"},
-}
-WORKER_INFO["/get_model_info"] = WORKER_INFO["/model_info"]
-WORKER_INFO["/get_server_info"] = WORKER_INFO["/server_info"]
-
-LUA_SCRIPT = """
-wrk.method = "POST"
-wrk.headers["Content-Type"] = "application/json"
-wrk.body = os.getenv("BENCH_BODY")
-for line in string.gmatch(os.getenv("BENCH_HEADERS") or "", "[^\\n]+") do
-  local name, value = string.match(line, "^([^:]+):%s*(.*)$")
-  wrk.headers[name] = value
-end
-local session_keys = tonumber(os.getenv("BENCH_SESSION_KEYS") or "0")
-if session_keys > 0 then
-  request = function()
-    wrk.headers["X-Session-Id"] = "session-" .. math.random(1, session_keys)
-    return wrk.format()
-  end
-end
-
-done = function(summary, latency, requests)
-  io.write(string.format(
-    "BENCH_RESULT {\\"requests\\": %d, \\"duration_us\\": %d, \\"p50_us\\": %d, \\"p99_us\\": %d, " ..
-    "\\"non2xx\\": %d, \\"socket_errors\\": %d}\\n",
-    summary.requests, summary.duration, latency:percentile(50), latency:percentile(99),
-    summary.errors.status, summary.errors.connect + summary.errors.read + summary.errors.write + summary.errors.timeout))
-end
-"""
-
-
-class SetupError(RuntimeError):
-    """A tool the benchmark needs is missing and could not be installed here."""
-
-
-# ----------------------------------------------------------------------------- tools
-
-
-def _apt_install(packages: list[str]) -> None:
-    if shutil.which("apt-get") is None:
-        raise SetupError(f"apt-get not found: install {' '.join(packages)} with this system's package manager")
-    if os.geteuid() != 0:
-        raise SetupError(f"not root: run `sudo apt-get install -y {' '.join(packages)}` first")
-    print(f"# installing {' '.join(packages)} with apt-get", flush=True)
-    update = subprocess.run(["apt-get", "update", "-qq"], capture_output=True, text=True)
-    if update.returncode != 0:
-        raise SetupError(f"apt-get update failed (is the Debian mirror reachable?):\n{update.stderr[-2000:]}")
-    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-    done = subprocess.run(["apt-get", "install", "-y", "-qq", *packages], capture_output=True, text=True, env=env)
-    if done.returncode != 0:
-        raise SetupError(f"apt-get install {' '.join(packages)} failed:\n{done.stderr[-2000:]}")
-
-
-def ensure_system_tools() -> tuple[str, str]:
-    """Paths of nginx and wrk, installed with apt when missing (nginx-light, else nginx)."""
-    missing = [name for name in ("nginx", "wrk") if _which(name) is None]
-    if missing:
-        wanted = ["wrk"] if "wrk" in missing else []
-        if "nginx" in missing:
-            try:
-                _apt_install([*wanted, "nginx-light"])
-                wanted = []
-            except SetupError:
-                wanted.append("nginx")  # newer Debian releases ship only "nginx"
-        if wanted:
-            _apt_install(wanted)
-    nginx, wrk = _which("nginx"), _which("wrk")
-    if nginx is None or wrk is None:
-        raise SetupError("nginx and wrk are still missing after apt-get install")
-    return nginx, wrk
-
-
-def _which(name: str) -> str | None:
-    return shutil.which(name) or next(
-        (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/local/sbin") / name) if p.exists()), None
-    )
-
-
-@dataclass(frozen=True)
-class Peer:
-    """A Rust router from PyPI, run from its own virtualenv."""
-
-    name: str  # also the PyPI distribution
-    version: str  # what gets installed into a venv that has none
-    module: str  # imported to check the venv
-    venv_flag: str
-
-
-PEERS = {
-    "sglang-router": Peer("sglang-router", SGLANG_ROUTER_VERSION, "sglang_router", "--sglang-venv"),
-    "smg": Peer("smg", SMG_VERSION, "smg", "--smg-venv"),
-}
-
-
-def _installed_version(python: Path, peer: Peer) -> str | None:
-    if not python.exists():
-        return None
-    code = f"import importlib.metadata as m, {peer.module}; print(m.version({peer.name!r}))"
-    probe = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
-    return probe.stdout.strip() if probe.returncode == 0 and probe.stdout.strip() else None
-
-
-def ensure_peer(peer: Peer, venv: Path) -> str:
-    """The version of ``peer`` in ``venv``; the venv is created and the pinned version installed from PyPI when missing."""
-    python = venv / "bin" / "python"
-    found = _installed_version(python, peer)
-    if found is not None:
-        return found
-    print(f"# installing {peer.name}=={peer.version} into {venv}", flush=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    made = subprocess.run([sys.executable, "-m", "venv", str(venv)], capture_output=True, text=True)
-    if made.returncode != 0:
-        raise SetupError(
-            f"could not create a virtualenv at {venv} (Debian: apt-get install python3-venv):\n{made.stderr}"
-        )
-    pip = subprocess.run(
-        [str(python), "-m", "pip", "install", "-q", f"{peer.name}=={peer.version}"], capture_output=True, text=True
-    )
-    found = _installed_version(python, peer)
-    if pip.returncode != 0 or found is None:
-        raise SetupError(
-            f"pip install {peer.name}=={peer.version} failed (is PyPI reachable?); "
-            f"install it by hand into {venv}, or pass {peer.venv_flag}:\n{pip.stderr[-2000:]}"
-        )
-    return found
-
-
-def peer_argv(peer: Peer, venv: Path, *, upstream: str, port: int, metrics_port: int, policy: str) -> list[str]:
-    common = [
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--worker-urls",
-        upstream,
-        "--policy",
-        policy,
-        "--prometheus-host",
-        "127.0.0.1",
-        "--prometheus-port",
-        str(metrics_port),
-        "--log-level",
-        "warn",
-    ]
-    if peer.name == "sglang-router":
-        return [str(venv / "bin" / "python"), "-m", "sglang_router.launch_router", *common]
-    # smg would otherwise try to load a tokenizer for the model the upstream names (bench/fixed-answer),
-    # from the Hugging Face hub; /generate with text needs none.
-    return [str(venv / "bin" / "smg"), "launch", *common, "--disable-tokenizer-autoload"]
-
-
-def machine_line() -> str:
-    try:
-        usable = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        usable = os.cpu_count() or 1
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "Model", "Hardware") and value.strip():
-                model = value.strip()
-                break
-    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
-    return (
-        f"# machine: {usable} usable cores (os.sched_getaffinity; os.cpu_count {os.cpu_count()}); {model}; "
-        f"{platform.system()} {platform.machine()}; load average at start {load}"
-    )
-
-
-# ----------------------------------------------------------------------------- the targets
-
-
-def _nginx_string(text: str) -> str:
-    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
-
-
-def nginx_config(root: Path, port: int) -> str:
-    locations = "\n".join(
-        f"    location = {path} {{ return 200 {_nginx_string(json.dumps(body))}; }}"
-        for path, body in WORKER_INFO.items()
-    )
-    temp = " ".join(f"{kind}_temp_path {root / kind};" for kind in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi"))
-    return f"""daemon off;
-worker_processes 1;
-pid {root / "nginx.pid"};
-error_log {root / "error.log"} warn;
-events {{ worker_connections 4096; }}
-http {{
-  access_log off;
-  {temp}
-  keepalive_requests 100000000;
-  keepalive_timeout 120s;
-  default_type application/json;
-  server {{
-    listen 127.0.0.1:{port} reuseport backlog=4096;
-    location = /generate {{ return 200 {_nginx_string(GENERATE_REPLY)}; }}
-{locations}
-    location / {{ return 404 '{{"error": {{"message": "not served by the benchmark upstream"}}}}'; }}
-  }}
-}}
-"""
+from router.gateway.data_planes.launch import data_plane_count
 
 
 @dataclass
@@ -447,56 +215,6 @@ def targets(args: argparse.Namespace, nginx: str, peers: dict[str, tuple[Path, s
 
 
 # ----------------------------------------------------------------------------- load
-
-
-@dataclass
-class Sample:
-    rps: float
-    p50_ms: float
-    p99_ms: float
-
-
-def run_wrk(
-    wrk: str,
-    lua: Path,
-    url: str,
-    *,
-    seconds: float,
-    concurrency: int,
-    threads: int,
-    headers: Sequence[str] = (),
-    session_keys: int = 0,
-) -> Sample:
-    argv = [
-        wrk,
-        f"-t{min(threads, concurrency)}",
-        f"-c{concurrency}",
-        f"-d{max(1, round(seconds))}s",
-        "--timeout",
-        "10s",
-        "-s",
-        str(lua),
-        url + "/generate",
-    ]
-    done = subprocess.run(
-        argv,
-        capture_output=True,
-        text=True,
-        timeout=seconds + 60,
-        env={
-            **os.environ,
-            "BENCH_BODY": REQUEST_BODY,
-            "BENCH_HEADERS": "\n".join(headers),
-            "BENCH_SESSION_KEYS": str(session_keys),
-        },
-    )
-    match = re.search(r"^BENCH_RESULT (\{.*\})$", done.stdout, re.MULTILINE)
-    if done.returncode != 0 or match is None:
-        raise RuntimeError(f"wrk against {url} failed ({done.returncode}):\n{done.stdout}\n{done.stderr}")
-    r = json.loads(match.group(1))
-    if r["non2xx"] or r["socket_errors"] or not r["requests"]:
-        raise RuntimeError(f"{url}: {r['non2xx']} non-2xx answers, {r['socket_errors']} socket errors: {r}")
-    return Sample(r["requests"] / (r["duration_us"] / 1e6), r["p50_us"] / 1000.0, r["p99_us"] / 1000.0)
 
 
 def print_summary(tgts: list[Target], med: dict[str, Sample], *, rounds: int, conc: int) -> None:

@@ -238,7 +238,7 @@ async def bench(args: argparse.Namespace) -> None:
 
 def start_peer(urls: list[str]) -> tuple[ManagedProcess, str, str]:
     """sglang-router 0.3.2 over ``urls``, from its own virtualenv (installed from PyPI when missing)."""
-    from benchmarks.bench_peer_router import DEFAULT_SGLANG_VENV, PEERS, ensure_peer, peer_argv
+    from benchmarks.peer_tools import DEFAULT_SGLANG_VENV, PEERS, ensure_peer, peer_argv
 
     peer = PEERS["sglang-router"]
     version = ensure_peer(peer, DEFAULT_SGLANG_VENV)

@@ -29,13 +29,13 @@ from router.contract.sglang_server import SglangServerIdentity
 from router.contract.vllm_dev import SleepQuery
 from router.contract.vllm_rl import CollectiveRpcRequest, CollectiveRpcResult, VllmServerIdentity, WeightInfo
 from router.contract.weight_sync import PrepareWeightsUpdateRequest
-from router.gateway.admin import catch_up_path
+from router.gateway.catch_up import from_path
 from router.gateway.discovery.k8s import ENGINE_LABEL, PodWorker, pod_engine
 from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.engines import ENGINES, detect, refuse_unserved, serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import checkpoint_of
-from router.gateway.routing import versions
+from router.gateway.routing import version_policy
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import decode_plain
 
@@ -154,16 +154,16 @@ def test_generation_goes_only_where_the_route_is_served() -> None:
     registry = WorkerRegistry()
     omni, vllm = _routable(registry, "omni", 1), _routable(registry, "vllm", 2)
     filtered: dict[str, int] = {}
-    pick = versions.candidates
-    assert pick(registry, versions.LATEST_ONLY, (), filtered, "/generate") == [omni]
+    pick = version_policy.candidates
+    assert pick(registry, version_policy.LATEST_ONLY, (), filtered, "/generate") == [omni]
     assert filtered == {"engine": 1}
-    assert pick(registry, versions.LATEST_ONLY, (), {}, "/v1/completions") == [omni, vllm]
-    versions.refuse_unserved_route(registry, "/generate")  # served by one engine of the fleet: no 404
+    assert pick(registry, version_policy.LATEST_ONLY, (), {}, "/v1/completions") == [omni, vllm]
+    version_policy.refuse_unserved_route(registry, "/generate")  # served by one engine of the fleet: no 404
     registry.remove(omni.id)
     with pytest.raises(NotFound, match=r"/generate is served by none of the fleet's engines \(vllm\)"):
-        versions.refuse_unserved_route(registry, "/generate")
+        version_policy.refuse_unserved_route(registry, "/generate")
     registry.add("http://127.0.0.1:3")  # an engine not known yet may serve it: left to the 503
-    versions.refuse_unserved_route(registry, "/generate")
+    version_policy.refuse_unserved_route(registry, "/generate")
 
 
 # -- the checkpoint a fleet version can be read from again, and loading it into a joiner
@@ -191,21 +191,21 @@ def test_a_fleet_version_remembers_the_checkpoint_its_weights_came_from() -> Non
 
 def test_each_engine_loads_the_fleets_checkpoint_its_own_way() -> None:
     entry = FleetVersionEntry(sequence=3, weight_version="v3", source_path="/ckpt/v3")
-    vllm_steps = catch_up_path.steps(_worker("vllm"), entry)
+    vllm_steps = from_path.steps(_worker("vllm"), entry)
     assert vllm_steps is not None
     assert [s.endpoint.path for s in vllm_steps] == [ep.COLLECTIVE_RPC.path, ep.UPDATE_WEIGHT_VERSION.path]
     assert vllm_steps[0].request.to_json() == b'{"method":"reload_weights","kwargs":{"weights_path":"/ckpt/v3"}}'
     # SGLang's relabel aborts every request unless told not to: the router says so explicitly.
     assert vllm_steps[1].request.to_json() == b'{"new_version":"v3","abort_all_requests":false}'
     for engine in ("sglang", "omni"):
-        disk = catch_up_path.steps(_worker(engine), entry)
+        disk = from_path.steps(_worker(engine), entry)
         assert disk is not None and [s.endpoint.path for s in disk] == [ep.UPDATE_WEIGHTS_FROM_DISK.path]
         assert disk[0].request.to_json() == (
             b'{"model_path":"/ckpt/v3","abort_all_requests":false,"weight_version":"v3"}'
         )
-    assert catch_up_path.steps(_worker("vllm"), entry.model_copy(update={"source_path": None})) is None
+    assert from_path.steps(_worker("vllm"), entry.model_copy(update={"source_path": None})) is None
     # A vLLM without dev mode serves no /collective_rpc: it cannot catch up.
-    assert catch_up_path.steps(_worker("vllm", admin_paths=frozenset()), entry) is None
+    assert from_path.steps(_worker("vllm", admin_paths=frozenset()), entry) is None
 
 
 # -- discovery names a pod's engine

@@ -20,13 +20,13 @@ from router.contract.errors import Conflict
 from router.contract.fleet import RankAssignment
 from router.contract.fleet_answers import WorkerResult
 from router.gateway.admin.fanout import FanOut
-from router.gateway.admin.groups import WeightGroups, membership_changes
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.locked import AdminContext, AdminRun, LockHold
 from router.gateway.admin.operations import OPERATIONS
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.discovery.k8s import PodWorker
 from router.gateway.discovery.reconcile import DiscoveredFleet
+from router.gateway.fleet.groups import WeightGroups, membership_changes
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import FleetWeights

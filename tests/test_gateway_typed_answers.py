@@ -25,8 +25,8 @@ from router.contract.weight_sync import (
 )
 from router.gateway.admin import operations as ops
 from router.gateway.admin.fanout import AdminCall, FanOut
-from router.gateway.admin.groups import group_name_of
 from router.gateway.admin.verdicts import refused_untouched
+from router.gateway.fleet.groups import group_name_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.fleet.weights import agreed_checksum
 from router.gateway.upstream import decode_answer

@@ -27,9 +27,9 @@ from typing import Any, cast
 
 import pytest
 
-from router.gateway.admin.catch_up import JoinerSync, backoff_s
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.locked import AdminContext
+from router.gateway.catch_up.joiners import JoinerSync, backoff_s
 from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.fleet.weights import FleetWeights, WorkerWeights
 from router.gateway.leader.gate import LeaderGate

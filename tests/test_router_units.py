@@ -32,12 +32,12 @@ from router.contract.weight_sync import (
 from router.gateway.admin.answers import fleet_answer
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import OPERATIONS
-from router.gateway.admin.ranks import plan_ranks
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
 from router.gateway.routing.prepare import prepare_payload, prepare_tokens_payload
+from router.gateway.sync.ranks import plan_ranks
 from router.gateway.upstream import decode_answer
 
 

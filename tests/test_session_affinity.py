@@ -1,6 +1,6 @@
 """Session affinity as a pure table (router/gateway/routing/affinity.py): placement, load bound,
 failover that sticks, TTL and LRU bounds, and how a request's session key is read; and a data
-plane's copies of the control process's pins (router/gateway/processes/session_pins.py). No HTTP."""
+plane's copies of the control process's pins (router/gateway/data_planes/session_pins.py). No HTTP."""
 
 from __future__ import annotations
 
@@ -12,10 +12,10 @@ from collections import Counter
 import pytest
 
 from router.gateway.config import RouterConfig
+from router.gateway.data_planes.messages import TO_CONTROL, Place
+from router.gateway.data_planes.session_pins import PLACE_TIMEOUT_S, SessionPins
 from router.gateway.fleet.registry import Worker
 from router.gateway.metrics import AffinityStats
-from router.gateway.processes.messages import TO_CONTROL, Place
-from router.gateway.processes.session_pins import PLACE_TIMEOUT_S, SessionPins
 from router.gateway.routing.affinity import (
     ROUTING_KEY_HEADER,
     SESSION_ID_HEADER,
@@ -250,7 +250,7 @@ def test_bad_settings_are_refused_by_name(field: str, value: float) -> None:
         config.validate()
 
 
-# -- a data plane's copies of the one table's pins (router/gateway/processes/session_pins.py) ------------------
+# -- a data plane's copies of the one table's pins (router/gateway/data_planes/session_pins.py) ------------------
 
 
 class ControlTable:

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 
 from router.contract.errors import BadRequest, Unavailable
+from router.gateway.data_planes.mirror import apply, view_of
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, HISTORY_LIMIT, FleetWeights, WorkerWeights, agreed_checksum
-from router.gateway.processes.mirror import apply, view_of
 from router.gateway.routing.stamping import answer_mixes_versions
-from router.gateway.routing.versions import (
+from router.gateway.routing.version_policy import (
     LATEST_ONLY,
     VersionPolicy,
     candidates,

@@ -3,7 +3,7 @@
 Layers, each importing only the ones below it:
 
 - wiring: :mod:`~router.gateway.app` (``create_app``), :mod:`~router.gateway.cli`,
-  :mod:`~router.gateway.keys` and the thin handlers in :mod:`router.gateway.routes`;
+  :mod:`~router.gateway.keys` and the thin handlers in :mod:`router.gateway.api`;
 - :mod:`router.gateway.admin`: admin operations broadcast to the fleet under the
   update lock (fencing, the journal, rank planning, the two-phase barrier);
 - :mod:`router.gateway.routing`: generation traffic (pick a worker, proxy, retry);

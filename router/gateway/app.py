@@ -33,31 +33,31 @@ from router.contract.web.auth import access_check
 from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
-from router.gateway.admin.catch_up import catch_up_ctx
-from router.gateway.admin.control_sync import control_sync_ctx
 from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
-from router.gateway.admin.groups import GROUPS_FILE, WeightGroups
 from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal, keep_fenced
 from router.gateway.admin.locked import AdminContext
-from router.gateway.admin.ranks import GroupInitializer
-from router.gateway.admin.two_phase import TwoPhaseCoordinator
 from router.gateway.admin.update_gate import UpdateGate
-from router.gateway.admin.weight_transfer import WeightTransfer
+from router.gateway.api import admin, fleet, fleet_versions, openai, rl, tokens
+from router.gateway.catch_up.fleet_state import control_sync_ctx
+from router.gateway.catch_up.joiners import catch_up_ctx
 from router.gateway.config import RouterConfig
 from router.gateway.discovery.k8s import KubernetesPods
 from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.edge import edge_middleware
+from router.gateway.fleet.groups import GROUPS_FILE, WeightGroups
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
 from router.gateway.leader.takeover import Leadership
 from router.gateway.metrics import RouterMetrics
-from router.gateway.routes import admin, fleet, openai, rl, tokens, versions
 from router.gateway.routing.affinity import SessionAffinity
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.state.durable import DurableState
+from router.gateway.sync.ranks import GroupInitializer
+from router.gateway.sync.two_phase import TwoPhaseCoordinator
+from router.gateway.sync.weight_transfer import WeightTransfer
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import WorkerClient
 
@@ -82,7 +82,7 @@ def routes() -> list[Route]:
         Route("PUT", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
         *openai.routes(),
         *tokens.routes(),
-        *versions.routes(),
+        *fleet_versions.routes(),
         Route("GET", "/health", fleet.health, "The router process serves", access="open"),
         Route("GET", "/liveness", fleet.liveness, "The router process serves", access="open"),
         Route("GET", "/readiness", fleet.readiness, "At least one worker takes generation traffic", access="open"),

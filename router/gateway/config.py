@@ -11,7 +11,7 @@ from router.contract.budget import DEFAULT_LOCK_WAIT_S
 from router.contract.fleet import EngineName
 from router.contract.settings import Flag, key_value
 from router.contract.web.auth import ADMIN_KEY_ENV
-from router.gateway.routing.versions import parse_version_policy
+from router.gateway.routing.version_policy import parse_version_policy
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)

@@ -9,11 +9,9 @@ from aiohttp import web
 from router.gateway.admin.fleet_views import FleetViews
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.locked import AdminContext
-from router.gateway.admin.ranks import GroupInitializer
-from router.gateway.admin.two_phase import TwoPhaseCoordinator
 from router.gateway.admin.update_gate import UpdateGate
-from router.gateway.admin.weight_transfer import WeightTransfer
 from router.gateway.config import RouterConfig
+from router.gateway.data_planes.hub import DataPlaneHub
 from router.gateway.discovery.k8s import DiscoveryStatus
 from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.health import HealthChecker
@@ -21,10 +19,12 @@ from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.leader.elector import LeaseElector
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics
-from router.gateway.processes.hub import DataPlaneHub
 from router.gateway.routing.affinity import SessionAffinity
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.state.durable import DurableState
+from router.gateway.sync.ranks import GroupInitializer
+from router.gateway.sync.two_phase import TwoPhaseCoordinator
+from router.gateway.sync.weight_transfer import WeightTransfer
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import WorkerClient
 

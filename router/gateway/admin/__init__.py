@@ -1,2 +1,4 @@
-"""Admin operations on the whole fleet: one table of operations, the update lock,
-fencing and the durable journal, rank planning, the two-phase barrier, fleet reads."""
+"""The admin operation framework: one table of operations, the update lock, the fan-out, fencing and
+the durable journal, each worker's verdict, the fleet answer, targeted calls, and fleet-wide reads.
+The weight-sync protocols (:mod:`router.gateway.sync`) and catch-up (:mod:`router.gateway.catch_up`)
+are built on it."""

@@ -19,10 +19,10 @@ from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import BadRequest
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
-from router.gateway.admin.groups import group_name_of
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import Operation
 from router.gateway.engines import engine_of
+from router.gateway.fleet.groups import group_name_of
 from router.gateway.fleet.weights import checkpoint_of
 
 RELABEL = ep.UPDATE_WEIGHT_VERSION.path

@@ -36,12 +36,12 @@ from router.contract.fleet_answers import WorkerResult
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.fanout import AdminCall, FanOut
 from router.gateway.admin.fence import RESOLVE_HINT, Fence
-from router.gateway.admin.groups import WeightGroups
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
 from router.gateway.engines import refuse_unserved
+from router.gateway.fleet.groups import WeightGroups
 from router.gateway.fleet.health import WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import agreed_checksum

@@ -10,7 +10,7 @@ rows add the router's policy:
 - ``changes_weights``: afterwards the targets that succeeded define the fleet's weights
   (:mod:`router.gateway.fleet.weights`); every other worker is pending until an update reaches it;
 - ``in_group``: sent over a weight-update group, so refused (409) when the fleet no longer matches
-  the group's members (:mod:`router.gateway.admin.groups`); ``ends_group``: goes to the group's
+  the group's members (:mod:`router.gateway.fleet.groups`); ``ends_group``: goes to the group's
   members only, and the router forgets the group afterwards.
 
 A call may target a subset of the fleet (:mod:`router.gateway.admin.targets`) unless its state spans

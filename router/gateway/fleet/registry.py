@@ -9,7 +9,7 @@ pending or not, because such a worker must still receive the update that will
 make it consistent again.
 
 Which recorded version a request may be served from is the version policy's
-(:mod:`router.gateway.routing.versions`); *routable* here is its default,
+(:mod:`router.gateway.routing.version_policy`); *routable* here is its default,
 ``latest-only``. The registry also keeps each worker's control state as the
 router's own successful broadcasts left it (paused, asleep): it is what the
 router did, not a probe of the worker, and a restarted worker keeps it until the
@@ -110,7 +110,7 @@ class Worker:
     asleep: bool = False
     """Its memory was released (``/sleep``, ``/release_memory_occupation``) by the router's broadcast."""
     catch_up: CatchUpStatus | None = None
-    """The router's catch-up from a peer (:mod:`router.gateway.admin.catch_up`), while one is under way or failed."""
+    """The router's catch-up from a peer (:mod:`router.gateway.catch_up.joiners`), while one is under way or failed."""
 
     @property
     def is_dead(self) -> bool:

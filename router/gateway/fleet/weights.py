@@ -13,7 +13,7 @@ while it is the same process and reports the same label; a worker whose process
 restarted since (it came back with its boot checkpoint), one added to the fleet
 since (a late join), one whose label changed behind the router's back, or one whose
 weights are ``partial`` or ``released`` holds weights the router never recorded: it
-is *pending* under every version policy (:mod:`router.gateway.routing.versions`). It
+is *pending* under every version policy (:mod:`router.gateway.routing.version_policy`). It
 still receives admin broadcasts, and the next broadcast that brings it to a recorded
 version makes it eligible again.
 
@@ -144,7 +144,7 @@ class FleetWeights:
         self.latest_sequence = BOOT_SEQUENCE
         self.floors: dict[str, int | None] = {}
         """The version policies' lowest admitted sequence for the current record, by policy text
-        (:mod:`router.gateway.routing.versions`); emptied whenever the record changes."""
+        (:mod:`router.gateway.routing.version_policy`); emptied whenever the record changes."""
         self.record = self._load()
 
     @property

@@ -35,9 +35,9 @@ from typing import NoReturn
 from aiohttp import web
 
 from router.gateway import keys
-from router.gateway.admin.groups import GROUPS_FILE
 from router.gateway.admin.journal import JOURNAL_FILE, keep_fenced
 from router.gateway.config import RouterConfig
+from router.gateway.fleet.groups import GROUPS_FILE
 from router.gateway.fleet.weights import FLEET_FILE
 from router.gateway.leader.elector import LeaseElector, LeaseSettings, default_identity
 from router.gateway.leader.gate import LeaderGate

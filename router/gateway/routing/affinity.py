@@ -14,7 +14,7 @@ the eligible ones: routable, not tried, inside the weight-version policy). Invar
   that bound through placement. The ranking hashes the key and the worker ids with BLAKE2b, never
   Python's per-process ``hash``, so every router restart ranks alike. With data-plane processes
   the control process's table is the only one that places sessions (the data planes ask it,
-  :class:`~router.gateway.processes.messages.Place`); a data plane's own table places a session
+  :class:`~router.gateway.data_planes.messages.Place`); a data plane's own table places a session
   only when the control process does not answer in time.
 - **A pin moves, and stays moved.** A pin names its worker and a second candidate (the next
   eligible worker in the ranking). When the pinned worker is not among the candidates (fenced,
@@ -125,7 +125,7 @@ class SessionAffinity:
         """Pins per worker id; a worker with none is absent."""
         self.on_forget: Callable[[int], None] | None = None
         """Told each row whose pin moved or was evicted (not one that expired): data planes that keep a copy
-        of the pins drop it (:mod:`router.gateway.processes.session_pins`)."""
+        of the pins drop it (:mod:`router.gateway.data_planes.session_pins`)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig, stats: AffinityStats) -> SessionAffinity:

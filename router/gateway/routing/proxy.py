@@ -2,7 +2,7 @@
 
 - Only eligible workers are candidates: routable (healthy, not disabled) and on a
   fleet version the request's weight-version policy admits (``--version-policy``,
-  the ``X-Version-Policy`` header; :mod:`router.gateway.routing.versions`). With
+  the ``X-Version-Policy`` header; :mod:`router.gateway.routing.version_policy`). With
   none the caller gets 503 with the reason at once; a bad policy is a 400.
 - A failure *before the first response byte* (connection refused or reset,
   or a 502/503/504 from the worker) is retried on another worker with
@@ -46,12 +46,12 @@ from router.gateway.config import RouterConfig
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
-from router.gateway.routing import versions
+from router.gateway.routing import version_policy
 from router.gateway.routing.affinity import SessionAffinity, session_key
 from router.gateway.routing.policy import Policy
 from router.gateway.routing.prepare import AbortCall, Prepare, sglang_prepare
 from router.gateway.routing.stamping import answer_mixes_versions, stamp_headers
-from router.gateway.routing.versions import VersionPolicy
+from router.gateway.routing.version_policy import VersionPolicy
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import NotAdmitted, UpstreamError, UpstreamResponse, WorkerClient, mime_type
 
@@ -60,7 +60,7 @@ log = logging.getLogger(__name__)
 RETRY_STATUSES = frozenset({502, 503, 504})
 
 #: Where the router's one session table puts a session, when another process owns it: (key, candidates,
-#: retry) → one of the candidates, or ``None`` when it did not answer (:mod:`router.gateway.processes.session_pins`).
+#: retry) → one of the candidates, or ``None`` when it did not answer (:mod:`router.gateway.data_planes.session_pins`).
 SessionPlacer = Callable[[str, Sequence[Worker], bool], Awaitable[Worker | None]]
 WORKER_HEADER = "X-Omni-Worker"
 
@@ -135,7 +135,7 @@ class GenerateProxy:
         self._stop = stop_after_attempt(1 + config.max_retries)
         self._wait = wait_exponential_jitter(initial=config.retry_initial_backoff_s, max=config.retry_max_backoff_s)
         self._retry_on = retry_if_exception_type(_Retryable)
-        self._version_policy = versions.parse_version_policy(config.version_policy)
+        self._version_policy = version_policy.parse_version_policy(config.version_policy)
         """The router's default, parsed once: a request without the header costs no parse."""
         self._affinity = affinity
         if self._affinity is None and config.session_affinity:
@@ -144,14 +144,14 @@ class GenerateProxy:
     def request_policy(self, request: web.Request) -> VersionPolicy:
         """The request's weight-version policy: its header when it sent one (400 when bad), else the router's."""
         headers = request.headers
-        value = headers.get(versions.POLICY_HEADER)
+        value = headers.get(version_policy.POLICY_HEADER)
         if value is None:
-            value = headers.get(versions.SMG_POLICY_HEADER)
-        return versions.policy_from_headers(value, self._version_policy)
+            value = headers.get(version_policy.SMG_POLICY_HEADER)
+        return version_policy.policy_from_headers(value, self._version_policy)
 
     def pick(
         self,
-        policy: VersionPolicy = versions.LATEST_ONLY,
+        policy: VersionPolicy = version_policy.LATEST_ONLY,
         tried: set[str] | frozenset[str] = frozenset(),
         session: str | None = None,
         path: str | None = None,
@@ -182,12 +182,12 @@ class GenerateProxy:
 
     def _candidates(self, policy: VersionPolicy, tried: set[str] | frozenset[str], path: str | None) -> list[Worker]:
         """The workers a request may go to; 503 (with who holds what) when none."""
-        candidates = versions.candidates(self._registry, policy, tried, self._metrics.filtered, path)
+        candidates = version_policy.candidates(self._registry, policy, tried, self._metrics.filtered, path)
         if not candidates:
             if path is not None:
-                versions.refuse_unserved_route(self._registry, path)
+                version_policy.refuse_unserved_route(self._registry, path)
             self._metrics.refused_by_policy(policy.kind)
-            raise versions.refusal(self._registry, policy, describe_fleet(self._registry))
+            raise version_policy.refusal(self._registry, policy, describe_fleet(self._registry))
         return candidates
 
     def _upstream_headers(self, request: web.Request) -> dict[str, str]:
@@ -229,7 +229,7 @@ class GenerateProxy:
         abort: AbortCall | None,
         first: _Retryable,
         session: str | None,
-        policy: VersionPolicy = versions.LATEST_ONLY,
+        policy: VersionPolicy = version_policy.LATEST_ONLY,
     ) -> web.StreamResponse:
         """The first attempt failed before any byte reached the caller: back off, then other workers
         (a session's pin follows the request to the worker that serves it)."""
@@ -273,7 +273,7 @@ class GenerateProxy:
         body: bytes,
         headers: dict[str, str],
         abort: AbortCall | None,
-        policy: VersionPolicy = versions.LATEST_ONLY,
+        policy: VersionPolicy = version_policy.LATEST_ONLY,
     ) -> web.StreamResponse:
         worker.inflight += 1
         version = worker.weight_version  # what the router knows the worker serves, as it picked it
@@ -287,7 +287,7 @@ class GenerateProxy:
                     body,
                     headers,
                     timeout_s=self._cfg.request_timeout_s,
-                    admit=partial(versions.admits, self._registry, policy, worker),
+                    admit=partial(version_policy.admits, self._registry, policy, worker),
                 )
             except NotAdmitted:
                 # Fenced (or gone) between the pick and the first byte: nothing reached it; another worker may.

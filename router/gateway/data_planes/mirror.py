@@ -10,8 +10,8 @@ next snapshot, which the control process builds from its own probes and the repo
 
 from __future__ import annotations
 
+from router.gateway.data_planes.messages import GateView, RoutingSnapshot, WorkerView
 from router.gateway.fleet.registry import Worker, WorkerRegistry
-from router.gateway.processes.messages import GateView, RoutingSnapshot, WorkerView
 
 
 def view_of(registry: WorkerRegistry, version: int, gate: GateView | None = None) -> RoutingSnapshot:

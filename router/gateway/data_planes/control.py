@@ -13,9 +13,9 @@ from __future__ import annotations
 from aiohttp import web
 
 from router.gateway import keys
-from router.gateway.processes.hub import HUB_PATH, DataPlaneHub
-from router.gateway.processes.leader_mirror import gate_view
-from router.gateway.processes.supervisor import DataPlaneSupervisor
+from router.gateway.data_planes.hub import HUB_PATH, DataPlaneHub
+from router.gateway.data_planes.leader_mirror import gate_view
+from router.gateway.data_planes.supervisor import DataPlaneSupervisor
 
 #: How long a fenced operation waits for every data plane's acknowledgement before it fails closed.
 DEFAULT_ACK_TIMEOUT_S = 5.0

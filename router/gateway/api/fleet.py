@@ -22,8 +22,8 @@ from router.contract.fleet import (
 )
 from router.contract.web.parsing import parse_body, parse_model
 from router.gateway import keys
+from router.gateway.data_planes.metrics_merge import SCRAPE_S, merge
 from router.gateway.fleet.registry import Worker, WorkerRegistry
-from router.gateway.processes.metrics_merge import SCRAPE_S, merge
 from router.gateway.routing.proxy import describe_fleet
 
 

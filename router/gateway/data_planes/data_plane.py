@@ -33,14 +33,10 @@ from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
 from router.gateway.app import routes, service_headers
 from router.gateway.config import RouterConfig
-from router.gateway.edge import edge_middleware, route_label
-from router.gateway.fleet.registry import Worker, WorkerRegistry
-from router.gateway.leader.gate import LeaderGate
-from router.gateway.metrics import RouterMetrics
-from router.gateway.processes.forward import ControlForwarder
-from router.gateway.processes.hub import HUB_PATH, KEEPALIVE_S, LOAD_EVERY_S, SILENT_S
-from router.gateway.processes.leader_mirror import MirroredLease, apply_gate, mirrored_gate
-from router.gateway.processes.messages import (
+from router.gateway.data_planes.forward import ControlForwarder
+from router.gateway.data_planes.hub import HUB_PATH, KEEPALIVE_S, LOAD_EVERY_S, SILENT_S
+from router.gateway.data_planes.leader_mirror import MirroredLease, apply_gate, mirrored_gate
+from router.gateway.data_planes.messages import (
     TO_DATA_PLANE,
     Ack,
     LoadElsewhere,
@@ -53,8 +49,12 @@ from router.gateway.processes.messages import (
     Unpinned,
     WorkerRestarted,
 )
-from router.gateway.processes.mirror import apply
-from router.gateway.processes.session_pins import SessionPins
+from router.gateway.data_planes.mirror import apply
+from router.gateway.data_planes.session_pins import SessionPins
+from router.gateway.edge import edge_middleware, route_label
+from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.leader.gate import LeaderGate
+from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.tasks import TaskSet

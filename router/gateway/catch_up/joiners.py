@@ -28,7 +28,7 @@ One catch-up, in order::
                        moved on), so it becomes routable; data planes follow with the next snapshot
 
 A joiner that cannot load from a peer (vLLM and SGLang serve no peer route this router drives) loads the
-fleet's checkpoint instead, when the fleet's weights came from one (:mod:`.catch_up_path`), and is checked
+fleet's checkpoint instead, when the fleet's weights came from one (:mod:`.from_path`), and is checked
 against a holder of the same engine before it is recorded.
 
 Invariants: the joiner receives no traffic before it is recorded (it is pending throughout, and
@@ -57,8 +57,8 @@ from router.contract.errors import Unavailable
 from router.contract.fleet import CatchUpStatus
 from router.contract.peer import UpdateWeightsFromPeerRequest, UpdateWeightsFromPeerResult
 from router.gateway import keys
-from router.gateway.admin import catch_up_path
 from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.catch_up import from_path
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.fleet.weights import FleetWeights
@@ -154,10 +154,10 @@ class JoinerSync:
             return []
         return [w for w in self.holders(joiner) if w.engine == "omni"]
 
-    def path_plan(self, joiner: Worker) -> list[catch_up_path.LoadStep] | None:
+    def path_plan(self, joiner: Worker) -> list[from_path.LoadStep] | None:
         """How ``joiner`` loads the fleet's weights from their checkpoint when no peer can give them."""
         record = self._ctx.registry.fleet.record
-        return None if record is None else catch_up_path.steps(joiner, record.latest)
+        return None if record is None else from_path.steps(joiner, record.latest)
 
     async def run(self) -> None:
         """Scan every :data:`SCAN_S` and catch up the first worker whose turn it is."""
@@ -281,7 +281,7 @@ class JoinerSync:
         return body.bytes_received
 
     async def _load_path(self, joiner: Worker, attempts: int) -> None:
-        """Under the lock: check again, load the fleet's checkpoint, verify, record (:mod:`.catch_up_path`)."""
+        """Under the lock: check again, load the fleet's checkpoint, verify, record (:mod:`.from_path`)."""
         fleet = self._ctx.registry.fleet
         record = fleet.record
         plan = self.path_plan(joiner)
@@ -292,8 +292,8 @@ class JoinerSync:
         joiner.catch_up = CatchUpStatus(state="copying", source=None, attempts=attempts)
         joiner.update_holds += 1  # a slow probe while it loads is not a failure; metadata is read below
         try:
-            await catch_up_path.load(self._workers, joiner, plan, self._headers)
-        except catch_up_path.PathLoadFailed as exc:
+            await from_path.load(self._workers, joiner, plan, self._headers)
+        except from_path.PathLoadFailed as exc:
             raise CatchUpFailed(f"loading {entry.source_path}: {exc}") from None
         finally:
             joiner.update_holds -= 1
@@ -306,7 +306,7 @@ class JoinerSync:
                 f"it serves {joiner.weight_version!r} after the load, the fleet {entry.weight_version!r}"
             )
         for holder in self.holders(joiner):
-            same = await catch_up_path.same_weights(self._workers, joiner, holder, self._headers)
+            same = await from_path.same_weights(self._workers, joiner, holder, self._headers)
             if same is False:
                 raise CatchUpFailed(f"its checksums differ from {holder.id}'s, which holds the fleet's weights")
             if same:

@@ -1,6 +1,6 @@
 """``GET /fleet/versions``: the weight versions the router recorded for the fleet, and who holds which.
 
-What the version policies (:mod:`router.gateway.routing.versions`) decide from, read from the
+What the version policies (:mod:`router.gateway.routing.version_policy`) decide from, read from the
 registry as it is: no worker is asked.
 """
 

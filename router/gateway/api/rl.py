@@ -42,8 +42,8 @@ from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import OPERATIONS, AnyOperation
 from router.gateway.admin.targets import CAPABILITIES, RL_ENGINE, TargetQuery, WorkerFacts, target_query
+from router.gateway.api.admin import fleet_facts, forwarded_query, parse_request
 from router.gateway.fleet.registry import Worker
-from router.gateway.routes.admin import fleet_facts, forwarded_query, parse_request
 
 #: Steps the router runs through a coordinator of their own (rank planning, a held update): only on
 #: the router's own routes, whose answers and state they need.

@@ -24,9 +24,9 @@ from router.contract.vllm import InitWeightTransferEngineRequest, VllmResult
 from router.contract.weight_sync import DEFAULT_RANK_OFFSET, InitWeightsUpdateGroupRequest, WeightSyncResponse
 from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
-from router.gateway.admin.groups import GroupDialect
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import INIT_GROUP, INIT_WEIGHT_TRANSFER, Operation
+from router.gateway.fleet.groups import GroupDialect
 
 #: A group init of either dialect: SGLang's ``/init_weights_update_group``, vLLM's ``/init_weight_transfer_engine``.
 JoinRequest = TypeVar("JoinRequest", InitWeightsUpdateGroupRequest, InitWeightTransferEngineRequest)

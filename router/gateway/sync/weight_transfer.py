@@ -3,7 +3,7 @@
 A vLLM trainer (TRL, open-instruct, SkyRL, AReaL) syncs with ``/start_weight_update``, one or more
 ``/update_weights`` (each paired with a broadcast over the weight-transfer group, or carrying
 shared-memory handles) and ``/finish_weight_update``. Through the router the calls make one fleet
-update, held like a prepared two-phase update (:class:`~router.gateway.admin.held.HeldUpdates`):
+update, held like a prepared two-phase update (:class:`~router.gateway.sync.held.HeldUpdates`):
 
 - *start* takes the admin update lock, journals and fences every live target and opens the update
   on each. It is refused (409 with ``group_changes``) when the fleet no longer matches the group the
@@ -47,11 +47,11 @@ from router.contract.vllm import (
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.fence import RESOLVE_HINT
-from router.gateway.admin.held import HeldUpdate, HeldUpdates
 from router.gateway.admin.locked import AdminRun
 from router.gateway.admin.operations import FINISH, START, UPDATE
 from router.gateway.admin.verdicts import judge, refused_untouched
 from router.gateway.fleet.registry import Worker
+from router.gateway.sync.held import HeldUpdate, HeldUpdates
 
 
 @dataclass(kw_only=True)

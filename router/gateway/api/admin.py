@@ -41,8 +41,8 @@ from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
-from router.gateway.admin.ranks import GroupJoin
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
+from router.gateway.sync.ranks import GroupJoin
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Req = TypeVar("Req", bound=WireRequest)

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import time
 
+from router.gateway.data_planes.messages import GateView
 from router.gateway.leader.elector import LeaseElector
 from router.gateway.leader.gate import LeaderGate
-from router.gateway.processes.messages import GateView
 
 
 def gate_view(gate: LeaderGate, elector: LeaseElector) -> GateView:

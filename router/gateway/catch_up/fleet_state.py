@@ -22,7 +22,7 @@ otherwise its memory is restored with its engine's route (``/resume_memory_occup
 weights: one released without a copy comes back ``partial`` and stays pending until an update.
 
 A continue or a resume changes no weights, so nothing is fenced or journaled. Failures back off per worker as
-catch-ups do (:func:`~router.gateway.admin.catch_up.backoff_s`); the reason stays in ``GET /workers``
+catch-ups do (:func:`~router.gateway.catch_up.joiners.backoff_s`); the reason stays in ``GET /workers``
 (``pending``). A worker that is fenced (an operator decides), dead, departed or held by an update is
 left alone. It runs only in the control process, and, with ``--leader-election``, only on the leader.
 """
@@ -43,8 +43,8 @@ from router.contract.errors import Unavailable
 from router.contract.vllm import EmptyVllmRequest
 from router.contract.vllm_dev import WakeUpQuery
 from router.gateway import keys
-from router.gateway.admin.catch_up import LOCK_WAIT_S, SCAN_S, backoff_s
 from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.catch_up.joiners import LOCK_WAIT_S, SCAN_S, backoff_s
 from router.gateway.engines import engine_of, serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.leader.gate import LeaderGate

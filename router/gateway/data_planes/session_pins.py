@@ -33,9 +33,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 
+from router.gateway.data_planes.messages import Place
 from router.gateway.fleet.registry import Worker
 from router.gateway.metrics import AffinityStats
-from router.gateway.processes.messages import Place
 from router.gateway.routing.affinity import session_row
 
 #: How long a session's placement waits for the control process's table.

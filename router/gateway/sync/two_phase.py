@@ -13,7 +13,7 @@ succeeds with the announced bucket count → targets restored; otherwise they st
 disabled. ``/abort_weights_update`` ends it when the trainer will not broadcast.
 A prepared update nobody ends expires once its receive window has passed (plus
 one margin) and fails closed. It ends sooner when it cannot succeed any more: the
-router reads its targets' ``/health`` every :data:`~router.gateway.admin.held.RECEIVE_POLL_S`, and once no
+router reads its targets' ``/health`` every :data:`~router.gateway.sync.held.RECEIVE_POLL_S`, and once no
 target can still complete (its receive ``failed``, its process restarted or lost
 the update, or it stopped answering) the update is aborted and settled at once,
 instead of holding the admin lock until expiry; a later complete or abort is told why. Each of the three ends runs as an
@@ -21,8 +21,8 @@ instead of holding the admin lock until expiry; a later complete or abort is tol
 so the lock is released in that run's ``end``, like every other operation's.
 
 The holding itself (lock, fence, journal, expiry and health polling) is
-:class:`~router.gateway.admin.held.HeldUpdates`, which vLLM's start/update/finish
-(:mod:`router.gateway.admin.weight_transfer`) shares.
+:class:`~router.gateway.sync.held.HeldUpdates`, which vLLM's start/update/finish
+(:mod:`router.gateway.sync.weight_transfer`) shares.
 """
 
 from __future__ import annotations
@@ -47,11 +47,11 @@ from router.contract.weight_sync import (
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.fence import Fence
-from router.gateway.admin.held import HeldUpdate, HeldUpdates
 from router.gateway.admin.locked import AdminRun
 from router.gateway.admin.operations import ABORT, COMPLETE, PREPARE
 from router.gateway.admin.verdicts import refused_untouched
 from router.gateway.fleet.registry import Worker
+from router.gateway.sync.held import HeldUpdate, HeldUpdates
 
 log = logging.getLogger(__name__)
 

@@ -36,8 +36,7 @@ from pydantic import ValidationError
 
 from router.contract.errors import BadRequest, Unavailable
 from router.contract.web.middleware import Handler
-from router.gateway.fleet.registry import WorkerRegistry
-from router.gateway.processes.messages import (
+from router.gateway.data_planes.messages import (
     TO_CONTROL,
     Ack,
     GateView,
@@ -51,7 +50,8 @@ from router.gateway.processes.messages import (
     Unpinned,
     WorkerRestarted,
 )
-from router.gateway.processes.mirror import routing_key, same_routing, view_of
+from router.gateway.data_planes.mirror import routing_key, same_routing, view_of
+from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.routing.affinity import SessionAffinity
 
 log = logging.getLogger(__name__)
