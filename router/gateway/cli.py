@@ -1,4 +1,7 @@
-"""``omni-router``: parse flags, build the app, serve until stopped."""
+"""``omni-router``: parse flags, build the app, serve until stopped.
+
+``omni-router status [...]`` instead reads a running router's fleet (:mod:`router.gateway.status`).
+"""
 
 from __future__ import annotations
 
@@ -100,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="omni-router",
         description="One URL in front of N inference workers (omni-worker, vLLM, SGLang): routing, admin broadcast, "
         "weight sync.",
+        epilog="omni-router status [--url URL] [--watch [SECONDS]] [--json] shows a running router's fleet "
+        "(omni-router status --help).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -122,6 +127,10 @@ def _kubernetes_flag(config: RouterConfig) -> str | None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "status":  # a client of a running router, with flags of its own
+        from router.gateway.status import main as status
+
+        return status(argv[1:], default_port=ProcessSettings().port)
     args = build_parser().parse_args(argv)
     process = from_args(ProcessSettings, args)
     setup_logging(process.log_level, process.log_format)

@@ -1,0 +1,85 @@
+"""Which workers are in rotation, and the exit code that sums the fleet up.
+
+Decided from the registry's own fields, as the router decides routing (``latest-only``): a worker
+takes generation traffic when it is healthy, enabled, still listed by discovery and not pending. A
+worker the router paused counts as in rotation while the whole fleet is paused (a trainer's pause:
+requests wait for the continue), and as out of it while the rest of the fleet runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from router.contract.fleet import JournalState, WorkerRecord
+
+#: Exit codes of ``omni-router status``.
+ALL_ROUTABLE = 0
+SOME_OUT = 1
+NONE_ROUTABLE = 2
+"""Also the code when the router cannot be read at all."""
+
+
+class WorkerStatus(WorkerRecord):
+    """A registry record with this command's verdict beside its fields (what ``--json`` prints)."""
+
+    routable: bool
+    fenced: bool
+    """Disabled as a target of the unresolved (or running) weight update in the journal."""
+    out_of_rotation: str | None = None
+    """Why it takes no generation traffic; ``None`` while it does."""
+
+
+def _fenced_ids(journal: JournalState | None) -> frozenset[str]:
+    return frozenset() if journal is None else frozenset(t.id for t in journal.targets)
+
+
+def _why_out(worker: WorkerRecord, fenced: bool, journal: JournalState | None) -> str | None:
+    """Why ``worker`` is out of rotation, paused aside (that needs the rest of the fleet), or ``None``."""
+    reasons: list[str] = []
+    if worker.health != "healthy":
+        detail = f" ({worker.engine_detail})" if worker.engine is None and worker.engine_detail else ""
+        reasons.append(f"{worker.health}{detail}")
+    if worker.departed is not None:
+        reasons.append(f"departed: {worker.departed}")
+    if worker.disabled:
+        if fenced and journal is not None:
+            what = "running" if journal.state == "in_flight" else "failed"
+            reasons.append(f"fenced by the {what} update {journal.path}")
+        else:
+            reasons.append("disabled by the operator's flag")
+    if worker.pending is not None:
+        reasons.append(f"pending: {worker.pending}")
+        catch_up = worker.catch_up
+        if catch_up is not None and catch_up.state == "failed" and catch_up.last_error:
+            reasons.append(f"catch-up failed: {catch_up.last_error}")
+    return "; ".join(reasons) or None
+
+
+def judge(workers: Sequence[WorkerRecord], journal: JournalState | None) -> list[WorkerStatus]:
+    """Each worker with its verdict, in the registry's order."""
+    fenced_ids = _fenced_ids(journal)
+    reasons = {w.id: _why_out(w, w.disabled and w.id in fenced_ids, journal) for w in workers}
+    fleet_runs = any(reasons[w.id] is None and not w.paused for w in workers)
+    out = []
+    for w in workers:
+        why = reasons[w.id]
+        if why is None and w.paused and fleet_runs:
+            why = "paused by the router while the rest of the fleet runs"
+        out.append(
+            WorkerStatus.model_validate(
+                {
+                    **w.model_dump(),
+                    "routable": why is None,
+                    "fenced": w.disabled and w.id in fenced_ids,
+                    "out_of_rotation": why,
+                }
+            )
+        )
+    return out
+
+
+def exit_code(statuses: Sequence[WorkerStatus]) -> int:
+    routable = sum(s.routable for s in statuses)
+    if routable == 0:
+        return NONE_ROUTABLE
+    return ALL_ROUTABLE if routable == len(statuses) else SOME_OUT
