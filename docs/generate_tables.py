@@ -29,6 +29,7 @@ from router import __version__  # noqa: E402
 from router.contract.budget import DEFAULT_LOCK_WAIT_S, HOP_MARGIN_S  # noqa: E402
 from router.contract.endpoint import Endpoint  # noqa: E402
 from router.contract.endpoints import VLLM_ONLY_ADMIN, WORKER_ADMIN  # noqa: E402
+from router.contract.lora_endpoints import LORA_ADMIN  # noqa: E402
 from router.contract.web.openapi import Route, openapi_route  # noqa: E402
 
 OUTPUT = ROOT / "docs" / "endpoints.md"
@@ -80,7 +81,7 @@ def _engine_table() -> list[str]:
             return "yes"
         return "with the plugin" if name == "vllm" and path in PLUGIN_ADMIN else ""
 
-    for e in (*WORKER_ADMIN, *VLLM_ONLY_ADMIN):
+    for e in (*WORKER_ADMIN, *VLLM_ONLY_ADMIN, *LORA_ADMIN):
         rows.append(f"| `{e.path}` | " + " | ".join(cell(n, e.path, ENGINES[n].admin_paths) for n in names) + " |")
     generation = sorted({p for engine in ENGINES.values() for p in engine.generation_paths})
     for path in generation:
@@ -132,7 +133,7 @@ def render() -> str:
         "`timeout_s` waits for the rest of the prepared receive window. `/prepare_weights_update`",
         "answers once the receive runs: its `timeout_s` bounds the receive that follows, not the call.",
         "",
-        *_admin_table((*WORKER_ADMIN, *VLLM_ONLY_ADMIN)),
+        *_admin_table((*WORKER_ADMIN, *VLLM_ONLY_ADMIN, *LORA_ADMIN)),
         "",
         "## Routes by engine",
         "",

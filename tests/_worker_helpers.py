@@ -16,6 +16,21 @@ from typing import Any
 from tests.procs import ManagedProcess, http_json
 
 
+def forking_pickle(obj: Any) -> str:
+    """``obj`` pickled as SGLang's serializer sends tensors (torch's shared-memory reductions), base64:
+    the tensors it holds must stay alive until the worker has read them."""
+    import base64
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+
+    mp.set_sharing_strategy("file_system")
+    buf = io.BytesIO()
+    ForkingPickler(buf, 2).dump(obj)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 @dataclass
 class Worker:
     """A running worker and small helpers to talk to it."""

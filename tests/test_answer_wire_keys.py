@@ -30,7 +30,7 @@ ENVELOPE = ["id", "object", "created", "model", "weight_version", "metadata", "c
 
 def handle(n: int = 3, *, finished: bool = True, top: int = 0, logprob: bool = True) -> GenerationHandle:
     params = GenerationParams(max_new_tokens=n, return_logprob=logprob, top_logprobs_num=top)
-    h = GenerationHandle(types.SimpleNamespace(rid="r", prompt_ids=[1, 2], params=params), channel=None)
+    h = GenerationHandle(types.SimpleNamespace(rid="r", prompt_ids=[1, 2], params=params, adapter=None), channel=None)
     h.output_ids = list(range(n))
     h.logprobs = [-0.5] * n
     h.top_logprobs = [[(-0.5, i), (-1.0, i + 1)][:top] for i in range(n)]

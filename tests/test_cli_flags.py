@@ -119,6 +119,9 @@ WORKER_FLAGS: list[Row] = [
         False,
         "JSON",
     ),
+    ("--enable-lora", "enable_lora", False, None, None, 0, True, False, None),
+    ("--max-loras", "max_loras", 4, "int", None, None, None, False, None),
+    ("--max-lora-rank", "max_lora_rank", 64, "int", None, None, None, False, None),
 ]
 
 

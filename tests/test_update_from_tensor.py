@@ -7,20 +7,18 @@ The worker is a separate process, so the shared memory written here really cross
 from __future__ import annotations
 
 import base64
-import io
 import os
 import pickle
 from dataclasses import dataclass
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from router.trainer.sender import sent_checksum
 from router.trainer.tensor_handles import build_cpu_handles
+from tests._worker_helpers import forking_pickle
 from worker.model.checkpoint import read_checkpoint
 
 PATH = "/update_weights_from_tensor"
@@ -48,13 +46,6 @@ class _Evil:
 
 def _tensors(ckpt: Path) -> list[tuple[str, torch.Tensor]]:
     return [(n, t.clone()) for n, t in read_checkpoint(ckpt, torch.float32)]
-
-
-def _forking_pickle(obj: Any) -> str:
-    mp.set_sharing_strategy("file_system")
-    buf = io.BytesIO()
-    ForkingPickler(buf, 2).dump(obj)
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +82,7 @@ def test_pickled_list_and_flattened_bucket(workers, checkpoints) -> None:
     w = workers["pickles"]
     named = _tensors(checkpoints["llama_b"])
     expected = sent_checksum(named)
-    w.ok("POST", PATH, {"serialized_named_tensors": [_forking_pickle(named)], "load_format": None})
+    w.ok("POST", PATH, {"serialized_named_tensors": [forking_pickle(named)], "load_format": None})
     assert w.checksum() == expected
     _reset(w, checkpoints)
     assert w.checksum() != expected
@@ -103,7 +94,7 @@ def test_pickled_list_and_flattened_bucket(workers, checkpoints) -> None:
         parts.append(raw)
         start += raw.numel()
     payload = {"flattened_tensor": torch.cat(parts), "metadata": metadata}
-    body = {"serialized_named_tensors": [_forking_pickle(payload)], "load_format": "flattened_bucket"}
+    body = {"serialized_named_tensors": [forking_pickle(payload)], "load_format": "flattened_bucket"}
     w.ok("POST", PATH, body)
     assert w.checksum() == expected
     _reset(w, checkpoints)
@@ -121,7 +112,7 @@ def test_malicious_pickles_are_refused(workers, checkpoints, tmp_path) -> None:
     # Without the flag a pickle is refused before it is even decoded.
     workers["plain"].refused(PATH, {"serialized_named_tensors": [evil]}, "--allow-pickled-tensors")
     named = _tensors(checkpoints["llama_b"])
-    workers["plain"].refused(PATH, {"serialized_named_tensors": [_forking_pickle(named)]}, "--allow-pickled-tensors")
+    workers["plain"].refused(PATH, {"serialized_named_tensors": [forking_pickle(named)]}, "--allow-pickled-tensors")
 
 
 def test_bad_handle_messages_are_refused(workers, checkpoints) -> None:

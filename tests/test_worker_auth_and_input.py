@@ -107,6 +107,17 @@ VALID_CALLS = [
     ("GET", "/is_sleeping", None, 200),
     ("POST", "/wake_up", {}, 200),
     ("POST", "/abort_requests", {"request_ids": ["nothing"]}, 200),
+    # LoRA is off on this worker: the key opens the routes, which then refuse (tests/test_worker_lora.py).
+    ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}, 400),
+    (
+        "POST",
+        "/load_lora_adapter_from_tensors",
+        {"lora_name": "a", "config_dict": {}, "serialized_named_tensors": ["x"]},
+        400,
+    ),
+    ("POST", "/unload_lora_adapter", {"lora_name": "a"}, 400),
+    ("POST", "/v1/load_lora_adapter", {"lora_name": "a", "lora_path": "/nowhere"}, 400),
+    ("POST", "/v1/unload_lora_adapter", {"lora_name": "a"}, 400),
 ]
 
 

@@ -23,6 +23,7 @@ from router.contract import endpoints as ep
 from worker.engine.request import GenerationParams, OutputChannel, Request
 from worker.engine.scheduler import Scheduler
 from worker.generation_handle import GenerationHandle
+from worker.model.lora import LoadedLora
 from worker.ranks import Stage
 
 log = logging.getLogger(__name__)
@@ -68,13 +69,16 @@ class GenerationService:
         stream: bool = False,
         return_text_in_logprobs: bool = False,
         wakeup: asyncio.Event | None = None,
+        adapter: LoadedLora | None = None,
     ) -> GenerationHandle:
         """Queue one prompt; the caller must :meth:`release` the handle when done."""
         rid = rid or uuid.uuid4().hex
         if rid in self._inflight:
             raise ValueError(f"a request with rid {rid!r} is already in flight")
         channel = OutputChannel(asyncio.get_running_loop(), wakeup)
-        request = Request(rid=rid, prompt_ids=list(prompt_ids), params=params, channel=channel, stream=stream)
+        request = Request(
+            rid=rid, prompt_ids=list(prompt_ids), params=params, channel=channel, stream=stream, adapter=adapter
+        )
         handle = GenerationHandle(request, channel, return_text_in_logprobs=return_text_in_logprobs)
         self._inflight[rid] = handle
         self.scheduler.submit_request(request)

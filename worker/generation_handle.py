@@ -46,6 +46,7 @@ class GenerationHandle:
 
     def __init__(self, request: Request, channel: OutputChannel, *, return_text_in_logprobs: bool = False):
         self.rid = request.rid
+        self.adapter = request.adapter
         self.prompt_tokens = len(request.prompt_ids)
         self.params = request.params
         self.channel = channel
@@ -147,6 +148,8 @@ class GenerationHandle:
             total_retractions=self.retractions,
             e2e_latency=(self.finished_at or time.monotonic()) - self.created,
         )
+        if self.adapter is not None:  # set only then: a base model's answer keeps SGLang's shape
+            meta.lora_name, meta.lora_version = self.adapter.name, self.adapter.version
         if self.params.return_logprob:
 
             def entry(lp: float, tok: int) -> LogprobEntry:

@@ -16,6 +16,7 @@ from typing import Annotated, Any
 from pydantic import Field, model_validator
 
 from router.contract.base import MAX_ITEMS, Label, Text, WireRequest, WireResponse
+from router.contract.lora import LoraName
 
 #: Every omni-worker answer names the process that produced it: a router compares it with the
 #: instance its last probe saw, so an answer from a process that restarted since (and came back
@@ -118,6 +119,9 @@ class GenerateRequest(WireRequest):
     return_text_in_logprobs: bool = False
     stream: bool = False
     rid: Label | Annotated[list[Label], Field(max_length=MAX_ITEMS)] | None = None
+    lora_path: LoraName | Annotated[list[LoraName | None], Field(max_length=MAX_ITEMS)] | None = None
+    """The LoRA adapter each prompt is generated with, by name, as SGLang names it (a list: one per
+    prompt of a batch, ``None`` for the base model)."""
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
@@ -126,7 +130,7 @@ class GenerateRequest(WireRequest):
         n = self.batch_size
         if n == 0:
             raise ValueError("a batch must contain at least one prompt")
-        for name in ("sampling_params", "return_logprob"):
+        for name in ("sampling_params", "return_logprob", "lora_path"):
             value = getattr(self, name)
             if isinstance(value, list) and (not self.is_batch or len(value) != n):
                 raise ValueError(
@@ -171,6 +175,10 @@ class GenerateRequest(WireRequest):
             return rl[i]
         return bool(rl)
 
+    def item_lora_path(self, i: int) -> str | None:
+        lp = self.lora_path
+        return lp[i] if isinstance(lp, list) else lp
+
     def item_rid(self, i: int) -> str | None:
         if self.rid is None:
             return None
@@ -214,6 +222,10 @@ class GenerateMetaInfo(WireResponse):
     first_token_weight_version: str | None = None
     """The version that sampled the first output token; null before there is one."""
     total_retractions: int = 0
+    lora_name: str | None = None
+    """The LoRA adapter that served the request (this project's; left out for the base model)."""
+    lora_version: int | None = None
+    """That adapter's version: its loads counted, so an updated adapter answers with a higher one."""
     e2e_latency: float | None = None
     input_token_logprobs: list[LogprobEntry] | None = None
     output_token_logprobs: list[LogprobEntry] | None = None

@@ -309,9 +309,12 @@ class CompletionChoice(WireResponse):
 
 
 class ResponseMetadata(WireResponse):
-    """``metadata`` of an answer: the weights that produced it."""
+    """``metadata`` of an answer: the weights that produced it (a flat string map, as OpenAI's schema
+    wants: a LoRA adapter's version is written as text)."""
 
     weight_version: str
+    lora_name: str | None = None
+    lora_version: str | None = None
 
 
 class CompletionResponse(WireResponse):
@@ -383,6 +386,8 @@ class ModelCard(WireResponse):
     created: int
     owned_by: str = "omni-router"
     root: str | None = None
+    parent: str | None = None
+    """A LoRA adapter's base model (vLLM's and SGLang's field); None for the base itself."""
     max_model_len: int | None = None
 
 

@@ -85,6 +85,7 @@ from router.contract.weight_sync import (
     UpdateWeightsFromDistributedRequest,
     WeightSyncResponse,
 )
+from router.trainer.adapter_calls import AdapterCalls
 from router.trainer.failover import DEFAULT_FAILOVER_BUDGET_S
 
 A = TypeVar("A", bound=WireResponse)
@@ -195,7 +196,7 @@ def _buckets(buckets: Sequence[Bucket]) -> list[BucketMetadata]:
     return [b if isinstance(b, BucketMetadata) else BucketMetadata.model_validate(b) for b in buckets]
 
 
-class RouterCalls:
+class RouterCalls(AdapterCalls):
     """The router's HTTP surface as methods; the transport (:meth:`_call`) is the subclass's.
 
     Args:

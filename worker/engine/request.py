@@ -17,6 +17,7 @@ import torch
 
 from router.contract import generate as wire
 from worker.model import KVCache
+from worker.model.lora import LoadedLora
 
 
 class ReqState(enum.Enum):
@@ -157,6 +158,8 @@ class Request:
     finish_reason: FinishReason | None = None
     retractions: int = 0
     generator: torch.Generator | None = None
+    adapter: LoadedLora | None = None
+    """The LoRA adapter every forward step of this request uses, retractions included (None: the base)."""
     _sent: int = 0  # output tokens already delivered to the channel
 
     @property

@@ -328,7 +328,7 @@ class Scheduler:
         version = self.worker.weight_version
         started = time.perf_counter()
         try:
-            logits = self.worker.forward_batch([SeqInput(r.pending_tokens(), r.kv) for r in batch])  # type: ignore[arg-type]
+            logits = self.worker.forward_batch([SeqInput(r.pending_tokens(), r.kv, r.adapter) for r in batch])  # type: ignore[arg-type]
             picks = sample_batch(logits, batch, self._generator)
         except Exception as exc:
             log.exception("forward step failed; aborting %d request(s)", len(batch))

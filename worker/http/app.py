@@ -22,6 +22,7 @@ from router.contract.web.auth import auth_middleware
 from router.contract.web.middleware import error_middleware
 from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
+from worker.adapters import AdapterService
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
 from worker.engine.daemon_thread import abandon_pending
@@ -31,13 +32,14 @@ from worker.http import (
     admin_routes,
     generate_routes,
     health_routes,
+    lora_routes,
     openai_routes,
     peer_routes,
     tokens_routes,
     vllm_routes,
     weight_sync_routes,
 )
-from worker.http.keys import CONFIG, COORDINATOR
+from worker.http.keys import ADAPTERS, CONFIG, COORDINATOR
 from worker.ranks import Stage
 from worker.tp.follower import RankSpec
 from worker.tp.peers import TP_TIMEOUT_S, TPPeers, free_local_port
@@ -62,6 +64,7 @@ def route_table() -> list[Route]:
         *weight_sync_routes.ROUTES,
         *peer_routes.ROUTES,
         *vllm_routes.ROUTES,
+        *lora_routes.ROUTES,
     ]
     return [*table, openapi_route("omni-worker", __version__, table, description=API_DESCRIPTION)]
 
@@ -155,6 +158,12 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
     )
     app[CONFIG] = config
     app[COORDINATOR] = coord
+    app[ADAPTERS] = AdapterService(
+        coord.worker.model if config.enable_lora else None,
+        max_loras=config.max_loras,
+        max_lora_rank=config.max_lora_rank,
+        allow_pickled=config.allow_pickled_tensors,
+    )
     coord.updates.leases.wait_s = config.snapshot_lease_wait_s
     app.add_routes(route_defs(table))
     # Cleanup runs in reverse: the controller cancels a receive in flight before the scheduler stops.

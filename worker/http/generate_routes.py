@@ -25,7 +25,7 @@ from worker.engine.model_worker import ModelWorker
 from worker.engine.request import GenerationParams
 from worker.generation_admission import SHUTTING_DOWN
 from worker.generation_handle import GenerationHandle
-from worker.http.keys import COORDINATOR
+from worker.http.keys import ADAPTERS, COORDINATOR
 from worker.http.streaming import ClientGone, client_gone, event_stream, open_sse, send_event
 from worker.http.wire import json_answer
 
@@ -94,6 +94,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     coord = request.app[COORDINATOR]
     body = await parse_body(request, GenerateRequest)
     worker = coord.worker
+    adapters = request.app[ADAPTERS]
     prompts = prompts_of(body, worker)
     items = []
     for i, ids in enumerate(prompts):
@@ -102,13 +103,14 @@ async def generate(request: web.Request) -> web.StreamResponse:
         rid = body.item_rid(i)
         if rid is not None and coord.generation.rid_in_flight(rid):
             raise ApiError(400, f"a request with rid {rid!r} is already in flight")
-        items.append((ids, generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num), rid))
+        params = generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num)
+        items.append((ids, params, rid, adapters.resolve(body.item_lora_path(i))))
     check_admission(coord)
 
     wakeup = asyncio.Event()
     handles: list[GenerationHandle] = []
     try:
-        for ids, params, rid in items:
+        for ids, params, rid, adapter in items:
             handles.append(
                 coord.generation.submit(
                     ids,
@@ -117,6 +119,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
                     stream=body.stream,
                     return_text_in_logprobs=body.return_text_in_logprobs,
                     wakeup=wakeup,
+                    adapter=adapter,
                 )
             )
         if body.stream:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from worker.adapters import AdapterService
 from worker.config import WorkerConfig
 from worker.coordinator import Coordinator
 from worker.transfer.group.controller import WeightSyncController
@@ -19,3 +20,6 @@ WEIGHT_SYNC = web.AppKey("weight_sync", WeightSyncController)
 
 VLLM_TRANSFER = web.AppKey("vllm_transfer", VllmWeightTransfer)
 """vLLM's weight-transfer engine state (its group and the update open between start and finish)."""
+
+ADAPTERS = web.AppKey("adapters", AdapterService)
+"""The LoRA adapters the worker serves (``--enable-lora``), and which one a request names."""

@@ -139,6 +139,8 @@ def response_body(call: Call, worker: ModelWorker) -> Answer:
         return tokens_answers.response_body(call, worker)
     version = weight_version(call, worker)
     metadata = ResponseMetadata(weight_version=version)
+    if call.adapter is not None:
+        metadata.lora_name, metadata.lora_version = call.adapter.name, str(call.adapter.version)
     if call.kind == "completion":
         return CompletionResponse(
             id=call.id,

@@ -23,6 +23,7 @@ from worker.engine.model_worker import ModelWorker
 from worker.engine.request import FinishKind, GenerationParams
 from worker.engine.sampling import trim_stop_string
 from worker.generation_handle import GenerationHandle
+from worker.model.lora import LoadedLora
 
 Kind = Literal["completion", "chat", "tokens"]
 
@@ -63,6 +64,8 @@ class Call:
     include_usage: bool
     continuous_usage: bool = False
     """``tokens``: every streamed chunk carries its choice's usage so far (``continuous_usage_stats``)."""
+    adapter: LoadedLora | None = None
+    """The LoRA adapter every choice is generated with (None: the base model)."""
     prompt_ids_sent: bool = False
     """``tokens`` with ``return_token_ids``: the first streamed chunk carried ``prompt_token_ids``."""
     _token_text: dict[int, str] = field(default_factory=dict)

@@ -44,7 +44,7 @@ from worker.engine.request import GenerationParams
 from worker.generation_handle import GenerationHandle
 from worker.http import openai_answers as answers
 from worker.http.generate_routes import check_admission, check_lengths, check_prompts, follow
-from worker.http.keys import COORDINATOR
+from worker.http.keys import ADAPTERS, COORDINATOR
 from worker.http.openai_calls import Call, Choice, Kind
 from worker.http.streaming import ClientGone, event_stream, open_sse, send_event
 from worker.http.wire import json_answer
@@ -101,6 +101,8 @@ def _plan(
 ) -> tuple[Coordinator, Call]:
     base = body.rid or uuid.uuid4().hex
     prefix = "cmpl" if kind == "completion" else "chatcmpl"
+    served = request.app[COORDINATOR].worker.served_model_name
+    adapter = request.app[ADAPTERS].for_model(body.model, served)
     return plan_call(
         request,
         body,
@@ -108,7 +110,7 @@ def _plan(
             kind=kind,
             id=f"{prefix}-{base}",
             created=int(time.time()),
-            model=request.app[COORDINATOR].worker.served_model_name,
+            model=served if adapter is None else adapter.name,
             prompts=prompts,
             choices=[],
             echo_texts=echo_texts,
@@ -116,6 +118,7 @@ def _plan(
             return_token_ids=bool(body.return_token_ids),
             tokens_as_ids=bool(body.return_tokens_as_token_ids),
             include_usage=body.include_usage,
+            adapter=adapter,
         ),
         rid=base,
     )
@@ -198,7 +201,12 @@ async def run_call(request: web.Request, coord: Coordinator, call: Call, *, stre
     try:
         for choice in call.choices:
             choice.handle = coord.generation.submit(
-                call.prompts[choice.prompt_index], choice.params, rid=choice.rid, stream=stream, wakeup=wakeup
+                call.prompts[choice.prompt_index],
+                choice.params,
+                rid=choice.rid,
+                stream=stream,
+                wakeup=wakeup,
+                adapter=call.adapter,
             )
             submitted.append(choice.handle)
         if stream:
@@ -257,7 +265,21 @@ async def models(request: web.Request) -> web.Response:
         root=worker.model_path,
         max_model_len=worker.context_len,
     )
-    return json_answer(ModelList(object="list", data=[card]))
+    adapters = request.app[ADAPTERS]
+    # As vLLM and SGLang list them: each loaded adapter a model of its own, its parent the base.
+    cards = [card] + [
+        ModelCard(
+            id=name,
+            object="model",
+            created=card.created,
+            owned_by="omni-worker",
+            root=source,
+            parent=card.id,
+            max_model_len=worker.context_len,
+        )
+        for name, source in adapters.loaded().items()
+    ]
+    return json_answer(ModelList(object="list", data=cards))
 
 
 ROUTES = [

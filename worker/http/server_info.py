@@ -22,13 +22,15 @@ from router.contract.vllm_server import (
     VllmWeightTransferConfig,
 )
 from router.contract.web.parsing import parse_body
+from worker.adapters import AdapterService
 from worker.coordinator import Coordinator
-from worker.http.keys import CONFIG, COORDINATOR
+from worker.http.keys import ADAPTERS, CONFIG, COORDINATOR
 
 
-def vllm_config(coord: Coordinator, backend: str) -> VllmConfigView:
+def vllm_config(coord: Coordinator, backend: str, adapters: AdapterService) -> VllmConfigView:
     """This worker as vLLM's config dump describes a server: one data-parallel replica of
-    ``tp_size`` ranks, with the weight-transfer backend ``/init_weight_transfer_engine`` builds."""
+    ``tp_size`` ranks, with the weight-transfer backend ``/init_weight_transfer_engine`` builds, and
+    ``lora_config`` when it serves adapters (TRL reads it to sync adapters rather than merged weights)."""
     worker = coord.worker
     return VllmConfigView(
         model=VllmModelConfig(
@@ -43,6 +45,9 @@ def vllm_config(coord: Coordinator, backend: str) -> VllmConfigView:
             tensor_parallel_size=coord.stage.tp_size, world_size=coord.stage.tp_size, data_parallel_size=1
         ),
         weight_transfer_config=VllmWeightTransferConfig(backend=backend),
+        lora_config=(
+            {"max_loras": adapters.max_loras, "max_lora_rank": adapters.max_lora_rank} if adapters.enabled else None
+        ),
     )
 
 
@@ -60,7 +65,7 @@ async def server_info(request: web.Request) -> web.Response:
         }
     )
     if req.config_format is not None:
-        view = vllm_config(coord, config.weight_transfer_backend)
+        view = vllm_config(coord, config.weight_transfer_backend, request.app[ADAPTERS])
         info.vllm_config = view if req.config_format == "json" else view.summary()
         info.vllm_env = {}
         info.system_env = {"python_version": platform.python_version(), "os": platform.platform()}

@@ -37,7 +37,7 @@ from router.contract.vllm_tokens import (
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.http.generate_routes import check_prompts
-from worker.http.keys import COORDINATOR
+from worker.http.keys import ADAPTERS, COORDINATOR
 from worker.http.openai_calls import Call
 from worker.http.openai_routes import plan_call, run_call
 from worker.model.chat_template import ChatTemplateError
@@ -67,11 +67,13 @@ async def generate_tokens(request: web.Request) -> web.StreamResponse:
     check_prompts([prompt], worker.vocab_size, False)
     sampling = body.sampling_params
     request_id = _request_id(request, body)
+    adapter = request.app[ADAPTERS].for_model(body.model, worker.served_model_name)
     call = Call(
         kind="tokens",
         id=request_id,
         created=int(time.time()),
-        model=worker.served_model_name,
+        model=worker.served_model_name if adapter is None else adapter.name,
+        adapter=adapter,
         prompts=[prompt],
         choices=[],
         echo_texts=None,

@@ -5,6 +5,7 @@ from worker.model.causal_lm import CausalLM, SeqInput
 from worker.model.checkpoint import checkpoint_files, load_model, read_checkpoint
 from worker.model.config import ModelConfig, ModelConfigError
 from worker.model.kv_cache import KVCache
+from worker.model.lora import LoadedLora, LoraAdapter, LoraAdapters, LoraLoadError, LoraNotFoundError
 from worker.model.tiny import write_tiny_checkpoint
 from worker.model.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from worker.model.weight_map import WeightLoadError
@@ -13,6 +14,11 @@ __all__ = [
     "ByteTokenizer",
     "CausalLM",
     "KVCache",
+    "LoadedLora",
+    "LoraAdapter",
+    "LoraAdapters",
+    "LoraLoadError",
+    "LoraNotFoundError",
     "ModelConfig",
     "ModelConfigError",
     "SeqInput",

@@ -13,6 +13,12 @@ and kv heads, its slice of the MLP, and a KV cache of its kv heads only. All
 ranks run ``forward_batch`` in lockstep on the same inputs; the row-parallel
 layers sum their partial products with one all-reduce each, so every rank ends
 with the same hidden states and the same full-vocab logits.
+
+LoRA adapters (:mod:`worker.model.lora`) are applied unmerged, per sequence: a
+sequence names its :class:`~worker.model.lora.LoadedLora` (None: the base
+model) and each projection adds every adapter's low-rank update to the rows of
+the sequences using it. A batch in which no sequence names one runs exactly the
+base computation.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from torch import nn
 from worker.model.config import ModelConfig
 from worker.model.kv_cache import KVCache
 from worker.model.layers import Rotary, attend, rms_norm
+from worker.model.lora.batch import LoraBatch
+from worker.model.lora.loaded import LoadedLora, Projection
 from worker.model.tensor_parallel import ShardLayout, ShardSpec, TensorParallel, shard_layout
 from worker.model.weight_map import WeightMap
 
@@ -38,6 +46,9 @@ class SeqInput:
 
     token_ids: list[int]
     kv: KVCache
+    adapter: LoadedLora | None = None
+    """The LoRA adapter this sequence is served with; None for the base model. Its KV cache was
+    (and must keep being) computed with the same adapter."""
 
 
 class _Norm(nn.Module):
@@ -175,13 +186,13 @@ class CausalLM(nn.Module):
         return self._logits(hidden[ends])
 
     @torch.inference_mode()
-    def forward_full(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_full(self, input_ids: torch.Tensor, adapter: LoadedLora | None = None) -> torch.Tensor:
         """Float32 logits ``[1, T, vocab]`` for every position of one sequence (no cache kept)."""
         ids = input_ids.reshape(-1).tolist()
-        hidden = self._hidden([SeqInput(ids, self.new_kv_cache(len(ids)))])
+        hidden = self._hidden([SeqInput(ids, self.new_kv_cache(len(ids)), adapter)])
         return self._logits(hidden)[None]
 
-    def forward_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward_logits(self, input_ids: torch.Tensor, adapter: LoadedLora | None = None) -> torch.Tensor:
         """Float32 logits ``[T, vocab]`` of one sequence, differentiable (for trainers).
 
         The same math as serving, outside inference mode: a trainer that turns
@@ -192,7 +203,7 @@ class CausalLM(nn.Module):
         if self.tp.size > 1 and torch.is_grad_enabled() and any(p.requires_grad for p in self.parameters()):
             raise NotImplementedError("gradients through a tensor-parallel model are not supported")
         ids = input_ids.reshape(-1).tolist()
-        return self._logits(self._hidden([SeqInput(ids, self.new_kv_cache(len(ids)))]))
+        return self._logits(self._hidden([SeqInput(ids, self.new_kv_cache(len(ids)), adapter)]))
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = rms_norm(hidden, self.model.norm.weight, self.config.rms_norm_eps)
@@ -214,11 +225,14 @@ class CausalLM(nn.Module):
         heads, kv_heads = self.layout.heads, self.layout.kv_heads
         q_size = heads * cfg.head_dim
         kv_size = kv_heads * cfg.head_dim
+        lora = LoraBatch.of([s.adapter for s in seqs], lengths, self.device)
 
         hidden = F.embedding(ids, self.model.embed_tokens.weight)
         for index, layer in enumerate(self.model.typed_layers):
             x = rms_norm(hidden, layer.input_layernorm.weight, cfg.rms_norm_eps)
             qkv = layer.self_attn.qkv_proj(x)
+            if lora is not None:
+                lora.add(index, "qkv_proj", x, qkv)
             q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
             q = Rotary.apply(q.view(-1, heads, cfg.head_dim), cos, sin)
             k = Rotary.apply(k.view(-1, kv_heads, cfg.head_dim), cos, sin)
@@ -235,17 +249,33 @@ class CausalLM(nn.Module):
                     attend(q[start : start + n].transpose(0, 1), keys[:, : past + n], values[:, : past + n], past)
                 )
                 start += n
-            hidden = hidden + self._row_parallel(layer.self_attn.o_proj, torch.cat(outputs))
+            hidden = hidden + self._row_parallel(layer.self_attn.o_proj, torch.cat(outputs), lora, index, "o_proj")
             x = rms_norm(hidden, layer.post_attention_layernorm.weight, cfg.rms_norm_eps)
-            gate, up = layer.mlp.gate_up_proj(x).chunk(2, dim=-1)
-            hidden = hidden + self._row_parallel(layer.mlp.down_proj, F.silu(gate) * up)
+            gate_up = layer.mlp.gate_up_proj(x)
+            if lora is not None:
+                lora.add(index, "gate_up_proj", x, gate_up)
+            gate, up = gate_up.chunk(2, dim=-1)
+            hidden = hidden + self._row_parallel(layer.mlp.down_proj, F.silu(gate) * up, lora, index, "down_proj")
         for seq, n in zip(seqs, lengths, strict=True):
             seq.kv.length += n
         return hidden
 
-    def _row_parallel(self, linear: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-        """A row-parallel linear: local partial product, one all-reduce, then the bias once."""
+    def _row_parallel(
+        self, linear: nn.Linear, x: torch.Tensor, lora: LoraBatch | None, layer: int, projection: Projection
+    ) -> torch.Tensor:
+        """A row-parallel linear: local partial product, one all-reduce, then the bias once.
+
+        Adapter updates join the partial product before the all-reduce: each rank
+        holds the input columns of ``lora_A`` its input slice meets, so the sum
+        over ranks is the full update (:mod:`worker.model.lora.loaded`).
+        """
         if self.tp.size == 1:
-            return linear(x)
-        out = self.tp.all_reduce(F.linear(x, linear.weight))
+            out = linear(x)
+            if lora is not None:
+                lora.add(layer, projection, x, out)
+            return out
+        out = F.linear(x, linear.weight)
+        if lora is not None:
+            lora.add(layer, projection, x, out)
+        out = self.tp.all_reduce(out)
         return out if linear.bias is None else out + linear.bias

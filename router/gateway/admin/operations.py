@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
 from router.contract import endpoints as ep
+from router.contract import lora_endpoints as lep
 from router.contract.base import WireRequest, WireResponse
 from router.contract.endpoint import Endpoint
 from router.contract.fleet_answers import (
@@ -115,6 +116,7 @@ _FLEET_WIDE = frozenset(
         ep.INIT_WEIGHT_TRANSFER_ENGINE,
         ep.UPDATE_WEIGHTS,
         ep.FINISH_WEIGHT_UPDATE,
+        *lep.LORA_ADMIN,
     )
 )
 
@@ -145,6 +147,13 @@ WEIGHT_CHECKER = Operation(ep.WEIGHT_CHECKER, answer=VllmWeightCheckerFleetAnswe
 # Any worker method: a weight update unless the method only reads (COLLECTIVE_RPC_READ).
 COLLECTIVE_RPC = Operation(ep.COLLECTIVE_RPC, fenced=True, changes_weights=True)
 SHUTDOWN_WEIGHT_TRANSFER_ENGINE = Operation(ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE)
+# LoRA adapters, all or nothing across the fleet (router.gateway.sync.adapters): serialized, not fenced (a
+# failure keeps the adapter, not the worker, out of routing).
+LORA_LOAD = Operation(lep.LOAD_LORA_ADAPTER)
+LORA_LOAD_TENSORS = Operation(lep.LOAD_LORA_ADAPTER_FROM_TENSORS)
+LORA_UNLOAD = Operation(lep.UNLOAD_LORA_ADAPTER)
+V1_LORA_LOAD = Operation(lep.V1_LOAD_LORA_ADAPTER)
+V1_LORA_UNLOAD = Operation(lep.V1_UNLOAD_LORA_ADAPTER)
 
 OPERATIONS: dict[str, AnyOperation] = {
     op.path: op
@@ -192,6 +201,11 @@ OPERATIONS: dict[str, AnyOperation] = {
         WEIGHT_CHECKER,
         COLLECTIVE_RPC,
         SHUTDOWN_WEIGHT_TRANSFER_ENGINE,
+        LORA_LOAD,
+        LORA_LOAD_TENSORS,
+        LORA_UNLOAD,
+        V1_LORA_LOAD,
+        V1_LORA_UNLOAD,
     )
 }
 #: ``/collective_rpc`` of a method known to leave the weights as they are: serialized, not fenced.

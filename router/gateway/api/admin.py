@@ -42,6 +42,7 @@ from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
+from router.gateway.api import adapters
 from router.gateway.sync.ranks import GroupJoin
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -308,6 +309,7 @@ _SPECIAL: dict[str, Handler] = {
     ep.WEIGHT_CHECKER.path: vllm_weight_checker,
     ep.COLLECTIVE_RPC.path: collective_rpc,
     ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE.path: shutdown_weight_transfer_engine,
+    **adapters.HANDLERS,
 }
 
 #: The router's answer where it is not the workers' answers lifted to the fleet.

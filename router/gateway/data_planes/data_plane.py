@@ -169,12 +169,15 @@ class ControlLink:
             await socket.send_str(await self._outbox.get())
 
     async def _report_load(self) -> None:
-        last: dict[str, int] | None = None
+        last: LoadReport | None = None
         while True:
             await asyncio.sleep(LOAD_EVERY_S)
-            now = {w.id: w.inflight for w in self.registry if w.inflight}
+            now = LoadReport(
+                inflight={w.id: w.inflight for w in self.registry if w.inflight},
+                adapters=dict(self.registry.adapters.inflight),
+            )
             if now != last:
-                self.post(LoadReport(inflight=now).model_dump_json())
+                self.post(now.model_dump_json())
                 last = now
             used = self.pins.take_used() if self.pins is not None else []
             if used:

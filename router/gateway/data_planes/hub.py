@@ -75,6 +75,8 @@ class _Plane:
     connected: bool = True
     acked: int = 0
     inflight: dict[str, int] = field(default_factory=dict)
+    adapters: dict[str, int] = field(default_factory=dict)
+    """LoRA adapter name → requests naming it in flight through this plane, as it last reported."""
     acked_event: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -117,6 +119,7 @@ class DataPlaneHub:
         plane = self._planes.pop(index, None)
         if plane is not None:
             self._drop_load(plane)
+            self._count_adapters()
             plane.acked_event.set()
 
     @property
@@ -287,6 +290,8 @@ class DataPlaneHub:
         elif isinstance(message, LoadReport):
             self._drop_load(plane)
             plane.inflight = dict(message.inflight)
+            plane.adapters = dict(message.adapters)
+            self._count_adapters()
             for wid, count in plane.inflight.items():
                 worker = self._registry.find(wid)
                 if worker is not None:
@@ -310,6 +315,14 @@ class DataPlaneHub:
         if not candidates:
             return None
         return self._sessions.choose(message.session, candidates, retry=message.retry).id
+
+    def _count_adapters(self) -> None:
+        """Requests in flight per adapter through every data plane, for an unload's wait."""
+        totals: dict[str, int] = {}
+        for plane in self._planes.values():
+            for name, count in plane.adapters.items():
+                totals[name] = totals.get(name, 0) + count
+        self._registry.adapters.inflight_elsewhere = totals
 
     def _drop_load(self, plane: _Plane) -> None:
         for wid, count in plane.inflight.items():

@@ -16,6 +16,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
 from router.contract.fleet import EngineName, HealthState, LeaderRole
+from router.contract.fleet_adapters import FleetAdapterTable
 from router.gateway.fleet.weights import FleetRecord
 
 
@@ -64,6 +65,8 @@ class RoutingSnapshot(_Message):
     fleet: FleetRecord | None
     gate: GateView | None = None
     """``None`` without leader election: the data planes serve whenever their control process does."""
+    adapters: FleetAdapterTable | None = None
+    """The fleet's LoRA adapters and their holders (``None``: none loaded)."""
 
 
 class LoadElsewhere(_Message):
@@ -119,6 +122,8 @@ class LoadReport(_Message):
     type: Literal["load_report"] = "load_report"
     inflight: dict[str, int]
     """Worker id → requests in flight on it through this process (only non-zero counts)."""
+    adapters: dict[str, int] = {}
+    """LoRA adapter name → requests naming it in flight through this process (only non-zero counts)."""
 
 
 class WorkerRestarted(_Message):

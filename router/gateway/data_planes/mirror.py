@@ -35,7 +35,8 @@ def view_of(registry: WorkerRegistry, version: int, gate: GateView | None = None
         for w in registry
         if not w.removed
     ]
-    return RoutingSnapshot(version=version, workers=workers, fleet=registry.fleet.record, gate=gate)
+    adapters = registry.adapters.table() if registry.adapters else None
+    return RoutingSnapshot(version=version, workers=workers, fleet=registry.fleet.record, gate=gate, adapters=adapters)
 
 
 def routing_key(registry: WorkerRegistry, gate: GateView | None) -> tuple[object, ...]:
@@ -61,12 +62,12 @@ def routing_key(registry: WorkerRegistry, gate: GateView | None) -> tuple[object
         for w in registry
         if not w.removed
     )
-    return (workers, registry.fleet.record, gate)
+    return (workers, registry.fleet.record, gate, registry.adapters.key())
 
 
 def same_routing(a: RoutingSnapshot, b: RoutingSnapshot) -> bool:
     """Whether two snapshots say the same (their versions aside)."""
-    return a.workers == b.workers and a.fleet == b.fleet and a.gate == b.gate
+    return a.workers == b.workers and a.fleet == b.fleet and a.gate == b.gate and a.adapters == b.adapters
 
 
 def apply(registry: WorkerRegistry, snapshot: RoutingSnapshot) -> list[Worker]:
@@ -90,4 +91,5 @@ def apply(registry: WorkerRegistry, snapshot: RoutingSnapshot) -> list[Worker]:
         worker.reported_paused = view.reported_paused
         worker.asleep = view.asleep
     registry.fleet.record = snapshot.fleet
+    registry.adapters.replace(snapshot.adapters)
     return gone

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from router.contract import endpoints as ep
 from router.contract.admin import HealthStatus
+from router.contract.lora_endpoints import LORA_ADMIN
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
 from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
 from router.gateway.engines.base import HEALTH_PATH, Engine
@@ -20,7 +21,7 @@ OMNI_GENERATION = frozenset(
 
 class OmniEngine(Engine):
     name = "omni"
-    admin_paths = frozenset(e.path for e in ep.WORKER_ADMIN)
+    admin_paths = frozenset(e.path for e in (*ep.WORKER_ADMIN, *LORA_ADMIN))
     generation_paths = OMNI_GENERATION
     reports_update_state = True
     decode = staticmethod(decode_answer)

@@ -27,6 +27,7 @@ from router.contract import endpoints as ep
 from router.contract.base import canonical_worker_url
 from router.contract.errors import BadRequest, Conflict, NotFound
 from router.contract.fleet import CatchUpStatus, EngineName, HealthState, WorkerRecord, WorkerSource
+from router.gateway.fleet.adapters import FleetAdapters
 from router.gateway.fleet.weights import FleetWeights, WorkerWeights
 
 #: Broadcasts that change a worker's control state: path → (field, value) once it succeeded there.
@@ -148,6 +149,8 @@ class WorkerRegistry:
 
     thresholds: HealthThresholds = field(default_factory=HealthThresholds)
     fleet: FleetWeights = field(default_factory=lambda: FleetWeights(None))
+    adapters: FleetAdapters = field(default_factory=FleetAdapters)
+    """The fleet's LoRA adapters and who holds which (:mod:`router.gateway.fleet.adapters`)."""
     _workers: dict[str, Worker] = field(default_factory=dict)
 
     def __iter__(self) -> Iterator[Worker]:

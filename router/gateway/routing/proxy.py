@@ -33,6 +33,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from functools import partial
 
 from aiohttp import web
@@ -210,15 +211,23 @@ class GenerateProxy:
         policy = self.request_policy(request)
         raw = await request.read()
         body, abort, fields = prepare(raw, request)
-        headers = self._upstream_headers(request)
-        session = None if self._affinity is None else session_key(request.headers, fields)
-        # The first attempt runs bare (no retry machinery): that is nearly every request.
-        worker = await self.pick_for(policy, session=session, path=path)
+        adapters = self._registry.adapters.named_by(fields) if fields is not None else frozenset()
+        if adapters:
+            policy = replace(policy, adapters=adapters)
+            self._registry.adapters.started(adapters)  # an unload waits for these to end
         try:
-            return await self._attempt(request, worker, path, body, headers, abort, policy)
-        except _Retryable as exc:
-            first = exc
-        return await self._retry(request, path, body, headers, abort, first, session, policy)
+            headers = self._upstream_headers(request)
+            session = None if self._affinity is None else session_key(request.headers, fields)
+            # The first attempt runs bare (no retry machinery): that is nearly every request.
+            worker = await self.pick_for(policy, session=session, path=path)
+            try:
+                return await self._attempt(request, worker, path, body, headers, abort, policy)
+            except _Retryable as exc:
+                first = exc
+            return await self._retry(request, path, body, headers, abort, first, session, policy)
+        finally:
+            if adapters:
+                self._registry.adapters.ended(adapters)
 
     async def _retry(
         self,

@@ -41,7 +41,7 @@ PolicyKind = Literal["latest-only", "max-staleness", "min-version", "any"]
 POLICY_FORMS = "latest-only, max-staleness:K (K >= 0), min-version:V or any"
 
 #: Why a worker was left out of a request's candidates (the ``reason`` label of the metric).
-FILTER_REASONS = ("paused", "fenced", "unhealthy", "pending", "stale", "unversioned", "engine")
+FILTER_REASONS = ("paused", "fenced", "unhealthy", "pending", "stale", "unversioned", "engine", "adapter")
 
 _MAX_CACHED_FLOORS = 256
 
@@ -53,6 +53,9 @@ class VersionPolicy:
     kind: PolicyKind
     staleness: int = 0
     min_version: str | None = None
+    adapters: frozenset[str] = frozenset()
+    """The LoRA adapters the request names: only a worker holding each at its fleet version serves it
+    (:mod:`router.gateway.fleet.adapters`). Not part of ``text``: floors do not depend on it."""
     text: str = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -192,7 +195,9 @@ def admits(registry: WorkerRegistry, policy: VersionPolicy, worker: Worker) -> b
         floor = floor_of(policy, registry.fleet)
     except BadRequest:
         return False
-    return _serves(registry, worker, floor)
+    return _serves(registry, worker, floor) and (
+        not policy.adapters or registry.adapters.holds_all(worker, policy.adapters)
+    )
 
 
 def candidates(
@@ -218,6 +223,8 @@ def candidates(
         elif not _serves(registry, worker, floor):
             reason = rejection(registry, worker, floor) or "fenced"
             filtered[reason] = filtered.get(reason, 0) + 1
+        elif policy.adapters and not registry.adapters.holds_all(worker, policy.adapters):
+            filtered["adapter"] = filtered.get("adapter", 0) + 1
         elif worker.paused or worker.asleep:
             paused.append(worker)
         else:
@@ -255,7 +262,14 @@ def refusal(registry: WorkerRegistry, policy: VersionPolicy, fleet_state: str) -
             "staleness": None if sequence is None else fleet.latest_sequence - sequence,
             "left_out": rejection(registry, worker, floor),
         }
-    if policy.kind == "latest-only":
+    if policy.adapters:
+        names = ", ".join(sorted(policy.adapters))
+        holding = [w.id for w in registry.workers() if registry.adapters.holds_all(w, policy.adapters)]
+        message = (
+            f"no routable worker holds LoRA adapter(s) {names} at the fleet's version (held by: "
+            f"{', '.join(holding) or 'none'}); {fleet_state}"
+        )
+    elif policy.kind == "latest-only":
         message = fleet_state
     else:
         parts = []

@@ -1,0 +1,145 @@
+"""The fleet's LoRA adapters: which exist, at which fleet version, who holds it, and who uses it now.
+
+The control process changes the table only through fleet-wide loads and unloads
+(:mod:`router.gateway.sync.adapters`); a data plane holds a copy from the routing snapshot. Entries are
+replaced, never changed in place, so a snapshot's change check compares them by identity first.
+
+A request names adapters as SGLang and vLLM do: ``lora_path`` on ``/generate`` (one name, or one per
+prompt of a batch), ``model`` on the OpenAI routes (an adapter's name, or SGLang's
+``<base>:<adapter>``). A ``lora_path`` the fleet has not loaded is a 404 naming the loaded ones; a
+``model`` that names no adapter is the base model, as the workers read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any, Protocol
+
+from router.contract.errors import NotFound
+from router.contract.fleet_adapters import AdapterHolding, FleetAdapter, FleetAdapterTable
+
+
+class Holder(Protocol):
+    """A worker as the table reads it (:class:`~router.gateway.fleet.registry.Worker`)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def instance_id(self) -> str | None: ...
+
+
+class FleetAdapters:
+    """Every adapter of the fleet (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self._table: dict[str, FleetAdapter] = {}
+        self.inflight: dict[str, int] = {}
+        """Requests this process has in flight per adapter name (only non-zero counts)."""
+        self.inflight_elsewhere: dict[str, int] = {}
+        """The same, through the router's data-plane processes, as they last reported (the control process)."""
+
+    def __bool__(self) -> bool:
+        return bool(self._table)
+
+    def get(self, name: str) -> FleetAdapter | None:
+        return self._table.get(name)
+
+    def serving_names(self) -> list[str]:
+        return sorted(name for name, entry in self._table.items() if entry.serving)
+
+    def holds(self, worker: Holder, name: str) -> bool:
+        """Whether ``worker`` serves ``name`` at its fleet version, from the process it was loaded into."""
+        entry = self._table.get(name)
+        if entry is None or not entry.serving:
+            return False
+        held = entry.holders.get(worker.id)
+        return held is not None and held.version == entry.version and held.instance_id == worker.instance_id
+
+    def holds_all(self, worker: Holder, names: Iterable[str]) -> bool:
+        return all(self.holds(worker, name) for name in names)
+
+    def named_by(self, fields: Mapping[str, Any] | None) -> frozenset[str]:
+        """The adapters a generation request's body names; 404 for a ``lora_path`` the fleet does not serve."""
+        if not fields or (not self._table and "lora_path" not in fields):
+            return frozenset()
+        names: set[str] = set()
+        lora_path = fields.get("lora_path")
+        if isinstance(lora_path, str):
+            names.add(lora_path)
+        elif isinstance(lora_path, list):
+            names.update(n for n in lora_path if isinstance(n, str))
+        model = fields.get("model")
+        if not names and isinstance(model, str):
+            _, sep, tail = model.partition(":")
+            named = model if model in self._table else tail if sep and tail in self._table else None
+            if named is not None:
+                names.add(named)
+        for name in sorted(names):
+            entry = self._table.get(name)
+            if entry is None or not entry.serving:
+                loaded = ", ".join(self.serving_names()) or "none"
+                why = "is being unloaded" if entry is not None else "is not loaded on the fleet"
+                raise NotFound(f"LoRA adapter {name!r} {why} (loaded: {loaded})")
+        return frozenset(names)
+
+    # -- requests in flight ---------------------------------------------------------------
+    def started(self, names: Iterable[str]) -> None:
+        for name in names:
+            self.inflight[name] = self.inflight.get(name, 0) + 1
+
+    def ended(self, names: Iterable[str]) -> None:
+        for name in names:
+            left = self.inflight.get(name, 0) - 1
+            if left > 0:
+                self.inflight[name] = left
+            else:
+                self.inflight.pop(name, None)
+
+    def in_flight(self, name: str) -> int:
+        """Requests naming ``name`` in flight through this router (every process, as last reported)."""
+        return self.inflight.get(name, 0) + self.inflight_elsewhere.get(name, 0)
+
+    # -- changes (the control process, under the update lock) ----------------------------------
+    def record_load(self, name: str, source: str, holders: Iterable[Holder]) -> FleetAdapter:
+        """A load that succeeded on every target: the name's next fleet version, held by exactly ``holders``."""
+        previous = self._table.get(name)
+        version = 1 if previous is None else previous.version + 1
+        held = {w.id: AdapterHolding(version=version, instance_id=w.instance_id) for w in holders}
+        entry = self._table[name] = FleetAdapter(name=name, version=version, source=source, holders=held)
+        return entry
+
+    def forget_holders(self, name: str, worker_ids: Iterable[str]) -> None:
+        """These workers hold no known version of ``name`` any more (a rollback that did not answer)."""
+        entry = self._table.get(name)
+        drop = set(worker_ids)
+        if entry is not None and drop & entry.holders.keys():
+            holders = {wid: h for wid, h in entry.holders.items() if wid not in drop}
+            self._table[name] = entry.model_copy(update={"holders": holders})
+
+    def stop_serving(self, name: str) -> FleetAdapter:
+        """The start of an unload: requests naming ``name`` are refused from now on."""
+        entry = self._table[name]
+        stopped = self._table[name] = entry.model_copy(update={"serving": False})
+        return stopped
+
+    def resume_serving(self, name: str) -> None:
+        """An unload that did not reach every holder: the adapter serves again from those that still hold it."""
+        entry = self._table.get(name)
+        if entry is not None and not entry.serving:
+            self._table[name] = entry.model_copy(update={"serving": True})
+
+    def remove(self, name: str) -> None:
+        self._table.pop(name, None)
+
+    # -- the snapshot ------------------------------------------------------------------------
+    def table(self) -> FleetAdapterTable:
+        return FleetAdapterTable(adapters=[self._table[name] for name in sorted(self._table)])
+
+    def key(self) -> tuple[FleetAdapter, ...]:
+        """What :meth:`table` would say, cheaply (entries are replaced on every change)."""
+        return tuple(self._table[name] for name in sorted(self._table))
+
+    def replace(self, table: FleetAdapterTable | None) -> None:
+        """A data plane takes the control process's table."""
+        self._table = {} if table is None else {entry.name: entry for entry in table.adapters}

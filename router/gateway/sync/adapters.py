@@ -1,0 +1,193 @@
+"""LoRA adapters across the fleet: loaded on every live worker or on none, unloaded once unused.
+
+- **A load or an update** (SGLang's ``/load_lora_adapter`` and ``/load_lora_adapter_from_tensors``, vLLM's
+  ``/v1/load_lora_adapter``) goes to every live worker under the update lock. When every one succeeds, the
+  name's next *fleet version* is recorded, held by exactly those workers (from the process each was
+  loaded into), and requests naming it go to them only (:mod:`router.gateway.fleet.adapters`). When one
+  fails, the workers that took it are rolled back to what they held: the previous version loaded again
+  from its path, or the adapter unloaded when it is new. A worker that cannot be rolled back (no answer,
+  or a previous version sent as tensors, which the router does not keep) and one whose own failure may
+  have changed it (no answer) hold no version of the adapter from then on: no request naming it goes
+  there until a later load succeeds. That is the fence rule, kept to the one adapter: the worker still
+  serves the base model and every other adapter.
+- **An unload** first stops routing the adapter (every data plane has applied it before anything is
+  sent), then waits, within :data:`UNLOAD_DRAIN_S`, for the requests naming it to end, then unloads it
+  from the workers that hold it. Past the bound it unloads anyway: an omni-worker finishes a request with
+  the adapter it started with.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from router.contract import lora
+from router.contract.errors import NotFound
+from router.contract.fleet_adapters import FleetAdapter
+from router.contract.fleet_answers import FleetAnswer, WorkerResult
+from router.contract.lora import TENSOR_SOURCE
+from router.gateway.admin.answers import Outcome, fleet_answer, summarize
+from router.gateway.admin.fanout import AdminCall
+from router.gateway.admin.locked import AdminContext, AdminRun
+from router.gateway.admin.operations import LORA_LOAD, LORA_UNLOAD, V1_LORA_LOAD, V1_LORA_UNLOAD, Operation
+from router.gateway.fleet.registry import Worker
+
+#: How long an unload waits for the requests naming its adapter to end before it unloads anyway.
+UNLOAD_DRAIN_S = 30.0
+#: How long an unload waits, once routing stopped, before it trusts the data planes' counts of requests in
+#: flight: longer than their report period (0.25 s) and its delivery, so a request admitted just before the
+#: stop has been counted.
+REPORTS_CATCH_UP_S = 0.75
+#: How often an unload looks at those counts.
+DRAIN_POLL_S = 0.05
+
+LoadRequest = lora.LoadLoraAdapterRequest | lora.LoadLoraAdapterFromTensorsRequest | lora.VllmLoadLoraAdapterRequest
+UnloadRequest = lora.UnloadLoraAdapterRequest | lora.VllmUnloadLoraAdapterRequest
+LoraAnswer = lora.LoraUpdateResult | lora.VllmLoraResult
+
+
+def _source(req: LoadRequest) -> str:
+    return TENSOR_SOURCE if isinstance(req, lora.LoadLoraAdapterFromTensorsRequest) else req.lora_path
+
+
+def _untouched(result: WorkerResult[LoraAnswer]) -> bool:
+    """A failed load that changed nothing: the worker answered a refusal (a load is atomic on the worker)."""
+    return result.status_code is not None and 400 <= result.status_code < 500
+
+
+def _rollback(
+    call: AdminCall[LoadRequest, LoraAnswer], previous: FleetAdapter | None
+) -> AdminCall[Any, LoraAnswer] | None:
+    """The call that puts a worker back to ``previous`` (``None``: the adapter was new), or ``None`` when that
+    cannot be done (the previous version came as tensors, which the router does not keep)."""
+    name = call.request.lora_name
+    vllm = isinstance(call.request, lora.VllmLoadLoraAdapterRequest)
+    op: Operation[Any, LoraAnswer]
+    req: Any
+    if previous is None:
+        op, req = (
+            (V1_LORA_UNLOAD, lora.VllmUnloadLoraAdapterRequest)
+            if vllm
+            else (LORA_UNLOAD, lora.UnloadLoraAdapterRequest)
+        )
+        req = req(lora_name=name)
+    elif previous.source == TENSOR_SOURCE:
+        return None
+    elif vllm:
+        op, req = (
+            V1_LORA_LOAD,
+            lora.VllmLoadLoraAdapterRequest(lora_name=name, lora_path=previous.source, load_inplace=True),
+        )
+    else:
+        op, req = LORA_LOAD, lora.LoadLoraAdapterRequest(lora_name=name, lora_path=previous.source)
+    return AdminCall(op, "POST", req, call.headers, timeout_s=op.router_wait(req))
+
+
+async def load_adapter(
+    ctx: AdminContext, op: Operation[LoadRequest, LoraAnswer], call: AdminCall[LoadRequest, LoraAnswer]
+) -> Outcome[LoraAnswer]:
+    """Load (or update) one adapter on every live worker, or on none (see the module docstring)."""
+    name = call.request.lora_name
+    adapters = ctx.registry.adapters
+    async with AdminRun.open(op, ctx) as run:
+        targets = ctx.live_targets(serving=op.path)
+        previous = adapters.get(name)
+        results = await run.fan_out(targets, call)
+        failed = [r for r in results if not r.success]
+        if not failed:
+            adapters.record_load(name, _source(call.request), targets)
+            ctx.barrier.announce()
+            run.outcome = "success"
+            return Outcome(200, fleet_answer(op, results, "ok"))
+        by_id = {w.id: w for w in targets}
+        took = [by_id[r.worker] for r in results if r.success]
+        unknown = [r.worker for r in failed if not _untouched(r)]
+        stuck = await _roll_back(run, call, previous, took)
+        adapters.forget_holders(name, [*unknown, *stuck])
+        ctx.barrier.announce()
+        message = f"{len(failed)} of {len(results)} worker(s) failed {op.path}: {summarize(failed)}"
+        if took:
+            message += f"; rolled back on {len(took) - len(stuck)} of {len(took)} worker(s) that had loaded it"
+        if unknown or stuck:
+            message += (
+                f"; {', '.join([*unknown, *stuck])} hold no known version of {name!r} and get no request naming it "
+                "until a load of it succeeds"
+            )
+        refused = not took and not unknown
+        run.outcome = "refused" if refused else "failure"
+        error = {"message": message}
+        return Outcome(400 if refused else 502, fleet_answer(op, results, message, success=False, error=error))
+
+
+async def _roll_back(
+    run: AdminRun[LoadRequest, LoraAnswer],
+    call: AdminCall[LoadRequest, LoraAnswer],
+    previous: FleetAdapter | None,
+    took: Sequence[Worker],
+) -> list[str]:
+    """Put ``took`` back as they were; the ids of those it could not."""
+    if not took:
+        return []
+    back = _rollback(call, previous)
+    if back is None:
+        return [w.id for w in took]
+    results = await run.ctx.fanout.to_all(took, back)
+    return [r.worker for r in results if not r.success]
+
+
+async def unload_adapter(
+    ctx: AdminContext, op: Operation[UnloadRequest, LoraAnswer], call: AdminCall[UnloadRequest, LoraAnswer]
+) -> Outcome[LoraAnswer]:
+    """Stop routing the adapter, let its requests end (bounded), unload it from its holders."""
+    name = call.request.lora_name
+    adapters = ctx.registry.adapters
+    async with AdminRun.open(op, ctx) as run:
+        entry = adapters.get(name)
+        if entry is None:
+            loaded = ", ".join(adapters.serving_names()) or "none"
+            raise NotFound(f"LoRA adapter {name!r} is not loaded on the fleet (loaded: {loaded})")
+        holders = [w for w in ctx.live_targets(serving=op.path) if _holds_any(entry, w)]
+        adapters.stop_serving(name)
+        ctx.barrier.announce()
+        try:
+            await ctx.barrier.confirm(f"unload of {name!r} refused")
+        except BaseException:
+            adapters.resume_serving(name)
+            ctx.barrier.announce()
+            raise
+        await _drain(ctx, name)
+        results = await run.fan_out(holders, call) if holders else []
+        outcome = await run.settle(results) if results else Outcome(200, _nobody(op))
+        if outcome.ok:
+            adapters.remove(name)
+        else:
+            # Those that unloaded it hold it no more; the others still do and serve it again.
+            adapters.forget_holders(name, [r.worker for r in results if r.success])
+            adapters.resume_serving(name)
+        ctx.barrier.announce()
+        return outcome
+
+
+def _holds_any(entry: FleetAdapter, worker: Worker) -> bool:
+    """Holds some version of the adapter, in the process it was loaded into (a restarted one holds none)."""
+    held = entry.holders.get(worker.id)
+    return held is not None and held.instance_id == worker.instance_id
+
+
+async def _drain(ctx: AdminContext, name: str) -> None:
+    """Wait for the requests naming ``name`` to end, within :data:`UNLOAD_DRAIN_S`."""
+    adapters = ctx.registry.adapters
+    await asyncio.sleep(REPORTS_CATCH_UP_S)
+    deadline = time.monotonic() + UNLOAD_DRAIN_S
+    # Counts that data planes report, not an event this process could wait on: polled.
+    while adapters.in_flight(name):
+        if time.monotonic() >= deadline:
+            return
+        await asyncio.sleep(DRAIN_POLL_S)
+
+
+def _nobody(op: Operation[UnloadRequest, LoraAnswer]) -> FleetAnswer[LoraAnswer]:
+    """The answer of an unload that no live worker had to take (no holder is live): it is simply forgotten."""
+    return fleet_answer(op, [], "no live worker held it")

@@ -1,0 +1,182 @@
+"""LoRA adapters across a fleet through the router: loaded everywhere or nowhere, routed to their holders,
+unloaded once their requests end.
+
+Two real omni-workers behind a router with two data-plane processes (the snapshot carries the adapter
+table, the load reports carry the requests in flight per adapter). The workers differ in
+``--max-lora-rank`` only, so a rank-8 adapter loads on one and is refused by the other: the all-or-nothing
+path runs against real refusals. Tokens are checked against transformers + PEFT on the same adapter.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests._lora_helpers import hf_model, reference_greedy, write_adapter
+from tests._router_fixtures import start_router
+from tests._tiers import process_fixture
+from tests.procs import http_json, start_worker
+
+PROMPT = [5, 17, 42, 9, 3]
+STEPS = 6
+LORA_ARGS = ["--enable-lora", "--max-loras", "3", "--step-delay-ms", "20"]
+
+
+@pytest.fixture(scope="module")
+def made(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """PEFT adapters on the llama checkpoint (``plain`` rank 8, ``rslora`` rank 4) and their greedy tokens."""
+    root = tmp_path_factory.mktemp("router-lora")
+    out: dict[str, Any] = {"base": reference_greedy(hf_model(checkpoints["llama"]), PROMPT, STEPS)}
+    for label in ("plain", "rslora"):
+        path, model = write_adapter(checkpoints["llama"], label, root / label)
+        out[label] = (str(path), reference_greedy(model, PROMPT, STEPS))
+    return out
+
+
+@process_fixture(scope="module")
+def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[str, list[str]]]:
+    """(router URL, [worker taking rank 8, worker taking rank 4 at most])."""
+    wide = start_worker(checkpoints["llama"], extra_args=[*LORA_ARGS, "--max-lora-rank", "16"])
+    narrow = start_worker(checkpoints["llama"], extra_args=[*LORA_ARGS, "--max-lora-rank", "4"])
+    procs = [wide, narrow]
+    try:
+        router, url = start_router([u for _, u in procs], extra_args=["--data-plane-processes", "2"], wait_healthy=2)
+        try:
+            yield url, [u for _, u in procs]
+        finally:
+            router.stop()
+    finally:
+        for proc, _ in procs:
+            proc.stop()
+
+
+def _post(url: str, path: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
+    return http_json("POST", url + path, body, timeout=timeout)
+
+
+def _generate(url: str, lora_path: str | None = None, steps: int = STEPS) -> tuple[int, Any]:
+    body: dict[str, Any] = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": steps, "temperature": 0.0, "ignore_eos": True},
+    }
+    if lora_path is not None:
+        body["lora_path"] = lora_path
+    return _post(url, "/generate", body)
+
+
+def _table(url: str) -> dict[str, Any]:
+    status, body = http_json("GET", url + "/fleet/adapters", timeout=10)
+    assert status == 200, body
+    return {entry["name"]: entry for entry in body["adapters"]}
+
+
+def _loaded_on(worker_url: str) -> set[str]:
+    status, body = http_json("GET", worker_url + "/v1/models", timeout=10)
+    assert status == 200, body
+    return {card["id"] for card in body["data"] if card.get("parent")}
+
+
+def _wait_routed(url: str, name: str, expected: list[int]) -> None:
+    """The data planes apply the snapshot that carries a load within moments: poll until one serves it."""
+    deadline = time.monotonic() + 10
+    while True:
+        status, answer = _generate(url, name)
+        if status == 200:
+            assert answer["output_ids"] == expected
+            return
+        assert status == 404 and time.monotonic() < deadline, (status, answer)
+        time.sleep(0.1)
+
+
+def test_a_load_that_every_worker_takes_is_routed_to_its_holders(fleet: Any, made: dict[str, Any]) -> None:
+    url, workers = fleet
+    status, answer = _post(url, "/load_lora_adapter", {"lora_name": "small", "lora_path": made["rslora"][0]})
+    assert status == 200 and answer["success"] and answer["worker_count"] == 2, answer
+    entry = _table(url)["small"]
+    assert (
+        entry["version"] == 1
+        and entry["serving"]
+        and sorted(entry["holders"]) == sorted(r["worker"] for r in answer["results"])
+    )
+    _wait_routed(url, "small", made["rslora"][1])
+    for _ in range(4):  # either worker serves it, with the adapter's tokens
+        status, out = _generate(url, "small")
+        assert status == 200 and out["output_ids"] == made["rslora"][1] and out["meta_info"]["lora_name"] == "small"
+    status, out = _generate(url)
+    assert status == 200 and out["output_ids"] == made["base"]
+    # OpenAI routes choose it by model.
+    body = {"model": "small", "prompt": PROMPT, "max_tokens": STEPS, "temperature": 0, "return_token_ids": True}
+    status, out = _post(url, "/v1/completions", {**body, "ignore_eos": True})
+    assert status == 200 and out["choices"][0]["token_ids"] == made["rslora"][1], out
+    for w in workers:
+        assert "small" in _loaded_on(w)
+
+
+def test_an_adapter_no_worker_holds_is_a_404_naming_the_loaded_ones(fleet: Any, made: dict[str, Any]) -> None:
+    url, _ = fleet
+    status, answer = _generate(url, "nowhere")
+    assert status == 404 and "'nowhere'" in answer["error"]["message"] and "loaded:" in answer["error"]["message"]
+
+
+def test_a_load_one_worker_refuses_is_rolled_back_everywhere(fleet: Any, made: dict[str, Any]) -> None:
+    url, (wide, narrow) = fleet
+    status, answer = _post(url, "/load_lora_adapter", {"lora_name": "big", "lora_path": made["plain"][0]})
+    assert status in (400, 502) and not answer["success"], answer
+    assert "rolled back on 1 of 1" in answer["message"], answer["message"]
+    assert "big" not in _table(url)
+    assert "big" not in _loaded_on(wide) and "big" not in _loaded_on(narrow)
+    status, _ = _generate(url, "big")
+    assert status == 404
+    # An update that one worker refuses leaves every worker on the version the fleet had.
+    _post(url, "/load_lora_adapter", {"lora_name": "kept", "lora_path": made["rslora"][0]})
+    _wait_routed(url, "kept", made["rslora"][1])
+    status, answer = _post(url, "/load_lora_adapter", {"lora_name": "kept", "lora_path": made["plain"][0]})
+    assert not answer["success"] and "rolled back on 1 of 1" in answer["message"], answer
+    entry = _table(url)["kept"]
+    assert entry["version"] == 1 and len(entry["holders"]) == 2 and entry["source"] == made["rslora"][0]
+    for _ in range(4):
+        status, out = _generate(url, "kept")
+        assert status == 200 and out["output_ids"] == made["rslora"][1]
+
+
+def test_an_unload_waits_for_the_requests_naming_the_adapter(fleet: Any, made: dict[str, Any]) -> None:
+    url, workers = fleet
+    _post(url, "/load_lora_adapter", {"lora_name": "going", "lora_path": made["rslora"][0]})
+    _wait_routed(url, "going", made["rslora"][1])
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        running = pool.submit(_generate, url, "going", 40)  # 20 ms a step: about a second
+        time.sleep(0.3)
+        status, answer = _post(url, "/unload_lora_adapter", {"lora_name": "going"})
+        status_running, out = running.result(timeout=60)
+    assert status == 200 and answer["success"], answer
+    assert status_running == 200 and out["meta_info"]["finish_reason"]["type"] == "length"
+    assert out["output_ids"][:STEPS] == made["rslora"][1]
+    assert "going" not in _table(url)
+    for w in workers:
+        assert "going" not in _loaded_on(w)
+    status, refused = _generate(url, "going")
+    assert status == 404 and "'going'" in refused["error"]["message"]
+    status, _ = _post(url, "/unload_lora_adapter", {"lora_name": "going"})
+    assert status == 404
+
+
+def test_the_trainer_client_pushes_an_adapter_in_one_call(fleet: Any, made: dict[str, Any]) -> None:
+    from router.trainer import RouterCallError, RouterClient
+
+    url, _ = fleet
+    client = RouterClient(url)
+    answer = client.load_lora_adapter("policy-v1", made["rslora"][0])
+    assert answer.success and answer.worker_count == 2
+    assert {r.body.lora_version for r in answer.results if r.body is not None} == {1}
+    assert "policy-v1" in {entry.name for entry in client.fleet_adapters().adapters}
+    _wait_routed(url, "policy-v1", made["rslora"][1])
+    with pytest.raises(RouterCallError) as refused:  # a worker's rank limit: nowhere, rolled back where taken
+        client.load_lora_adapter("policy-v2", made["plain"][0])
+    assert refused.value.failed_workers() and "policy-v2" not in _table(url)
+    assert client.unload_lora_adapter("policy-v1").success
+    assert "policy-v1" not in _table(url)
