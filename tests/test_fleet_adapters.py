@@ -53,6 +53,10 @@ def test_only_holders_of_the_fleet_version_from_the_same_process_serve() -> None
     assert table.get("policy").version == 2 and table.holds(A, "policy") and not table.holds(B, "policy")
     table.forget_holders("policy", ["w-a"])
     assert not table.holds(A, "policy") and table.get("policy").holders == {}
+    # Catch-up gives a worker the fleet version; a version the fleet has left is not recorded.
+    table.add_holder("policy", "w-b", 2, "i2")
+    table.add_holder("policy", "w-a", 1, "i1")
+    assert table.holds(B, "policy") and not table.holds(A, "policy")
 
 
 def test_an_unload_stops_routing_first_and_can_be_undone() -> None:

@@ -39,15 +39,15 @@ def made(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
 
 
 @process_fixture(scope="module")
-def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[str, list[str]]]:
-    """(router URL, [worker taking rank 8, worker taking rank 4 at most])."""
+def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[str, list[str], list[Any]]]:
+    """(router URL, [worker taking rank 8, worker taking rank 4 at most], their processes)."""
     wide = start_worker(checkpoints["llama"], extra_args=[*LORA_ARGS, "--max-lora-rank", "16"])
     narrow = start_worker(checkpoints["llama"], extra_args=[*LORA_ARGS, "--max-lora-rank", "4"])
     procs = [wide, narrow]
     try:
         router, url = start_router([u for _, u in procs], extra_args=["--data-plane-processes", "2"], wait_healthy=2)
         try:
-            yield url, [u for _, u in procs]
+            yield url, [u for _, u in procs], [p for p, _ in procs]
         finally:
             router.stop()
     finally:
@@ -94,7 +94,7 @@ def _wait_routed(url: str, name: str, expected: list[int]) -> None:
 
 
 def test_a_load_that_every_worker_takes_is_routed_to_its_holders(fleet: Any, made: dict[str, Any]) -> None:
-    url, workers = fleet
+    url, workers, _ = fleet
     status, answer = _post(url, "/load_lora_adapter", {"lora_name": "small", "lora_path": made["rslora"][0]})
     assert status == 200 and answer["success"] and answer["worker_count"] == 2, answer
     entry = _table(url)["small"]
@@ -118,13 +118,13 @@ def test_a_load_that_every_worker_takes_is_routed_to_its_holders(fleet: Any, mad
 
 
 def test_an_adapter_no_worker_holds_is_a_404_naming_the_loaded_ones(fleet: Any, made: dict[str, Any]) -> None:
-    url, _ = fleet
+    url, _, _ = fleet
     status, answer = _generate(url, "nowhere")
     assert status == 404 and "'nowhere'" in answer["error"]["message"] and "loaded:" in answer["error"]["message"]
 
 
 def test_a_load_one_worker_refuses_is_rolled_back_everywhere(fleet: Any, made: dict[str, Any]) -> None:
-    url, (wide, narrow) = fleet
+    url, (wide, narrow), _ = fleet
     status, answer = _post(url, "/load_lora_adapter", {"lora_name": "big", "lora_path": made["plain"][0]})
     assert status in (400, 502) and not answer["success"], answer
     assert "rolled back on 1 of 1" in answer["message"], answer["message"]
@@ -145,7 +145,7 @@ def test_a_load_one_worker_refuses_is_rolled_back_everywhere(fleet: Any, made: d
 
 
 def test_an_unload_waits_for_the_requests_naming_the_adapter(fleet: Any, made: dict[str, Any]) -> None:
-    url, workers = fleet
+    url, workers, _ = fleet
     _post(url, "/load_lora_adapter", {"lora_name": "going", "lora_path": made["rslora"][0]})
     _wait_routed(url, "going", made["rslora"][1])
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -168,7 +168,7 @@ def test_an_unload_waits_for_the_requests_naming_the_adapter(fleet: Any, made: d
 def test_the_trainer_client_pushes_an_adapter_in_one_call(fleet: Any, made: dict[str, Any]) -> None:
     from router.trainer import RouterCallError, RouterClient
 
-    url, _ = fleet
+    url, _, _ = fleet
     client = RouterClient(url)
     answer = client.load_lora_adapter("policy-v1", made["rslora"][0])
     assert answer.success and answer.worker_count == 2
@@ -180,3 +180,24 @@ def test_the_trainer_client_pushes_an_adapter_in_one_call(fleet: Any, made: dict
     assert refused.value.failed_workers() and "policy-v2" not in _table(url)
     assert client.unload_lora_adapter("policy-v1").success
     assert "policy-v1" not in _table(url)
+
+
+def test_a_restarted_worker_is_given_the_fleets_adapters_before_it_serves_them(
+    fleet: Any, made: dict[str, Any]
+) -> None:
+    url, (wide, _), (wide_proc, _) = fleet
+    _post(url, "/load_lora_adapter", {"lora_name": "back", "lora_path": made["rslora"][0]})
+    _wait_routed(url, "back", made["rslora"][1])
+    wide_proc.kill()
+    wide_proc.start()
+    wide_proc.wait_http_ready(wide + "/health", timeout=90)
+    assert "back" not in _loaded_on(wide)  # a new process holds nothing
+    deadline = time.monotonic() + 30
+    while "back" not in _loaded_on(wide) or len(_table(url)["back"]["holders"]) < 2:
+        assert time.monotonic() < deadline, (_table(url), _loaded_on(wide))
+        time.sleep(0.2)
+    holding = _table(url)["back"]["holders"]
+    assert {h["version"] for h in holding.values()} == {1}
+    for _ in range(4):  # both workers serve it again, with its tokens
+        status, out = _generate(url, "back")
+        assert status == 200 and out["output_ids"] == made["rslora"][1], out

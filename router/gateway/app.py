@@ -39,6 +39,7 @@ from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal, keep_fence
 from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.api import adapters, admin, fleet, fleet_versions, openai, rl, tokens
+from router.gateway.catch_up.adapters import adapter_catch_up_ctx
 from router.gateway.catch_up.fleet_state import control_sync_ctx
 from router.gateway.catch_up.joiners import catch_up_ctx
 from router.gateway.config import RouterConfig
@@ -308,6 +309,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app.cleanup_ctx.append(discovery_ctx)
     app.cleanup_ctx.append(catch_up_ctx)  # after the worker client: stopped before it closes
     app.cleanup_ctx.append(control_sync_ctx)
+    app.cleanup_ctx.append(adapter_catch_up_ctx)
     if leader is not None:
         leader.install(app)  # last: its takeover needs everything above
     return app

@@ -109,6 +109,13 @@ class FleetAdapters:
         entry = self._table[name] = FleetAdapter(name=name, version=version, source=source, holders=held)
         return entry
 
+    def add_holder(self, name: str, worker_id: str, version: int, instance_id: str | None) -> None:
+        """A worker was given ``name``'s fleet ``version`` (catch-up): it holds it from the process ``instance_id``."""
+        entry = self._table.get(name)
+        if entry is not None and entry.version == version:
+            holders = {**entry.holders, worker_id: AdapterHolding(version=version, instance_id=instance_id)}
+            self._table[name] = entry.model_copy(update={"holders": holders})
+
     def forget_holders(self, name: str, worker_ids: Iterable[str]) -> None:
         """These workers hold no known version of ``name`` any more (a rollback that did not answer)."""
         entry = self._table.get(name)

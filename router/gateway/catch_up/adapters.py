@@ -1,0 +1,127 @@
+"""A worker that joins or restarts is given the fleet's LoRA adapters before any request naming them goes there.
+
+The fleet's adapter table (:mod:`router.gateway.fleet.adapters`) says who holds each adapter's fleet
+version, and in which process. A worker that holds none of a serving adapter (it joined after the
+load, it restarted, or a rollback left it without one) is simply not a candidate for requests naming
+it; this loop gives it the adapter: the fleet version's path, loaded with SGLang's
+``/load_lora_adapter`` under the admin update lock, one worker and one adapter at a time. Once the
+load succeeds the worker holds the fleet version, in the process it was loaded into, and the next
+routing snapshot sends it requests naming the adapter.
+
+An adapter the fleet received as tensors cannot be given (the router does not keep them): such a worker
+gets no request naming it until the next fleet-wide load. Only workers that serve the route and take
+traffic are given adapters (a pending, fenced, dead or departed worker is left alone; one that catches
+up on its weights first gets them afterwards). Failures back off per worker as catch-ups do. It runs
+only in the control process, and with ``--leader-election`` only on the leader.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from router.contract.errors import Unavailable
+from router.contract.fleet_adapters import FleetAdapter
+from router.contract.lora import TENSOR_SOURCE, LoadLoraAdapterRequest
+from router.contract.lora_endpoints import LOAD_LORA_ADAPTER
+from router.gateway import keys
+from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.catch_up.joiners import LOCK_WAIT_S, SCAN_S, backoff_s
+from router.gateway.engines import serves
+from router.gateway.fleet.registry import Worker
+from router.gateway.leader.gate import LeaderGate
+from router.gateway.tasks import every, running
+from router.gateway.upstream import WorkerClient
+
+log = logging.getLogger(__name__)
+
+LOCK_HOLDER = "giving a worker the fleet's LoRA adapters"
+
+
+class AdapterCatchUp:
+    """The scan loop and one adapter load at a time (see the module docstring)."""
+
+    def __init__(
+        self, ctx: AdminContext, workers: WorkerClient, *, headers: dict[str, str], leader: LeaderGate | None = None
+    ):
+        self._ctx = ctx
+        self._workers = workers
+        self._headers = headers
+        self._leader = leader
+        self._next_try: dict[str, tuple[int, float]] = {}
+        """Worker id → (failed attempts, when the next may start)."""
+
+    def missing(self, worker: Worker) -> FleetAdapter | None:
+        """The first adapter ``worker`` should hold and does not, if it can be given one now."""
+        registry = self._ctx.registry
+        if not registry.is_routable(worker) or worker.update_holds or worker.instance_id is None:
+            return None
+        if not serves(worker, LOAD_LORA_ADAPTER.path):
+            return None
+        for name in registry.adapters.serving_names():
+            entry = registry.adapters.get(name)
+            if entry is not None and entry.source != TENSOR_SOURCE and not registry.adapters.holds(worker, name):
+                return entry
+        return None
+
+    async def run(self) -> None:
+        await every(lambda: SCAN_S, self.scan, "adapter catch-up scan")
+
+    async def scan(self) -> None:
+        if not self._ctx.registry.adapters or (self._leader is not None and not self._leader.is_open):
+            return
+        now = time.monotonic()
+        for worker in self._ctx.registry:
+            entry = self.missing(worker)
+            if entry is None:
+                self._next_try.pop(worker.id, None)
+                continue
+            attempts, at = self._next_try.get(worker.id, (0, 0.0))
+            if at <= now:
+                await self.give(worker, entry.name, attempts)
+                return  # one at a time
+
+    async def give(self, worker: Worker, name: str, attempts: int) -> bool:
+        """Load the fleet version of ``name`` into ``worker`` under the update lock; True once it holds it."""
+        try:
+            lock = await LockHold.take(self._ctx.gate, LOCK_HOLDER, timeout_s=LOCK_WAIT_S)
+        except Unavailable:
+            return False  # an update holds the lock; look again at the next scan
+        try:
+            entry = self.missing(worker)  # the table may have changed while the lock was taken
+            if entry is None or entry.name != name:
+                return True
+            instance = worker.instance_id
+            request = LoadLoraAdapterRequest(lora_name=name, lora_path=entry.source)
+            answer = await self._workers.call(worker.url, LOAD_LORA_ADAPTER, request, headers=self._headers)
+            if answer.value is not None and answer.value.ok:
+                self._ctx.registry.adapters.add_holder(name, worker.id, entry.version, instance)
+                self._ctx.barrier.announce()
+                self._next_try.pop(worker.id, None)
+                log.info(
+                    "worker %s (%s) was given LoRA adapter %r (fleet version %d)",
+                    worker.id,
+                    worker.url,
+                    name,
+                    entry.version,
+                )
+                return True
+            error = answer.error or "no usable answer"
+        finally:
+            lock.release()
+        delay = backoff_s(attempts + 1)
+        self._next_try[worker.id] = (attempts + 1, time.monotonic() + delay)
+        log.warning("giving worker %s LoRA adapter %r failed (%s); next try in %.0fs", worker.id, name, error, delay)
+        return False
+
+
+async def adapter_catch_up_ctx(app: web.Application) -> AsyncIterator[None]:
+    """An aiohttp cleanup context: the scan loop for as long as the app runs."""
+    catch_up = AdapterCatchUp(
+        app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
+    )
+    async with running(catch_up.run(), "adapter-catch-up"):
+        yield
