@@ -27,7 +27,7 @@ from router.gateway.admin.operations import Operation, parametrized
 from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
-from router.gateway.upstream.answer import decode_answer
+from router.gateway.upstream.answer import decode_answer, decode_plain
 
 Req = TypeVar("Req", bound=WireRequest)
 Resp = TypeVar("Resp", bound=WireResponse)
@@ -67,6 +67,7 @@ class FanOut:
     async def call(self, worker: Worker, call: AdminCall[Req, Resp]) -> WorkerResult[Resp]:
         start = time.perf_counter()
         engine = engine_of(worker)
+        decode = decode_plain if call.op.text_answers else engine.decode if engine is not None else decode_answer
         answer = await self._workers.fetch(
             worker.url,
             call.op.path + (f"?{call.query}" if call.query else ""),
@@ -75,7 +76,7 @@ class FanOut:
             body=call.body_for(worker),
             headers=call.headers,
             timeout_s=call.timeout_s,
-            decode=engine.decode if engine is not None else decode_answer,
+            decode=decode,
         )
         result: type[WorkerResult[Resp]] = parametrized(WorkerResult, call.op.endpoint.response)
         return result(

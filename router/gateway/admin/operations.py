@@ -58,6 +58,9 @@ class Operation(Generic[Req, Resp]):
     changes_weights: bool = False
     in_group: bool = False
     ends_group: bool = False
+    text_answers: bool = False
+    """Every engine answers the route in plain text (vLLM's LoRA routes, which omni-worker answers as vLLM
+    does): its answers are read as :func:`~router.gateway.upstream.answer.decode_plain` reads them."""
     answer: type[FleetAnswer[Resp]] | None = None
     """The router's answer model; by default the worker's answer lifted to the fleet."""
 
@@ -152,8 +155,8 @@ SHUTDOWN_WEIGHT_TRANSFER_ENGINE = Operation(ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE)
 LORA_LOAD = Operation(lep.LOAD_LORA_ADAPTER)
 LORA_LOAD_TENSORS = Operation(lep.LOAD_LORA_ADAPTER_FROM_TENSORS)
 LORA_UNLOAD = Operation(lep.UNLOAD_LORA_ADAPTER)
-V1_LORA_LOAD = Operation(lep.V1_LOAD_LORA_ADAPTER)
-V1_LORA_UNLOAD = Operation(lep.V1_UNLOAD_LORA_ADAPTER)
+V1_LORA_LOAD = Operation(lep.V1_LOAD_LORA_ADAPTER, text_answers=True)
+V1_LORA_UNLOAD = Operation(lep.V1_UNLOAD_LORA_ADAPTER, text_answers=True)
 
 OPERATIONS: dict[str, AnyOperation] = {
     op.path: op
