@@ -90,6 +90,10 @@ class UpdateWeightsFromDiskRequest(WireRequest):
 #: One rank's pickled payload (handles and metadata only, never tensor bytes): bounded generously.
 MAX_SERIALIZED_CHARS = 8 * 1024 * 1024
 
+#: The id of one admin operation of a router, on every call it sends to a worker: both log it, so one
+#: ``grep`` follows an update across the fleet.
+OPERATION_HEADER = "X-Omni-Operation"
+
 
 class UpdateWeightsFromTensorRequest(WireRequest):
     """``POST /update_weights_from_tensor`` — SGLang's ``UpdateWeightsFromTensorReqInput`` plus

@@ -40,6 +40,7 @@ from worker.http import (
     weight_sync_routes,
 )
 from worker.http.keys import ADAPTERS, CONFIG, COORDINATOR
+from worker.http.operation_log import operation_log
 from worker.ranks import Stage
 from worker.tp.follower import RankSpec
 from worker.tp.peers import TP_TIMEOUT_S, TPPeers, free_local_port
@@ -147,6 +148,7 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
     app = web.Application(
         client_max_size=MAX_BODY_BYTES,
         middlewares=[
+            operation_log,
             error_middleware,
             auth_middleware(
                 admin_key=config.admin_api_key,

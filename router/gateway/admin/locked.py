@@ -25,11 +25,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
+from router.contract.admin import OPERATION_HEADER
 from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import Unavailable
 from router.contract.fleet_answers import WorkerResult
@@ -46,6 +49,8 @@ from router.gateway.fleet.health import WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import agreed_checksum
 from router.gateway.metrics import RouterMetrics
+
+log = logging.getLogger(__name__)
 
 Req = TypeVar("Req", bound=WireRequest)
 Resp = TypeVar("Resp", bound=WireResponse)
@@ -175,6 +180,10 @@ class AdminRun(Generic[Req, Resp]):
         self._kept = False
         self._ended = False
         self._started = time.perf_counter()
+        self.id = uuid.uuid4().hex[:12]
+        """The operation's id in the router's log and on every call to a worker (:data:`OPERATION_HEADER`);
+        the caller's ``X-Request-Id`` when it sent one."""
+        self._sent = False
 
     @classmethod
     @contextlib.asynccontextmanager
@@ -224,6 +233,14 @@ class AdminRun(Generic[Req, Resp]):
         return self.fence
 
     async def fan_out(self, targets: Sequence[Worker], call: AdminCall[Req, Resp]) -> list[WorkerResult[Resp]]:
+        given = call.headers.get(OPERATION_HEADER)
+        if given is not None:
+            self.id = given
+        else:
+            call.headers = {**call.headers, OPERATION_HEADER: self.id}
+        if not self._sent:
+            self._sent = True
+            log.info("admin %s %s: to %d worker(s)", self.id, self.name, len(targets))
         return await self.ctx.fanout.to_all(targets, call)
 
     async def settle(
@@ -295,7 +312,10 @@ class AdminRun(Generic[Req, Resp]):
         self._ended = True
         if self._lock is not None and not self._kept:
             self._lock.release()
-        self.ctx.metrics.observe_admin(self.name, self.outcome, time.perf_counter() - self._started)
+        elapsed = time.perf_counter() - self._started
+        self.ctx.metrics.observe_admin(self.name, self.outcome, elapsed)
+        if self._sent:
+            log.info("admin %s %s: %s in %.0f ms", self.id, self.name, self.outcome, elapsed * 1000.0)
 
 
 async def _undo(fence: Fence, written: asyncio.Future[None]) -> None:

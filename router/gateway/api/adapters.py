@@ -21,6 +21,7 @@ from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.targets import TARGET_PARAMS
+from router.gateway.api.headers import forward_headers
 from router.gateway.sync.adapters import LoadRequest, LoraAnswer, UnloadRequest, load_adapter, unload_adapter
 
 
@@ -28,7 +29,7 @@ async def _call(request: web.Request, op: Operation[Any, LoraAnswer]) -> AdminCa
     if not TARGET_PARAMS.isdisjoint(request.query):
         raise BadRequest(f"{op.path} spans the whole fleet: it takes no ?workers= or ?selector=")
     req = await parse_body(request, op.endpoint.request)
-    headers = request.app[keys.SERVICE_HEADERS]
+    headers = forward_headers(request)
     return AdminCall(op, "POST", req, headers, timeout_s=op.router_wait(req))
 
 

@@ -43,16 +43,12 @@ from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
 from router.gateway.api import adapters
+from router.gateway.api.headers import forward_headers
 from router.gateway.sync.ranks import GroupJoin
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 Req = TypeVar("Req", bound=WireRequest)
 Resp = TypeVar("Resp", bound=WireResponse)
-
-
-def _forward_headers(request: web.Request) -> dict[str, str]:
-    """The router talks to workers with its own worker key, never with the caller's."""
-    return request.app[keys.SERVICE_HEADERS]
 
 
 def fleet_facts(app: web.Application) -> FleetFacts:
@@ -95,7 +91,7 @@ def _call(
         op,
         request.method,
         req,
-        _forward_headers(request),
+        forward_headers(request),
         timeout_s=op.router_wait(req),
         query=forwarded_query(request),
         only=only,
@@ -193,7 +189,7 @@ async def weights_checker(request: web.Request) -> web.Response:
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     req = await _parse(request, ops.INIT_GROUP)
-    init = request.app[keys.GROUP_INIT].init(GroupJoin.sglang(req), _forward_headers(request))
+    init = request.app[keys.GROUP_INIT].init(GroupJoin.sglang(req), forward_headers(request))
     return await _detached(request, init, "init_group")
 
 
@@ -203,17 +199,17 @@ async def get_world_size(request: web.Request) -> web.Response:
 
 async def prepare_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.PREPARE)
-    return await _detached(request, request.app[keys.TWO_PHASE].prepare(req, _forward_headers(request)), "prepare")
+    return await _detached(request, request.app[keys.TWO_PHASE].prepare(req, forward_headers(request)), "prepare")
 
 
 async def complete_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.COMPLETE)
-    return await _detached(request, request.app[keys.TWO_PHASE].complete(req, _forward_headers(request)), "complete")
+    return await _detached(request, request.app[keys.TWO_PHASE].complete(req, forward_headers(request)), "complete")
 
 
 async def abort_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.ABORT)
-    return await _detached(request, request.app[keys.TWO_PHASE].abort(req, _forward_headers(request)), "abort")
+    return await _detached(request, request.app[keys.TWO_PHASE].abort(req, forward_headers(request)), "abort")
 
 
 # -- vLLM's weight-transfer API
@@ -221,25 +217,25 @@ async def abort_weights_update(request: web.Request) -> web.Response:
 
 async def init_weight_transfer_engine(request: web.Request) -> web.Response:
     req = await _parse(request, ops.INIT_WEIGHT_TRANSFER)
-    init = request.app[keys.GROUP_INIT].init(GroupJoin.vllm(req), _forward_headers(request))
+    init = request.app[keys.GROUP_INIT].init(GroupJoin.vllm(req), forward_headers(request))
     return await _detached(request, init, "init_weight_transfer_engine")
 
 
 async def start_weight_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.START)
-    work = request.app[keys.WEIGHT_TRANSFER].start(req, _forward_headers(request))
+    work = request.app[keys.WEIGHT_TRANSFER].start(req, forward_headers(request))
     return await _detached(request, work, "start_weight_update")
 
 
 async def update_weights(request: web.Request) -> web.Response:
     req = await _parse(request, ops.UPDATE)
-    work = request.app[keys.WEIGHT_TRANSFER].update(req, _forward_headers(request))
+    work = request.app[keys.WEIGHT_TRANSFER].update(req, forward_headers(request))
     return await _detached(request, work, "update_weights")
 
 
 async def finish_weight_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.FINISH)
-    work = request.app[keys.WEIGHT_TRANSFER].finish(req, _forward_headers(request))
+    work = request.app[keys.WEIGHT_TRANSFER].finish(req, forward_headers(request))
     return await _detached(request, work, "finish_weight_update")
 
 
