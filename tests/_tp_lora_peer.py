@@ -11,17 +11,13 @@ builds the sharded model, loads the adapters and runs :func:`run_lora_case`
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from tests._lora_helpers import greedy_batch
 from tests._tp_model_peer import build
+from tests._tp_ranks import rank_main
 from worker.model import CausalLM, LoadedLora, LoraAdapter, LoraAdapters
 from worker.model.tensor_parallel import TensorParallel
 
@@ -43,33 +39,13 @@ def run_lora_case(
     return {"full_logits": full, "tokens": tokens, "step_logits": step_logits}
 
 
-def main(cfg: dict[str, Any]) -> dict[str, Any]:
-    torch.set_num_threads(1)  # two ranks share the test machine's cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=cfg["rank"],
-        world_size=cfg["size"],
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
-    try:
-        assert dist.group.WORLD is not None
-        tp = TensorParallel.from_group(dist.group.WORLD)
-        report: dict[str, Any] = {"cases": {}}
-        for name, case in cfg["cases"].items():
-            model = build(case["checkpoint"], tp)
-            report["cases"][name] = run_lora_case(model, case["adapters"], cfg["prompts"], cfg["steps"])
-        dist.barrier()
-        return report
-    finally:
-        dist.destroy_process_group()
+def run(tp: TensorParallel, cfg: dict[str, Any]) -> dict[str, Any]:
+    report: dict[str, Any] = {"cases": {}}
+    for name, case in cfg["cases"].items():
+        model = build(case["checkpoint"], tp)
+        report["cases"][name] = run_lora_case(model, case["adapters"], cfg["prompts"], cfg["steps"])
+    return report
 
 
 if __name__ == "__main__":
-    config = json.loads(sys.argv[1])
-    try:
-        result = main(config)
-    except BaseException:
-        result = {"crash": traceback.format_exc()}
-    torch.save(result, config["out"])
-    sys.exit(1 if "crash" in result else 0)
+    rank_main(run)

@@ -11,17 +11,13 @@ everything with ``torch.save`` to ``out`` (``{"crash": traceback}`` on failure).
 
 from __future__ import annotations
 
-import json
-import sys
-import traceback
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from router.trainer.sender import sent_checksum
+from tests._tp_ranks import rank_main
 from worker.model import CausalLM, ModelConfig, SeqInput, WeightLoadError, read_checkpoint
 from worker.model.tensor_parallel import TensorParallel
 from worker.model.tiny import tiny_config
@@ -127,35 +123,15 @@ def bad_config_errors(tp: TensorParallel) -> dict[str, str]:
     return errors
 
 
-def main(cfg: dict[str, Any]) -> dict[str, Any]:
-    torch.set_num_threads(1)  # two ranks share the test machine's cores
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{cfg['port']}",
-        rank=cfg["rank"],
-        world_size=cfg["size"],
-        timeout=timedelta(seconds=cfg["timeout_s"]),
-    )
-    try:
-        assert dist.group.WORLD is not None
-        tp = TensorParallel.from_group(dist.group.WORLD)
-        report: dict[str, Any] = {"bad_configs": bad_config_errors(tp), "cases": {}}
-        for name, path in cfg["cases"].items():
-            model = build(path, tp)
-            case = run_case(model, cfg["prompts"], cfg["steps"])
-            case.update(group_checks(model, path, tp))
-            report["cases"][name] = case
-        dist.barrier()
-        return report
-    finally:
-        dist.destroy_process_group()
+def run(tp: TensorParallel, cfg: dict[str, Any]) -> dict[str, Any]:
+    report: dict[str, Any] = {"bad_configs": bad_config_errors(tp), "cases": {}}
+    for name, path in cfg["cases"].items():
+        model = build(path, tp)
+        case = run_case(model, cfg["prompts"], cfg["steps"])
+        case.update(group_checks(model, path, tp))
+        report["cases"][name] = case
+    return report
 
 
 if __name__ == "__main__":
-    config = json.loads(sys.argv[1])
-    try:
-        result = main(config)
-    except BaseException:
-        result = {"crash": traceback.format_exc()}
-    torch.save(result, config["out"])
-    sys.exit(1 if "crash" in result else 0)
+    rank_main(run)

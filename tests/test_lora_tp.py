@@ -9,9 +9,6 @@ their logits and tokens are compared with the same scenario on one rank.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +19,7 @@ from tests._lora_helpers import ADAPTERS, write_adapter
 from tests._tiers import process_fixture
 from tests._tp_lora_peer import run_lora_case
 from tests._tp_model_peer import build
-from tests.procs import ManagedProcess, free_port
+from tests._tp_ranks import run_ranks
 from worker.model import LoadedLora, LoraAdapter, ModelConfig
 from worker.model.lora import LoraBatch, Placement, place_adapter
 from worker.model.lora.loaded import Projection
@@ -130,40 +127,9 @@ def cases(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 @process_fixture(scope="module")
 def ranks(cases: dict[str, dict[str, Any]], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's report, in rank order."""
+    cfg = {"timeout_s": GROUP_TIMEOUT_S, "cases": cases, "prompts": PROMPTS, "steps": STEPS}
     tmp = tmp_path_factory.mktemp("tp_lora_reports")
-    port = free_port()
-    procs: list[tuple[ManagedProcess, Path]] = []
-    try:
-        for rank in range(SIZE):
-            out = tmp / f"rank{rank}.pt"
-            cfg = {
-                "rank": rank,
-                "size": SIZE,
-                "port": port,
-                "timeout_s": GROUP_TIMEOUT_S,
-                "cases": cases,
-                "prompts": PROMPTS,
-                "steps": STEPS,
-                "out": str(out),
-            }
-            argv = [sys.executable, "-m", "tests._tp_lora_peer", json.dumps(cfg)]
-            procs.append((ManagedProcess(f"tp-lora-rank{rank}", argv).start(), out))
-        reports = []
-        for proc, out in procs:
-            assert proc.proc is not None
-            try:
-                proc.proc.wait(timeout=PEER_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{proc.name} hung:\n{proc.log_text()}")
-            if not out.exists():
-                pytest.fail(f"{proc.name} wrote no report:\n{proc.log_text()}")
-            report = torch.load(out, weights_only=True)
-            assert "crash" not in report, f"{proc.name}: {report['crash']}"
-            reports.append(report)
-        return reports
-    finally:
-        for proc, _ in procs:
-            proc.kill()
+    return run_ranks("tests._tp_lora_peer", "tp-lora", SIZE, cfg, tmp, exit_timeout_s=PEER_EXIT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

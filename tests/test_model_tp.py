@@ -7,9 +7,6 @@ reports with the same scenario run here on an unsharded model.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +16,7 @@ import torch
 from router.trainer.sender import sent_checksum
 from tests._tiers import process_fixture
 from tests._tp_model_peer import BAD_CONFIGS, build, run_case
-from tests.procs import ManagedProcess, free_port
+from tests._tp_ranks import run_ranks
 from worker.model import ModelConfig, read_checkpoint
 from worker.model.tensor_parallel import ShardSpec, TensorParallel, checkpoint_shard_spec, shard_layout
 from worker.model.tiny import random_state_dict, tiny_config, write_checkpoint
@@ -53,40 +50,9 @@ def cases(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
 @process_fixture(scope="module")
 def ranks(cases: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Each rank's report, in rank order."""
+    cfg = {"timeout_s": GROUP_TIMEOUT_S, "cases": cases, "prompts": PROMPTS, "steps": STEPS}
     tmp = tmp_path_factory.mktemp("tp_reports")
-    port = free_port()
-    procs: list[tuple[ManagedProcess, Path]] = []
-    try:
-        for rank in range(SIZE):
-            out = tmp / f"rank{rank}.pt"
-            cfg = {
-                "rank": rank,
-                "size": SIZE,
-                "port": port,
-                "timeout_s": GROUP_TIMEOUT_S,
-                "cases": cases,
-                "prompts": PROMPTS,
-                "steps": STEPS,
-                "out": str(out),
-            }
-            argv = [sys.executable, "-m", "tests._tp_model_peer", json.dumps(cfg)]
-            procs.append((ManagedProcess(f"tp-rank{rank}", argv).start(), out))
-        reports = []
-        for proc, out in procs:
-            assert proc.proc is not None
-            try:
-                proc.proc.wait(timeout=PEER_EXIT_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"{proc.name} hung:\n{proc.log_text()}")
-            if not out.exists():
-                pytest.fail(f"{proc.name} wrote no report:\n{proc.log_text()}")
-            report = torch.load(out, weights_only=True)
-            assert "crash" not in report, f"{proc.name}: {report['crash']}"
-            reports.append(report)
-        return reports
-    finally:
-        for proc, _ in procs:
-            proc.kill()
+    return run_ranks("tests._tp_model_peer", "tp", SIZE, cfg, tmp, exit_timeout_s=PEER_EXIT_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
