@@ -201,3 +201,23 @@ def test_a_restarted_worker_is_given_the_fleets_adapters_before_it_serves_them(
     for _ in range(4):  # both workers serve it again, with its tokens
         status, out = _generate(url, "back")
         assert status == 200 and out["output_ids"] == made["rslora"][1], out
+
+
+def test_a_restarted_router_routes_the_adapters_it_had_loaded(fleet: Any, made: dict[str, Any], tmp_path: Path) -> None:
+    _, workers, _ = fleet
+    first, url = start_router(workers, state_dir=tmp_path, wait_healthy=2)
+    try:
+        # "small" is loaded on both workers already: through this router the load is an update of it.
+        status, answer = _post(url, "/load_lora_adapter", {"lora_name": "small", "lora_path": made["rslora"][0]})
+        assert status == 200 and answer["success"], answer
+    finally:
+        first.stop()
+    second, url = start_router(workers, state_dir=tmp_path, wait_healthy=2)
+    try:
+        entry = _table(url)["small"]
+        assert entry["version"] == 1 and len(entry["holders"]) == 2 and entry["source"] == made["rslora"][0]
+        _wait_routed(url, "small", made["rslora"][1])  # once the workers are probed: the same processes hold it
+        status, out = _generate(url, "small")
+        assert status == 200 and out["output_ids"] == made["rslora"][1]
+    finally:
+        second.stop()

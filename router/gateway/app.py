@@ -46,6 +46,7 @@ from router.gateway.config import RouterConfig
 from router.gateway.discovery.k8s import KubernetesPods
 from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.edge import edge_middleware
+from router.gateway.fleet.adapters import ADAPTERS_FILE
 from router.gateway.fleet.groups import GROUPS_FILE, WeightGroups
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
@@ -176,6 +177,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         # Read off the event loop: the store may be the Kubernetes API.
         groups=await asyncio.to_thread(WeightGroups, app[keys.STATE].record(GROUPS_FILE)),
     )
+    await asyncio.to_thread(ctx.registry.adapters.attach, app[keys.STATE].record(ADAPTERS_FILE))
     hub = app.get(keys.DATA_PLANES)
     if hub is not None:  # the control process of a router with data-plane processes
         ctx.barrier = hub

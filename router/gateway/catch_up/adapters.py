@@ -100,6 +100,7 @@ class AdapterCatchUp:
             if answer.value is not None and answer.value.ok:
                 self._ctx.registry.adapters.add_holder(name, worker.id, entry.version, instance)
                 self._ctx.barrier.announce()
+                await self._ctx.registry.adapters.save()
                 self._next_try.pop(worker.id, None)
                 log.info(
                     "worker %s (%s) was given LoRA adapter %r (fleet version %d)",

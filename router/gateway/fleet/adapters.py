@@ -1,7 +1,10 @@
 """The fleet's LoRA adapters: which exist, at which fleet version, who holds it, and who uses it now.
 
 The control process changes the table only through fleet-wide loads and unloads
-(:mod:`router.gateway.sync.adapters`); a data plane holds a copy from the routing snapshot. Entries are
+(:mod:`router.gateway.sync.adapters`) and catch-ups, and keeps it in the state store
+(:data:`ADAPTERS_FILE`) after each, so a restarted router, or a standby that takes over, routes
+adapters to the workers that still hold them (a holder is known by its process, so a worker that
+restarted meanwhile holds nothing). A data plane holds a copy from the routing snapshot. Entries are
 replaced, never changed in place, so a snapshot's change check compares them by identity first.
 
 A request names adapters as SGLang and vLLM do: ``lora_path`` on ``/generate`` (one name, or one per
@@ -12,11 +15,20 @@ prompt of a batch), ``model`` on the OpenAI routes (an adapter's name, or SGLang
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from router.contract.errors import NotFound
 from router.contract.fleet_adapters import AdapterHolding, FleetAdapter, FleetAdapterTable
+from router.gateway.state.durable import DurableRecord
+
+log = logging.getLogger(__name__)
+
+#: The record of the fleet's adapter table in the state store.
+ADAPTERS_FILE = "fleet_adapters.json"
 
 
 class Holder(Protocol):
@@ -34,6 +46,7 @@ class FleetAdapters:
 
     def __init__(self) -> None:
         self._table: dict[str, FleetAdapter] = {}
+        self._stored: DurableRecord | None = None
         self.inflight: dict[str, int] = {}
         """Requests this process has in flight per adapter name (only non-zero counts)."""
         self.inflight_elsewhere: dict[str, int] = {}
@@ -138,6 +151,25 @@ class FleetAdapters:
 
     def remove(self, name: str) -> None:
         self._table.pop(name, None)
+
+    # -- the stored record (the control process) ----------------------------------------------
+    def attach(self, record: DurableRecord) -> None:
+        """Keep the table in ``record`` from now on, starting from what it holds (blocking: start-up, takeover).
+        A record that cannot be read or parsed leaves the table empty: adapters are loaded again."""
+        self._stored = record
+        try:
+            data = record.load()
+            self.replace(None if data is None else FleetAdapterTable.model_validate_json(data))
+        except (OSError, ValueError, ValidationError) as exc:
+            log.error(
+                "the LoRA adapter table in %s is unreadable (%s); adapters must be loaded again", record.location, exc
+            )
+            self.replace(None)
+
+    async def save(self) -> None:
+        """Store the table as it is now (a failed write is logged and retried; memory stays the truth)."""
+        if self._stored is not None:
+            await self._stored.save(self.table().model_dump_json(indent=1).encode())
 
     # -- the snapshot ------------------------------------------------------------------------
     def table(self) -> FleetAdapterTable:

@@ -37,6 +37,7 @@ from aiohttp import web
 from router.gateway import keys
 from router.gateway.admin.journal import JOURNAL_FILE, keep_fenced
 from router.gateway.config import RouterConfig
+from router.gateway.fleet.adapters import ADAPTERS_FILE
 from router.gateway.fleet.groups import GROUPS_FILE
 from router.gateway.fleet.weights import FLEET_FILE
 from router.gateway.leader.elector import LeaseElector, LeaseSettings, default_identity
@@ -47,7 +48,7 @@ from router.gateway.state.store import StateStore
 log = logging.getLogger(__name__)
 
 #: Every record a new leader reads before it serves.
-RECORDS = (JOURNAL_FILE, FLEET_FILE, GROUPS_FILE)
+RECORDS = (JOURNAL_FILE, FLEET_FILE, GROUPS_FILE, ADAPTERS_FILE)
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +148,7 @@ async def take_over(app: web.Application) -> None:
     keep_fenced(registry, await asyncio.to_thread(journal.reload, workers))
     await asyncio.to_thread(registry.fleet.reload)
     await asyncio.to_thread(app[keys.ADMIN].groups.reload)
+    await asyncio.to_thread(registry.adapters.attach, state.record(ADAPTERS_FILE))
 
 
 async def until_readable(store: StateStore, names: Sequence[str], *, retry_s: float) -> None:

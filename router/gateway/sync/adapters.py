@@ -99,6 +99,7 @@ async def load_adapter(
         if not failed:
             adapters.record_load(name, _source(call.request), targets)
             ctx.barrier.announce()
+            await adapters.save()
             run.outcome = "success"
             return Outcome(200, fleet_answer(op, results, "ok"))
         by_id = {w.id: w for w in targets}
@@ -107,6 +108,7 @@ async def load_adapter(
         stuck = await _roll_back(run, call, previous, took)
         adapters.forget_holders(name, [*unknown, *stuck])
         ctx.barrier.announce()
+        await adapters.save()
         message = f"{len(failed)} of {len(results)} worker(s) failed {op.path}: {summarize(failed)}"
         if took:
             message += f"; rolled back on {len(took) - len(stuck)} of {len(took)} worker(s) that had loaded it"
@@ -151,11 +153,13 @@ async def unload_adapter(
         holders = [w for w in ctx.live_targets(serving=op.path) if _holds_any(entry, w)]
         adapters.stop_serving(name)
         ctx.barrier.announce()
+        await adapters.save()
         try:
             await ctx.barrier.confirm(f"unload of {name!r} refused")
         except BaseException:
             adapters.resume_serving(name)
             ctx.barrier.announce()
+            await adapters.save()
             raise
         await _drain(ctx, name)
         results = await run.fan_out(holders, call) if holders else []
@@ -167,6 +171,7 @@ async def unload_adapter(
             adapters.forget_holders(name, [r.worker for r in results if r.success])
             adapters.resume_serving(name)
         ctx.barrier.announce()
+        await adapters.save()
         return outcome
 
 
