@@ -66,8 +66,14 @@ class FleetAdapters:
         entry = self._table.get(name)
         if entry is None or not entry.serving:
             return False
-        held = entry.holders.get(worker.id)
-        return held is not None and held.version == entry.version and held.instance_id == worker.instance_id
+        held = self.holding(worker, name)
+        return held is not None and held.version == entry.version
+
+    def holding(self, worker: Holder, name: str) -> AdapterHolding | None:
+        """What ``worker`` holds of ``name``, in the process it was loaded into (a restarted one holds none)."""
+        entry = self._table.get(name)
+        held = None if entry is None else entry.holders.get(worker.id)
+        return held if held is not None and held.instance_id == worker.instance_id else None
 
     def holds_all(self, worker: Holder, names: Iterable[str]) -> bool:
         return all(self.holds(worker, name) for name in names)

@@ -150,7 +150,7 @@ async def unload_adapter(
         if entry is None:
             loaded = ", ".join(adapters.serving_names()) or "none"
             raise NotFound(f"LoRA adapter {name!r} is not loaded on the fleet (loaded: {loaded})")
-        holders = [w for w in ctx.live_targets(serving=op.path) if _holds_any(entry, w)]
+        holders = [w for w in ctx.live_targets(serving=op.path) if adapters.holding(w, name) is not None]
         adapters.stop_serving(name)
         ctx.barrier.announce()
         await adapters.save()
@@ -173,12 +173,6 @@ async def unload_adapter(
         ctx.barrier.announce()
         await adapters.save()
         return outcome
-
-
-def _holds_any(entry: FleetAdapter, worker: Worker) -> bool:
-    """Holds some version of the adapter, in the process it was loaded into (a restarted one holds none)."""
-    held = entry.holders.get(worker.id)
-    return held is not None and held.instance_id == worker.instance_id
 
 
 async def _drain(ctx: AdminContext, name: str) -> None:
