@@ -6,7 +6,6 @@ They span the whole fleet, so a target set (``?workers=``, ``?selector=``) is re
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
 from typing import Any
 
 from aiohttp import web
@@ -17,10 +16,10 @@ from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from router.gateway import keys
 from router.gateway.admin import operations as ops
-from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.targets import TARGET_PARAMS
+from router.gateway.api.answers import answer_when_done
 from router.gateway.api.headers import forward_headers
 from router.gateway.sync.adapters import LoadRequest, LoraAnswer, UnloadRequest, load_adapter, unload_adapter
 
@@ -33,22 +32,16 @@ async def _call(request: web.Request, op: Operation[Any, LoraAnswer]) -> AdminCa
     return AdminCall(op, "POST", req, headers, timeout_s=op.router_wait(req))
 
 
-async def _answer(request: web.Request, work: Coroutine[Any, Any, Outcome[LoraAnswer]], name: str) -> web.Response:
-    """Run the change to its end even if the caller goes away (the table must say what the workers hold)."""
-    outcome = await request.app[keys.TASKS].run_detached(work, name=name)
-    return web.Response(body=outcome.answer.model_dump_json(), status=outcome.status, content_type="application/json")
-
-
 async def load(request: web.Request) -> web.Response:
     op: Operation[LoadRequest, LoraAnswer] = ops.OPERATIONS[request.path]  # type: ignore[assignment]
     call = await _call(request, op)
-    return await _answer(request, load_adapter(request.app[keys.ADMIN], op, call), op.name)
+    return await answer_when_done(request, load_adapter(request.app[keys.ADMIN], op, call), op.name)
 
 
 async def unload(request: web.Request) -> web.Response:
     op: Operation[UnloadRequest, LoraAnswer] = ops.OPERATIONS[request.path]  # type: ignore[assignment]
     call = await _call(request, op)
-    return await _answer(request, unload_adapter(request.app[keys.ADMIN], op, call), op.name)
+    return await answer_when_done(request, unload_adapter(request.app[keys.ADMIN], op, call), op.name)
 
 
 async def fleet_adapters(request: web.Request) -> web.Response:

@@ -15,8 +15,8 @@ before the query is forwarded. The other routes span the whole fleet and refuse 
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 from urllib.parse import urlencode
 
 from aiohttp import web
@@ -37,12 +37,12 @@ from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_model, query_fields, read_json
 from router.gateway import keys
 from router.gateway.admin import operations as ops
-from router.gateway.admin.answers import Outcome
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
 from router.gateway.api import adapters
+from router.gateway.api.answers import answer_when_done, json_answer
 from router.gateway.api.headers import forward_headers
 from router.gateway.sync.ranks import GroupJoin
 
@@ -105,45 +105,35 @@ async def _targeted(request: web.Request, op: Operation[Req, Resp]) -> AdminCall
     return _call(request, op, req, only_ids(workers))
 
 
-def _json(status: int, body: WireResponse) -> web.Response:
-    return web.Response(body=body.model_dump_json(), status=status, content_type="application/json")
-
-
-async def _detached(request: web.Request, work: Coroutine[Any, Any, Outcome[Resp]], name: str) -> web.Response:
-    """Run a fleet operation to its end even if the caller goes away (it must settle its fence), then answer."""
-    outcome = await request.app[keys.TASKS].run_detached(work, name=name)
-    return _json(outcome.status, outcome.answer)
-
-
 async def broadcast_route(request: web.Request) -> web.Response:
     """Any table route without fleet semantics of its own."""
     op = OPERATIONS[request.path]
     call = await _targeted(request, op)
-    return await _detached(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
+    return await answer_when_done(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
 
 
 async def model_info(request: web.Request) -> web.Response:
     req = await _parse(request, ops.MODEL_INFO)
     status, body = await request.app[keys.VIEWS].model_info(_call(request, ops.MODEL_INFO, req))
-    return _json(status, body)
+    return json_answer(status, body)
 
 
 async def get_weight_version(request: web.Request) -> web.Response:
     req = await _parse(request, ops.GET_WEIGHT_VERSION)
     status, body = await request.app[keys.VIEWS].weight_version(_call(request, ops.GET_WEIGHT_VERSION, req))
-    return _json(status, body)
+    return json_answer(status, body)
 
 
 async def weight_info(request: web.Request) -> web.Response:
     """vLLM's ``/weight_info``: the version every worker holds, 409 when they differ (as ``/get_weight_version``)."""
     status, body = await request.app[keys.VIEWS].weight_info(await _targeted(request, ops.WEIGHT_INFO))
-    return _json(status, body)
+    return json_answer(status, body)
 
 
 async def vllm_weight_checker(request: web.Request) -> web.Response:
     call = await _targeted(request, ops.WEIGHT_CHECKER)
     outcome = await request.app[keys.VIEWS].vllm_weight_checker(call.request, call)
-    return _json(outcome.status, outcome.answer)
+    return json_answer(outcome.status, outcome.answer)
 
 
 async def collective_rpc(request: web.Request) -> web.Response:
@@ -153,7 +143,7 @@ async def collective_rpc(request: web.Request) -> web.Response:
     op = COLLECTIVE_RPC_READ if req.reads_only else ops.COLLECTIVE_RPC
     workers = await fleet_facts(request.app).resolve(target_query(request.query))
     call = _call(request, op, req, only_ids(workers))
-    return await _detached(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
+    return await answer_when_done(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
 
 
 async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
@@ -166,50 +156,54 @@ async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
     group = admin.groups.latest("vllm")
     if group is not None and any(r.success for r in outcome.answer.results):
         await admin.groups.dropped(group)
-    return _json(outcome.status, outcome.answer)
+    return json_answer(outcome.status, outcome.answer)
 
 
 async def server_info(request: web.Request) -> web.Response:
     req = await _parse(request, ops.SERVER_INFO)
     outcome = await request.app[keys.VIEWS].server_info(req, _call(request, ops.SERVER_INFO, req))
-    return _json(outcome.status, outcome.answer)
+    return json_answer(outcome.status, outcome.answer)
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     req = await _parse(request, ops.RESET_PREFIX_CACHE)
     outcome = await request.app[keys.VIEWS].reset_prefix_cache(_call(request, ops.RESET_PREFIX_CACHE, req))
-    return _json(outcome.status, outcome.answer)
+    return json_answer(outcome.status, outcome.answer)
 
 
 async def weights_checker(request: web.Request) -> web.Response:
     req = await _parse(request, ops.WEIGHTS_CHECKER)
     outcome = await request.app[keys.VIEWS].weights_checker(req, _call(request, ops.WEIGHTS_CHECKER, req))
-    return _json(outcome.status, outcome.answer)
+    return json_answer(outcome.status, outcome.answer)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:
     req = await _parse(request, ops.INIT_GROUP)
     init = request.app[keys.GROUP_INIT].init(GroupJoin.sglang(req), forward_headers(request))
-    return await _detached(request, init, "init_group")
+    return await answer_when_done(request, init, "init_group")
 
 
 async def get_world_size(request: web.Request) -> web.Response:
-    return _json(200, await request.app[keys.GROUP_INIT].world_size())
+    return json_answer(200, await request.app[keys.GROUP_INIT].world_size())
 
 
 async def prepare_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.PREPARE)
-    return await _detached(request, request.app[keys.TWO_PHASE].prepare(req, forward_headers(request)), "prepare")
+    return await answer_when_done(
+        request, request.app[keys.TWO_PHASE].prepare(req, forward_headers(request)), "prepare"
+    )
 
 
 async def complete_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.COMPLETE)
-    return await _detached(request, request.app[keys.TWO_PHASE].complete(req, forward_headers(request)), "complete")
+    return await answer_when_done(
+        request, request.app[keys.TWO_PHASE].complete(req, forward_headers(request)), "complete"
+    )
 
 
 async def abort_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.ABORT)
-    return await _detached(request, request.app[keys.TWO_PHASE].abort(req, forward_headers(request)), "abort")
+    return await answer_when_done(request, request.app[keys.TWO_PHASE].abort(req, forward_headers(request)), "abort")
 
 
 # -- vLLM's weight-transfer API
@@ -218,25 +212,25 @@ async def abort_weights_update(request: web.Request) -> web.Response:
 async def init_weight_transfer_engine(request: web.Request) -> web.Response:
     req = await _parse(request, ops.INIT_WEIGHT_TRANSFER)
     init = request.app[keys.GROUP_INIT].init(GroupJoin.vllm(req), forward_headers(request))
-    return await _detached(request, init, "init_weight_transfer_engine")
+    return await answer_when_done(request, init, "init_weight_transfer_engine")
 
 
 async def start_weight_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.START)
     work = request.app[keys.WEIGHT_TRANSFER].start(req, forward_headers(request))
-    return await _detached(request, work, "start_weight_update")
+    return await answer_when_done(request, work, "start_weight_update")
 
 
 async def update_weights(request: web.Request) -> web.Response:
     req = await _parse(request, ops.UPDATE)
     work = request.app[keys.WEIGHT_TRANSFER].update(req, forward_headers(request))
-    return await _detached(request, work, "update_weights")
+    return await answer_when_done(request, work, "update_weights")
 
 
 async def finish_weight_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.FINISH)
     work = request.app[keys.WEIGHT_TRANSFER].finish(req, forward_headers(request))
-    return await _detached(request, work, "finish_weight_update")
+    return await answer_when_done(request, work, "finish_weight_update")
 
 
 async def pause_or_resume(request: web.Request) -> web.Response:
@@ -249,7 +243,7 @@ async def pause_or_resume(request: web.Request) -> web.Response:
     statuses = {r.body.status for r in answer.results if r.body is not None}
     if outcome.ok and isinstance(answer, PauseFleetAnswer) and len(statuses) == 1:
         answer.status = statuses.pop()
-    return _json(outcome.status, answer)
+    return json_answer(outcome.status, answer)
 
 
 async def is_paused(request: web.Request) -> web.Response:
@@ -258,7 +252,7 @@ async def is_paused(request: web.Request) -> web.Response:
     answer = outcome.answer
     if isinstance(answer, IsPausedFleetAnswer):
         answer.is_paused = outcome.ok and all(r.body is not None and r.body.is_paused for r in answer.results)
-    return _json(outcome.status, answer)
+    return json_answer(outcome.status, answer)
 
 
 async def is_sleeping(request: web.Request) -> web.Response:
@@ -267,7 +261,7 @@ async def is_sleeping(request: web.Request) -> web.Response:
     answer = outcome.answer
     if isinstance(answer, IsSleepingFleetAnswer):
         answer.is_sleeping = outcome.ok and all(r.body is not None and r.body.is_sleeping for r in answer.results)
-    return _json(outcome.status, answer)
+    return json_answer(outcome.status, answer)
 
 
 async def abort_requests(request: web.Request) -> web.Response:
@@ -278,7 +272,7 @@ async def abort_requests(request: web.Request) -> web.Response:
     if isinstance(answer, AbortRequestsFleetAnswer):
         answer.aborted = sum(r.body.aborted for r in answer.results if r.body is not None)
         answer.status = "aborted" if outcome.ok else "error"
-    return _json(outcome.status, answer)
+    return json_answer(outcome.status, answer)
 
 
 #: Operations whose fleet semantics need more than the generic broadcast.
