@@ -69,6 +69,8 @@ class Record:
     ok: bool
     version: str | None
     attempts: int
+    served_by: str = ""
+    """Which replica, worker and process answered, and the version the router stamped (for a report)."""
 
 
 @dataclass
@@ -134,7 +136,11 @@ class Service:
                 with urllib.request.urlopen(req, timeout=REQUEST_BUDGET_S) as resp:
                     answer = json.loads(resp.read())
                     version = answer.get("meta_info", {}).get("weight_version")
-                    return Record(sent, time.monotonic() - sent, True, version, attempts)
+                    served = (
+                        f"router {index}, worker {resp.headers.get('X-Omni-Worker')} "
+                        f"(process {resp.headers.get('X-Omni-Instance')}), stamped {resp.headers.get('X-Weight-Version')}"
+                    )
+                    return Record(sent, time.monotonic() - sent, True, version, attempts, served)
             except urllib.error.HTTPError as err:
                 err.read()
                 if err.code < 500:  # the router refused the request itself: sending it again changes nothing
@@ -359,7 +365,9 @@ def report(records: list[Record], chaos: Chaos, settled: tuple[list[str], list[s
             continue
         latest = max((step_of(label) for answered, label in chaos.versions if answered < r.sent), default=0)
         if step_of(r.version) < latest:
-            forbidden.append(f"sent at {r.sent - warm_until:+.1f}s served {r.version} after v{latest} answered")
+            forbidden.append(
+                f"sent at {r.sent - warm_until:+.1f}s served {r.version} after v{latest} answered; {r.served_by}"
+            )
     warm = [r.latency for r in records if r.ok and r.sent < warm_until]
     reference = statistics.quantiles(warm, n=100)[98] if len(warm) >= 20 else float("nan")
     faulted = [r for r in records if r.ok and r.sent >= warm_until]

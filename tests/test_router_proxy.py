@@ -34,7 +34,10 @@ class StandIn:
         self.instance = f"{name}-boot"
         self.bodies: list[bytes] = []
         self.aborts: list[Any] = []
-        self.mode = "ok"  # ok | unavailable | restarted | stream | broken_stream | slow_stream | not_http | trailing
+        self.mode = "ok"  # ok | unavailable | restarted | restarted_meanwhile | stream | broken_stream | ...
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+        """``restarted_meanwhile``: a request has arrived, and may be answered (by the new process)."""
         self.aborted = asyncio.Event()
         self.raw_answers = 0
         self.hangups = 0
@@ -81,6 +84,10 @@ class StandIn:
                     transport.close()
                 raise ConnectionResetError("answered on the raw transport")
             if self.mode == "restarted":
+                headers[INSTANCE_HEADER] = f"{self.name}-new"
+            if self.mode == "restarted_meanwhile":
+                self.arrived.set()
+                await asyncio.wait_for(self.release.wait(), 10)
                 headers[INSTANCE_HEADER] = f"{self.name}-new"
             if self.mode in ("stream", "broken_stream", "slow_stream"):
                 resp = web.StreamResponse(headers={**headers, "Content-Type": "text/event-stream"})
@@ -194,6 +201,30 @@ async def test_an_answer_from_a_restarted_worker_is_dropped_and_served_elsewhere
     # Before any weight update every worker's boot weights are the fleet's: a serves again, as its new self.
     served = {(await generate(client, b'{"text": "hi"}'))[2] for _ in range(2)}
     assert served == {wa.id, wb.id}
+
+
+async def test_an_answer_from_a_process_the_router_learnt_of_while_the_request_ran_is_dropped(fleet) -> None:
+    """The request went to the process the router picked; by the time the answer comes, a probe (or a data
+    plane's snapshot) has told the router of the restarted process that sends it. The answer is checked against
+    the process picked, not the one known now: it is dropped and the request served elsewhere."""
+    client, (a, _) = fleet
+    registry = client.app[keys.REGISTRY]
+    wa, wb = list(registry)
+    a.mode = "restarted_meanwhile"
+    while True:
+        sent = asyncio.create_task(generate(client, b'{"text": "hi"}'))
+        arrived = asyncio.create_task(a.arrived.wait())
+        await asyncio.wait({sent, arrived}, timeout=10, return_when=asyncio.FIRST_COMPLETED)
+        if a.arrived.is_set():
+            break
+        arrived.cancel()
+        status, answer, worker = await sent  # round robin sent this one to b
+        assert status == 200 and worker == wb.id
+    wa.instance_id = "a-new"  # what the next probe of a reads: the process that will answer
+    a.release.set()
+    status, answer, worker = await asyncio.wait_for(sent, 10)
+    assert status == 200 and answer == REPLY and worker == wb.id
+    assert len(a.bodies) == 1
 
 
 async def test_a_stream_is_relayed_and_a_broken_one_ends_with_an_error_event(fleet) -> None:

@@ -285,7 +285,10 @@ class GenerateProxy:
         policy: VersionPolicy = version_policy.LATEST_ONLY,
     ) -> web.StreamResponse:
         worker.inflight += 1
-        version = worker.weight_version  # what the router knows the worker serves, as it picked it
+        # What the router knows the worker serves, and which process serves it, as it picked it. The answer is
+        # checked against this process, not against the worker's state when the answer arrives: a snapshot or a
+        # probe may have learnt of a restarted process meanwhile, and that process's answer is not the one picked.
+        version, instance = worker.weight_version, worker.instance_id
         upstream: UpstreamResponse | None = None
         try:
             try:
@@ -296,7 +299,7 @@ class GenerateProxy:
                     body,
                     headers,
                     timeout_s=self._cfg.request_timeout_s,
-                    admit=partial(version_policy.admits, self._registry, policy, worker),
+                    admit=partial(_still_admits, self._registry, policy, worker, instance),
                 )
             except NotAdmitted:
                 # Fenced (or gone) between the pick and the first byte: nothing reached it; another worker may.
@@ -316,12 +319,13 @@ class GenerateProxy:
                     worker, f"worker answered {status}", f"status_{status}", status, data, mime_type(ctype)
                 )
             restarted = upstream.header(INSTANCE_HEADER)
-            if restarted is not None and worker.instance_id is not None and restarted != worker.instance_id:
-                # Another process than the last probe saw: it came back with its boot weights. Its answer is
+            if restarted is not None and instance is not None and restarted != instance:
+                # Another process than the one picked answered: it came back with its boot weights. Its answer is
                 # dropped, and the worker is pending until a weight update reaches the new process.
-                worker.instance_id = restarted
-                if self._on_restarted is not None:
-                    self._on_restarted(worker)
+                if worker.instance_id == instance:
+                    worker.instance_id = restarted
+                    if self._on_restarted is not None:
+                        self._on_restarted(worker)
                 await self._read_before_relay(worker, upstream)
                 reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
                 raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())
@@ -400,3 +404,8 @@ class GenerateProxy:
             log.warning("could not abort %s on %s: %s", abort.label, worker.id, answer.error)
         else:
             log.info("caller left; aborted %s on %s (%d)", abort.label, worker.id, answer.status)
+
+
+def _still_admits(registry: WorkerRegistry, policy: VersionPolicy, worker: Worker, instance: str | None) -> bool:
+    """At the first byte: the worker still serves ``policy`` and is still the process it was picked as."""
+    return worker.instance_id == instance and version_policy.admits(registry, policy, worker)
