@@ -37,6 +37,9 @@ class StandIn:
         self.mode = "ok"  # ok | unavailable | restarted | restarted_meanwhile | stream | broken_stream | ...
         self.arrived = asyncio.Event()
         self.release = asyncio.Event()
+        self.answers_probes = asyncio.Event()
+        self.answers_probes.set()
+        """Cleared: ``/health`` waits (a stopped process, as far as a probe can tell)."""
         """``restarted_meanwhile``: a request has arrived, and may be answered (by the new process)."""
         self.aborted = asyncio.Event()
         self.raw_answers = 0
@@ -45,6 +48,7 @@ class StandIn:
 
     def app(self) -> web.Application:
         async def health(_: web.Request) -> web.Response:
+            await self.answers_probes.wait()
             body = {
                 "status": "ok",
                 "weight_version": "default",
@@ -254,3 +258,34 @@ async def test_a_caller_that_leaves_a_stream_is_aborted_on_its_worker(fleet) -> 
     aborted = a.aborts + b.aborts
     sent = json.loads((a.bodies + b.bodies)[0])
     assert aborted == [sent["rid"]]
+
+
+async def test_a_worker_that_does_not_answer_its_probe_does_not_delay_noticing_a_dead_one(
+    aiohttp_client: Any, tmp_path: Path
+) -> None:
+    """One worker stops answering (a stopped process: its probe waits for its whole timeout), another dies:
+    the dead one is dead within a few intervals, not after the stopped one's timeouts, one per round."""
+    dying, stopped = StandIn("dying"), StandIn("stopped")
+    stopped.answers_probes.clear()
+    servers = [TestServer(dying.app(), host="127.0.0.1"), TestServer(stopped.app(), host="127.0.0.1")]
+    for server in servers:
+        await server.start_server()
+    config = RouterConfig(
+        worker_urls=[f"http://127.0.0.1:{server.port}" for server in servers],
+        state_dir=tmp_path / "state",
+        health_check_interval_s=0.1,
+        health_check_timeout_s=30.0,
+    )
+    client = await aiohttp_client(create_app(config))
+    try:
+        registry = client.app[keys.REGISTRY]
+        dead = registry.find(config.worker_urls[0])
+        assert dead is not None
+        await until(lambda: dead.health == "healthy", 5, "the dying worker's first probe")
+        await servers[0].close()
+        # Six failed probes, 0.1 s apart, while the other worker's probe waits for its 30 s timeout.
+        await until(lambda: dead.health == "dead", 10, "the closed worker to be found dead")
+    finally:
+        stopped.answers_probes.set()
+        await client.close()
+        await servers[1].close()

@@ -128,6 +128,8 @@ class HealthChecker:
         self._registry = registry
         self._prober = prober
         self._interval = interval_s
+        self._checks: dict[str, asyncio.Task[None]] = {}
+        """Each worker's check still running, by worker id: a round starts none beside it."""
 
     async def check(self, worker: Worker) -> None:
         parked = worker.paused_behind_router
@@ -142,10 +144,33 @@ class HealthChecker:
             self._prober.give_up_parked(worker)
 
     async def check_all(self) -> None:
-        workers = list(self._registry)
-        if workers:
-            await asyncio.gather(*(self.check(w) for w in workers))
+        """Check every worker whose last check has ended, and wait for them, at most one interval.
+
+        A worker that does not answer (a stopped process, a slow network) holds its own check for the probe's
+        timeout, never the round: its check goes on and later rounds skip it, so a worker that died beside it
+        is still noticed within the thresholds' count of intervals, and its requests are given up in time."""
+        started = [self._start(w) for w in self._registry if w.id not in self._checks]
+        if started:
+            await asyncio.wait(started, timeout=max(self._interval, 0.001))
+
+    def _start(self, worker: Worker) -> asyncio.Task[None]:
+        task = asyncio.get_running_loop().create_task(self.check(worker), name=f"health check {worker.id}")
+        self._checks[worker.id] = task
+        task.add_done_callback(lambda done: self._ended(worker.id, done))
+        return task
+
+    def _ended(self, worker_id: str, task: asyncio.Task[None]) -> None:
+        if self._checks.get(worker_id) is task:
+            del self._checks[worker_id]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("health check of worker %s failed", worker_id, exc_info=task.exception())
 
     async def run(self) -> None:
         """The background loop; the first round runs at once so start-up is quick (rounds jittered ±20 %)."""
-        await every(lambda: self._interval * random.uniform(0.8, 1.2), self.check_all, "health check round")
+        try:
+            await every(lambda: self._interval * random.uniform(0.8, 1.2), self.check_all, "health check round")
+        finally:
+            checks = list(self._checks.values())
+            for task in checks:
+                task.cancel()
+            await asyncio.gather(*checks, return_exceptions=True)
