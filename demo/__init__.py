@@ -12,4 +12,5 @@ broadcast, complete, verify the fleet's checksums against its own, continue).
 - :mod:`demo.policy`: the trainer's copy of the model, made trainable.
 - :mod:`demo.trainer`: rollouts, optimizer steps and weight syncs.
 - :mod:`demo.table`: the per-step table printed as it runs.
+- :mod:`demo.lora`: ``python -m demo --lora``, the same loop with the policy trained as a LoRA adapter.
 """

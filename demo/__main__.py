@@ -1,4 +1,4 @@
-"""``python -m demo [--steps N]``: the whole system on this machine, end to end.
+"""``python -m demo [--steps N] [--lora]``: the whole system on this machine, end to end.
 
 Exit status: 0 when every sync succeeded and every worker's checksum equalled
 the trainer's after every step; 1 on any failure; 130 when interrupted. Every
@@ -42,6 +42,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--updates-per-step", type=int, default=3, help="Adam updates per training step")
     p.add_argument("--bucket-kib", type=int, default=128, help="weight-sync bucket budget")
     p.add_argument("--seed", type=int, default=0, help="seed of the tiny random checkpoint")
+    p.add_argument(
+        "--lora",
+        action="store_true",
+        help="train a PEFT LoRA adapter instead of the full weights and push it to the fleet every step "
+        "(docs/lora.md); --bucket-kib does not apply",
+    )
     args = p.parse_args(argv)
     for name in ("steps", "workers", "updates_per_step", "bucket_kib"):
         if getattr(args, name) < 1:
@@ -104,6 +110,10 @@ def run(args: argparse.Namespace, fleet: Fleet, trainer: Trainer) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.lora:
+        from demo import lora  # imports transformers and PEFT, which only this mode needs
+
+        return lora.main(args)
     started = time.perf_counter()
     torch.set_num_threads(1)  # two workers and the trainer share a small machine
     previous_term = signal.signal(signal.SIGTERM, _interrupt)

@@ -9,6 +9,7 @@ SIGINT; stopping them is this module's job.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from demo.launch import ManagedProcess, cli, free_port, http_json
@@ -21,13 +22,22 @@ class Fleet:
 
     The admin key reaches every process through the environment (not argv, so
     it does not show in a process listing).
+    ``worker_args`` go on every worker's command line (``--lora``: ``--enable-lora`` and the rest).
     """
 
     def __init__(
-        self, model_dir: Path, *, workers: int, admin_key: str, state_dir: Path, ready_timeout_s: float = 120.0
+        self,
+        model_dir: Path,
+        *,
+        workers: int,
+        admin_key: str,
+        state_dir: Path,
+        ready_timeout_s: float = 120.0,
+        worker_args: Sequence[str] = (),
     ):
         self.model_dir = model_dir
         self.num_workers = workers
+        self.worker_args = list(worker_args)
         self.admin_key = admin_key
         self.state_dir = state_dir
         self.ready_timeout_s = ready_timeout_s
@@ -45,7 +55,7 @@ class Fleet:
         for i in range(self.num_workers):
             port = free_port()
             argv = [cli("omni-worker"), "--model-path", str(self.model_dir), "--host", "127.0.0.1", "--port", str(port)]
-            self._spawn(f"worker{i}", argv)
+            self._spawn(f"worker{i}", [*argv, *self.worker_args])
             self.worker_urls.append(f"http://127.0.0.1:{port}")
 
     def start_router(self) -> None:
