@@ -25,8 +25,11 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from router.gateway.admin import operations
+from router.gateway.admin.journal import UpdateJournal
 from router.gateway.app import routes
+from router.gateway.data_planes.supervisor import DataPlaneSupervisor
 from router.gateway.fleet.registry import WorkerRegistry
+from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,12 +52,29 @@ Obj = dict[str, Any]
 # What the code exports
 
 
+class _Lease:
+    """A lease this replica holds, as the leader gate reads it."""
+
+    identity = holder = "router-a"
+
+    def seconds_until_free(self) -> float:
+        return 10.0
+
+    def holds_lease(self) -> bool:
+        return True
+
+
 def _recorded_router_metrics() -> RouterMetrics:
     """A router's metrics with one worker registered and every recorder called once, so that every
-    series, labelled ones included, has a sample to read its labels from."""
+    series, labelled ones included, has a sample to read its labels from: the control process of a
+    router with an update journal, leader election (this replica leads) and data-plane processes."""
     workers = WorkerRegistry()
     workers.add("http://127.0.0.1:1")
-    metrics = RouterMetrics(workers)
+    gate = LeaderGate(_Lease())
+    gate.open()
+    metrics = RouterMetrics(workers, journal=UpdateJournal(None), leader=gate)
+    metrics.control.leader_transitions += 1
+    metrics.control.data_planes = DataPlaneSupervisor([], 1, "/nonexistent/control.sock", grace_s=1.0)
     metrics.observe_request("/generate", "POST", 200, 0.01)
     metrics.observe_admin("update_weights_from_disk", "success", 1.0)
     metrics.observe_lock_wait("update_weights_from_disk", 0.1, True)
@@ -110,6 +130,7 @@ _TOKEN = re.compile(
   | (?P<string>"(?:[^"\\]|\\.)*"|'(?:[^'\\]|\\.)*'|`[^`]*`)
   | (?P<range>\[[^\]]*\])
   | (?P<variable>\$\{[^}]*\}|\$\w+)
+  | (?P<duration>\d+(?:ms|[smhdwy])\b)
   | (?P<number>(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)
   | (?P<ident>[A-Za-z_:][A-Za-z0-9_:]*)
   | (?P<op>=~|!~|!=|==|<=|>=|[-+*/%^<>=(){},])
@@ -222,9 +243,11 @@ def test_the_promql_reader_reads_what_the_checks_rely_on() -> None:
     query = parse_promql(
         'histogram_quantile(0.99, sum by (route, le) (rate(omni_router_request_duration_seconds_bucket{job=~"$job",'
         ' route!="/x"}[$__rate_interval]))) > 1e3 and on (job) max without (instance) (omni_router_routable_workers)'
+        " unless omni_router_routable_workers offset 15m"
     )
     assert [(s.metric, s.matchers) for s in query.selectors] == [
         ("omni_router_request_duration_seconds_bucket", [("job", "=~", "$job"), ("route", "!=", "/x")]),
+        ("omni_router_routable_workers", []),
         ("omni_router_routable_workers", []),
     ]
     assert query.grouping == {"route", "le", "job", "instance"}
@@ -442,8 +465,8 @@ def test_readme_explains_every_alert(groups: list[Obj]) -> None:
     assert "observability/README.md" in (ROOT / "deploy" / "README.md").read_text()
 
 
-def test_the_service_monitor_scrapes_the_router_service(groups: list[Obj]) -> None:
-    """The scrape the leader-change alert counts on: the router's Service, on its named port, at
+def test_the_service_monitor_scrapes_the_router_service() -> None:
+    """The scrape the dashboard counts on: the router's Service (the leader), on its named port, at
     the route the router serves its metrics on, without a key."""
     monitor = yaml.safe_load(SERVICE_MONITOR.read_text())
     service = yaml.safe_load(ROUTER_SERVICE.read_text())
@@ -452,8 +475,6 @@ def test_the_service_monitor_scrapes_the_router_service(groups: list[Obj]) -> No
     assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
     (metrics,) = [r for r in routes() if r.method == "GET" and r.path == endpoint["path"]]
     assert metrics.access == "open"
-    leader = next(a["expr"] for a in _alerts(groups) if a["alert"] == "OmniRouterLeaderChanged")
-    assert ("service", "=", service["metadata"]["name"]) in parse_promql(leader).selectors[0].matchers
 
 
 # ------------------------------------------------------------------------------------------------
@@ -487,15 +508,48 @@ class Scenario:
 _FLEET = 'job="omni-router", namespace="omni"'
 
 
-def _worker(worker: str, *, health: str = "healthy", disabled: int = 0, staleness: int = 0) -> dict[str, str]:
-    at = f'{_FLEET}, worker="{worker}"'
+def _worker(
+    worker: str,
+    *,
+    health: str = "healthy",
+    disabled: int = 0,
+    staleness: int = 0,
+    pending: int | None = None,
+    fenced: int = 0,
+    instance: str | None = None,
+) -> dict[str, str]:
+    """One worker as one router replica (``instance``) sees it; pending, unless given, when it is stale."""
+    at = f'{_FLEET}, worker="{worker}"' + (f', instance="{instance}"' if instance else "")
     series = {
         f'omni_router_worker_health{{{at}, state="{state}"}}': f"{int(state == health)}x30"
         for state in ("healthy", "unhealthy", "dead")
     }
     series[f"omni_router_worker_disabled{{{at}}}"] = f"{disabled}x30"
     series[f"omni_router_worker_staleness{{{at}}}"] = f"{staleness}x30"
+    series[f"omni_router_worker_pending{{{at}}}"] = f"{int(staleness != 0) if pending is None else pending}x30"
+    series[f"omni_router_worker_fenced{{{at}}}"] = f"{fenced}x30"
     return series
+
+
+def _role(instance: str, role: str) -> dict[str, str]:
+    """A replica's ``omni_router_leader_role`` (``--leader-election``), every scrape scraped."""
+    roles = ("standby", "taking_over", "leader", "stepped_down")
+    return {
+        f'omni_router_leader_role{{{_FLEET}, instance="{instance}", role="{name}"}}': f"{int(name == role)}x30"
+        for name in roles
+    }
+
+
+_LEADER, _STANDBY = "a:30000", "b:30000"
+
+
+def _transitions(instance: str, values: str) -> dict[str, str]:
+    return {f'omni_router_leader_transitions_total{{{_FLEET}, instance="{instance}"}}': values}
+
+
+def _requests(instance: str, status: int, per_minute: int) -> dict[str, str]:
+    at = f'{_FLEET}, instance="{instance}", route="/generate", method="POST", status="{status}"'
+    return {f"omni_router_requests_total{{{at}}}": f"0+{per_minute}x30"}
 
 
 def _admin_duration(operation: str, seconds: float) -> dict[str, str]:
@@ -515,9 +569,32 @@ SCENARIOS = (
     Scenario("OmniRouterAbsent", {f"omni_router_routable_workers{{{_FLEET}}}": "1x20"}, "10m"),
     Scenario("OmniRouterNoRoutableWorker", {f"omni_router_routable_workers{{{_FLEET}}}": "0x20"}, "10m", (_FLEET,)),
     Scenario("OmniRouterNoRoutableWorker", {f"omni_router_routable_workers{{{_FLEET}}}": "2x20"}, "10m"),
+    Scenario("OmniRouterNoLeader", {**_role(_LEADER, "standby"), **_role(_STANDBY, "taking_over")}, "10m", (_FLEET,)),
+    Scenario("OmniRouterNoLeader", {**_role(_LEADER, "leader"), **_role(_STANDBY, "standby")}, "10m"),
+    Scenario("OmniRouterNoLeader", {f"omni_router_routable_workers{{{_FLEET}}}": "2x20"}, "10m"),
+    # A standby's view (none routable: it has not read the fleet's weights) is left out, even when it is
+    # all that is scraped (OmniRouterNoLeader fires then).
+    Scenario(
+        "OmniRouterNoRoutableWorker",
+        {**_role(_STANDBY, "standby"), f'omni_router_routable_workers{{{_FLEET}, instance="{_STANDBY}"}}': "0x20"},
+        "10m",
+    ),
+    Scenario("OmniRouterNoLeader", _role(_STANDBY, "standby"), "10m", (_FLEET,)),
+    Scenario(
+        "OmniRouterNoRoutableWorker",
+        {
+            **_role(_LEADER, "leader"),
+            **_role(_STANDBY, "standby"),
+            f'omni_router_routable_workers{{{_FLEET}, instance="{_LEADER}"}}': "0x20",
+            f'omni_router_routable_workers{{{_FLEET}, instance="{_STANDBY}"}}': "0x20",
+        },
+        "10m",
+        (_FLEET,),
+    ),
     Scenario(
         "OmniRouterWorkerFenced",
-        {**_worker("w-a", disabled=1), **_worker("w-b")},
+        # w-b: disabled by an operator, not fenced by the journal.
+        {**_worker("w-a", disabled=1, fenced=1), **_worker("w-b", disabled=1), **_worker("w-c")},
         "20m",
         (f'{_FLEET}, worker="w-a"',),
     ),
@@ -527,11 +604,22 @@ SCENARIOS = (
             **_worker("w-joined", staleness=-1),
             **_worker("w-behind", staleness=1),
             **_worker("w-current"),
+            **_worker("w-paused", pending=1),  # paused behind the router: pending on current weights
             **_worker("w-down", health="dead", staleness=2),
-            **_worker("w-fenced", disabled=1, staleness=1),
+            **_worker("w-fenced", disabled=1, staleness=1, fenced=1),
         },
         "20m",
-        (f'{_FLEET}, worker="w-joined"', f'{_FLEET}, worker="w-behind"'),
+        (f'{_FLEET}, worker="w-joined"', f'{_FLEET}, worker="w-behind"', f'{_FLEET}, worker="w-paused"'),
+    ),
+    Scenario(
+        "OmniRouterWorkerPending",
+        {
+            **_role(_LEADER, "leader"),
+            **_role(_STANDBY, "standby"),
+            **_worker("w-a", instance=_LEADER),
+            **_worker("w-a", staleness=-1, instance=_STANDBY),
+        },
+        "20m",
     ),
     Scenario(
         "OmniRouterWorkerUnhealthy",
@@ -541,6 +629,16 @@ SCENARIOS = (
     ),
     Scenario("OmniRouterWeightVersionSkew", {**_worker("w-a", staleness=2), **_worker("w-b")}, "20m", (_FLEET,)),
     Scenario("OmniRouterWeightVersionSkew", {**_worker("w-a", staleness=1), **_worker("w-b")}, "20m"),
+    Scenario(
+        "OmniRouterWeightVersionSkew",
+        {
+            **_role(_LEADER, "leader"),
+            **_role(_STANDBY, "standby"),
+            **_worker("w-a", instance=_LEADER),
+            **_worker("w-a", staleness=3, instance=_STANDBY),
+        },
+        "20m",
+    ),
     Scenario(
         "OmniRouterCatchUpFailing",
         {
@@ -608,6 +706,59 @@ SCENARIOS = (
         },
         "20m",
     ),
+    # A standby answers its readiness probe 503: not the router's errors.
+    Scenario(
+        "OmniRouterHighErrorRatio",
+        {
+            **_role(_LEADER, "leader"),
+            **_role(_STANDBY, "standby"),
+            **_requests(_LEADER, 200, 60),
+            **_requests(_STANDBY, 503, 10),
+        },
+        "20m",
+    ),
+    Scenario(
+        "OmniRouterHighErrorRatio",
+        {
+            **_role(_LEADER, "leader"),
+            **_role(_STANDBY, "standby"),
+            **_requests(_LEADER, 200, 60),
+            **_requests(_LEADER, 503, 10),
+        },
+        "20m",
+        (_FLEET,),
+    ),
+    Scenario(
+        "OmniRouterUpdateJournalUnresolved",
+        {
+            f'omni_router_update_journal_pending{{{_FLEET}, state="in_flight"}}': "0x30",
+            f'omni_router_update_journal_pending{{{_FLEET}, state="failed"}}': "0x5 1x25",
+        },
+        "20m",
+        (f'{_FLEET}, state="failed"',),
+    ),
+    Scenario(
+        "OmniRouterUpdateJournalUnresolved",
+        {
+            f'omni_router_update_journal_pending{{{_FLEET}, state="in_flight"}}': "0x5 1x5 0x20",
+            f'omni_router_update_journal_pending{{{_FLEET}, state="failed"}}': "0x30",
+        },
+        "20m",
+    ),
+    Scenario(
+        "OmniRouterDataPlaneRestarts",
+        {
+            f'omni_router_data_plane_restarts_total{{{_FLEET}, instance="{_LEADER}"}}': "0x10 1x20",
+            f'omni_router_data_plane_restarts_total{{{_FLEET}, instance="{_STANDBY}"}}': "2x30",
+        },
+        "15m",
+        (f'{_FLEET}, instance="{_LEADER}"',),
+    ),
+    Scenario(
+        "OmniRouterDataPlaneRestarts",
+        {f'omni_router_data_plane_restarts_total{{{_FLEET}, instance="{_LEADER}"}}': "0x10 1x20"},
+        "30m",
+    ),
     Scenario(
         "OmniRouterVersionPolicyRefusals",
         {f'omni_router_version_policy_refusals_total{{{_FLEET}, policy="latest-only"}}': "0+5x30"},
@@ -623,30 +774,24 @@ SCENARIOS = (
         "20m",
         (f'{_FLEET}, worker="w-a"',),
     ),
+    # Scraped through the Service: the new leader's series appears at 1, the old one's ends.
     Scenario(
         "OmniRouterLeaderChanged",
-        {
-            'omni_router_routable_workers{job="omni-router", namespace="omni", service="omni-router", instance="a:30000"}': (
-                "2x20"
-            ),
-            'omni_router_routable_workers{job="omni-router", namespace="omni", service="omni-router", instance="b:30000"}': (
-                "_x20 2x20"
-            ),
-        },
-        "40m",
-        ('namespace="omni", service="omni-router"',),
+        {**_transitions(_LEADER, "1x20"), **_transitions(_STANDBY, "_x20 1x20")},
+        "25m",
+        (_FLEET,),
     ),
     Scenario(
-        "OmniRouterLeaderChanged",
-        {
-            'omni_router_routable_workers{job="omni-router", namespace="omni", service="omni-router", instance="a:30000"}': (
-                "2x40"
-            ),
-            # A static scrape of both replicas: no `service` label, no alert.
-            'omni_router_routable_workers{job="omni-router", instance="b:30000"}': "2x40",
-        },
-        "40m",
+        "OmniRouterLeaderChanged", {**_transitions(_LEADER, "1x20"), **_transitions(_STANDBY, "_x20 1x20")}, "40m"
     ),
+    # Every replica scraped: the standby's counter goes from 0 to 1; the old leader restarts at 0.
+    Scenario(
+        "OmniRouterLeaderChanged",
+        {**_transitions(_LEADER, "1x20 0x20"), **_transitions(_STANDBY, "0x20 1x20")},
+        "30m",
+        (_FLEET,),
+    ),
+    Scenario("OmniRouterLeaderChanged", {**_transitions(_LEADER, "1x40"), **_transitions(_STANDBY, "0x40")}, "40m"),
 )
 
 

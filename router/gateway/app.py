@@ -283,7 +283,7 @@ def create_app(config: RouterConfig) -> web.Application:
     leader = Leadership.for_config(config) if config.leader_election else None
     if leader is None:
         _restore_journal(registry, journal)
-    metrics = RouterMetrics(registry)
+    metrics = RouterMetrics(registry, journal=journal, leader=leader.gate if leader is not None else None)
     table = routes()
     table.append(openapi_route("omni-router", __version__, table, description=API_DESCRIPTION))
 

@@ -1,9 +1,18 @@
 """Prometheus metrics for the router (``GET /metrics``).
 
-Per-worker gauges (in-flight, health, disabled, weight version) are sampled
-from the live registry at scrape time, so a removed worker stops being
-reported at once instead of leaving a stale series behind. Each app gets its
-own ``CollectorRegistry``, so several routers can live in one process (tests).
+Per-worker gauges (in-flight, health, disabled, fenced, pending, weight version)
+are sampled from the live registry at scrape time, so a removed worker stops
+being reported at once instead of leaving a stale series behind; so are the
+update journal's entry, the leader gate's role and the data planes' restarts.
+Each app gets its own ``CollectorRegistry``, so several routers can live in one
+process (tests).
+
+With data-plane processes the control process sums every data plane's exposition
+into its own, sample by sample (:mod:`router.gateway.data_planes.metrics_merge`):
+a gauge that a data plane exported too would be added to the control process's
+value. The fleet's and the control process's state is therefore exported by the
+control process alone (``fleet_gauges``), which owns the registry, the journal,
+the gate and the supervisor.
 """
 
 from __future__ import annotations
@@ -11,24 +20,42 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from router.contract.fleet import LeaderRole
 from router.gateway.fleet.registry import WorkerRegistry
+
+if TYPE_CHECKING:
+    from router.gateway.admin.journal import UpdateJournal
+    from router.gateway.leader.gate import LeaderGate
 
 #: A bucket bound as Prometheus writes it (``+Inf``, ``0.005``); prometheus_client ships it unannotated.
 _go_float: Callable[[float], str] = floatToGoString
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 _HEALTH_STATES = ("healthy", "unhealthy", "dead")
+_JOURNAL_STATES = ("in_flight", "failed")
+#: The roles a leader gate reports; ``single`` (no election) has no gate, and no gauge.
+_LEADER_ROLES: tuple[str, ...] = tuple(role for role in get_args(LeaderRole) if role != "single")
+
+
+class RestartCount(Protocol):
+    """What the metrics read of the data-plane supervisor
+    (:class:`~router.gateway.data_planes.supervisor.DataPlaneSupervisor`)."""
+
+    @property
+    def restarts(self) -> int: ...
 
 
 class _FleetCollector(Collector):
-    def __init__(self, registry: WorkerRegistry):
+    def __init__(self, registry: WorkerRegistry, journal: UpdateJournal | None):
         self._registry = registry
+        self._journal = journal
 
     def collect(self) -> Iterator[Metric]:
         inflight = GaugeMetricFamily(
@@ -59,8 +86,23 @@ class _FleetCollector(Collector):
         paused = GaugeMetricFamily(
             "omni_router_worker_paused", "1 while the router's last pause broadcast holds the worker", labels=["worker"]
         )
+        pending = GaugeMetricFamily(
+            "omni_router_worker_pending",
+            "1 while the worker is pending (GET /workers: pending): off the fleet's weights, or paused behind the "
+            "router; its health and fencing aside",
+            labels=["worker"],
+        )
+        journal = self._journal
+        fenced = GaugeMetricFamily(
+            "omni_router_worker_fenced",
+            "1 while the update journal's unresolved entry names the worker (kept out of routing until resolved)",
+            labels=["worker"],
+        )
         count = 0
         for w in self._registry:
+            pending.add_metric([w.id], 0.0 if self._registry.pending_reason(w) is None else 1.0)
+            if journal is not None:
+                fenced.add_metric([w.id], 1.0 if journal.names(w.id) else 0.0)
             sequence = fleet.verified_sequence(w.id, w)
             staleness.add_metric([w.id], -1.0 if sequence is None else fleet.latest_sequence - sequence)
             paused.add_metric([w.id], 1.0 if w.paused else 0.0)
@@ -71,7 +113,71 @@ class _FleetCollector(Collector):
             version.add_metric([w.id, w.weight_version or ""], 1.0)
             count += int(self._registry.is_routable(w))
         routable.add_metric([], count)
-        yield from (inflight, health, disabled, version, routable, fleet_sequence, staleness, paused)
+        yield from (inflight, health, disabled, version, routable, fleet_sequence, staleness, paused, pending)
+        if journal is not None:
+            yield fenced
+            yield from _journal_families(journal)
+
+
+def _journal_families(journal: UpdateJournal) -> Iterator[Metric]:
+    """The unresolved entry: both states always (0 or 1), so an alert on it resolves instead of going stale."""
+    entry = journal.pending
+    state = GaugeMetricFamily(
+        "omni_router_update_journal_pending",
+        "1 for the state of the update journal's unresolved entry (in_flight: an update runs; failed: an operator "
+        "must resolve it, and updates are refused with 409 until then)",
+        labels=["state"],
+    )
+    for name in _JOURNAL_STATES:
+        state.add_metric([name], 1.0 if entry is not None and entry.state == name else 0.0)
+    yield state
+    yield GaugeMetricFamily(
+        "omni_router_update_journal_targets",
+        "Workers the update journal's unresolved entry keeps fenced (0: no entry)",
+        0 if entry is None else len(entry.targets),
+    )
+
+
+class ControlState(Collector):
+    """The control process's own state: the leader gate's role, the times this replica took over, the
+    data-plane processes its supervisor restarted. Read at scrape time like the fleet's gauges; each
+    series exists only where its source does (no gate without --leader-election, no supervisor
+    without --data-plane-processes)."""
+
+    def __init__(self, leader: LeaderGate | None):
+        self.leader = leader
+        self.leader_transitions = 0
+        """Counted by :func:`router.gateway.leader.takeover.lead` when the gate opens."""
+        self.data_planes: RestartCount | None = None
+        """The data-plane supervisor, set by the control process that runs one."""
+        self._created = time.time()
+
+    def collect(self) -> Iterator[Metric]:
+        leader = self.leader
+        if leader is not None:
+            current = leader.view().role  # as /health says it: a leader past its renew deadline is stepping down
+            role = GaugeMetricFamily(
+                "omni_router_leader_role",
+                "1 for this replica's current role under --leader-election (standby, taking_over, leader, "
+                "stepped_down)",
+                labels=["role"],
+            )
+            for name in _LEADER_ROLES:
+                role.add_metric([name], 1.0 if current == name else 0.0)
+            yield role
+            transitions = CounterMetricFamily(
+                "omni_router_leader_transitions",
+                "Times this replica took the Lease and opened its gate (it leads once: losing the Lease exits)",
+            )
+            transitions.add_metric([], self.leader_transitions, created=self._created)
+            yield transitions
+        if self.data_planes is not None:
+            restarts = CounterMetricFamily(
+                "omni_router_data_plane_restarts",
+                "Data-plane processes started again after one exited or was killed as unresponsive",
+            )
+            restarts.add_metric([], self.data_planes.restarts, created=self._created)
+            yield restarts
 
 
 class _RequestStats(Collector):
@@ -192,9 +298,19 @@ class VersionPolicyStats(Collector):
 class RouterMetrics:
     """Every series the router exports, in one registry of its own."""
 
-    def __init__(self, workers: WorkerRegistry, *, fleet_gauges: bool = True):
-        """``fleet_gauges``: export the per-worker gauges (a data-plane process leaves them to its
-        control process, which owns the registry and sums every process's load)."""
+    def __init__(
+        self,
+        workers: WorkerRegistry,
+        *,
+        fleet_gauges: bool = True,
+        journal: UpdateJournal | None = None,
+        leader: LeaderGate | None = None,
+    ):
+        """``fleet_gauges``: export the per-worker gauges and the control process's state (a data-plane
+        process leaves them to its control process, which owns the registry, the journal and the gate,
+        sums every process's load, and would otherwise add a data plane's copy to its own).
+        ``journal``: the update journal whose entry, and the workers it fences, are exported.
+        ``leader``: the leader gate (``--leader-election``) whose role is exported."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self._requests = _RequestStats(_LATENCY_BUCKETS)
@@ -247,8 +363,10 @@ class RouterMetrics:
         r.register(self._versions)
         self.filtered = self._versions.filtered
         """Reason → workers left out of candidates; the proxy adds to it in place (no call per request)."""
+        self.control = ControlState(leader)
         if fleet_gauges:
-            r.register(_FleetCollector(workers))
+            r.register(_FleetCollector(workers, journal))
+            r.register(self.control)
 
     def observe_request(self, route: str, method: str, status: int, duration_s: float) -> None:
         """One served HTTP request (the router's edge middleware, on every request)."""

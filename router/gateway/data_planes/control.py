@@ -35,6 +35,7 @@ def attach_data_planes(
         sessions=app.get(keys.SESSIONS),
     )
     supervisor.on_exit = hub.forget
+    app[keys.METRICS].control.data_planes = supervisor  # its restarts, exported by the control process
     app[keys.DATA_PLANES] = hub
     app.router.add_get(HUB_PATH, hub.handle)
     app.middlewares.append(hub.settle_middleware)

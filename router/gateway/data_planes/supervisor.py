@@ -40,6 +40,8 @@ class DataPlaneSupervisor:
         self._watchers: list[asyncio.Task[None]] = []
         self._stopping = False
         self.restarts = 0
+        """Data planes started again after theirs exited; exported as ``omni_router_data_plane_restarts_total``
+        once the control process hands the supervisor to its metrics (``RouterMetrics.control.data_planes``)."""
         self.on_exit: Callable[[int], None] | None = None
         """Told each time a data plane's process has exited (the hub stops waiting for it)."""
 

@@ -123,6 +123,7 @@ async def lead(
         await asyncio.wait({holding, takeover}, return_when=asyncio.FIRST_COMPLETED)
         if takeover.done() and takeover.exception() is None:
             gate.open()
+            app[keys.METRICS].control.leader_transitions += 1
             log.info("leader %s: the fleet's state is read, serving the admin routes", elector.identity)
             if role is not None:
                 role.set("leader")
