@@ -114,6 +114,7 @@ class StandIn:
         app.router.add_get("/model_info", model_info)
         app.router.add_post("/abort_request", abort)
         app.router.add_post("/generate", generate)
+        app.router.add_post("/inference/v1/generate", generate)
         return app
 
 
@@ -289,3 +290,20 @@ async def test_a_worker_that_does_not_answer_its_probe_does_not_delay_noticing_a
         stopped.answers_probes.set()
         await client.close()
         await servers[1].close()
+
+
+async def test_vllms_token_route_goes_only_to_workers_holding_the_adapter_its_model_names(fleet) -> None:
+    """``/inference/v1/generate`` chooses a LoRA adapter by ``model``, as the OpenAI routes do: the router sends
+    it only to a worker that holds that adapter at the fleet's version; other names go anywhere."""
+    client, (a, b) = fleet
+    registry = client.app[keys.REGISTRY]
+    wa, _ = list(registry)
+    registry.adapters.record_load("small", "/adapters/small", [wa])
+    for _ in range(4):
+        async with client.post("/inference/v1/generate", json={"model": "small", "token_ids": [1]}) as resp:
+            assert resp.status == 200 and resp.headers["X-Omni-Worker"] == wa.id
+    assert len(a.bodies) == 4 and not b.bodies
+    for _ in range(4):  # the base model (any other name) goes to either worker
+        async with client.post("/inference/v1/generate", json={"model": "base", "token_ids": [1]}) as resp:
+            assert resp.status == 200
+    assert b.bodies

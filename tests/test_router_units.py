@@ -425,15 +425,15 @@ class TestWire:
     def test_request_id_injection_for_vllm_token_generation(self):
         """``/inference/v1/generate`` is aborted by the id its worker runs it as: ``generate-tokens-<id>``."""
         mine = b'{"token_ids": [1], "request_id": "mine"}'
-        assert prepare_tokens_payload(mine, None) == (mine, "generate-tokens-mine")
-        assert prepare_tokens_payload(mine, "hdr") == (mine, "generate-tokens-hdr")  # X-Request-Id wins, as in vLLM
-        body, request_id = prepare_tokens_payload(b'{"token_ids": [1]}', None)
+        assert prepare_tokens_payload(mine, None) == (mine, "generate-tokens-mine", json.loads(mine))
+        assert prepare_tokens_payload(mine, "hdr")[:2] == (mine, "generate-tokens-hdr")  # X-Request-Id wins, as in vLLM
+        body, request_id, _ = prepare_tokens_payload(b'{"token_ids": [1]}', None)
         assert request_id == "generate-tokens-" + json.loads(body)["request_id"]
         assert body.endswith(b', "token_ids": [1]}')  # spliced, the rest byte for byte
         for raw in (b'{"token_ids": [1], "request_id": ""}', b'{"request_id": null}', b"{}"):
-            body, request_id = prepare_tokens_payload(raw, None)
+            body, request_id, _ = prepare_tokens_payload(raw, None)
             sent = json.loads(body)
             assert request_id == "generate-tokens-" + sent.pop("request_id") and len(request_id) > 20
-        assert prepare_tokens_payload(b'{"request_id": 5}', None) == (b'{"request_id": 5}', None)  # the worker's 400
-        assert prepare_tokens_payload(b"[1]", None) == (b"[1]", None)
-        assert prepare_tokens_payload(b"not json", None) == (b"not json", None)
+        assert prepare_tokens_payload(b'{"request_id": 5}', None)[:2] == (b'{"request_id": 5}', None)  # the worker's 400
+        assert prepare_tokens_payload(b"[1]", None) == (b"[1]", None, None)
+        assert prepare_tokens_payload(b"not json", None) == (b"not json", None, None)

@@ -97,6 +97,13 @@ def test_openai_and_token_routes_choose_the_adapter_by_model(lw: Worker, made: d
     assert status == 404 and "'nope'" in refused["error"]["message"] and "o" in refused["error"]["message"]
     status, refused = lw.post("/generate", {"input_ids": PROMPT, "lora_path": "nope"})
     assert status == 404 and "loaded: o" in refused["error"]["message"]
+    # A name that is neither the served model nor a loaded adapter is vLLM's 404, never the base model's tokens.
+    status, refused = lw.post("/v1/completions", {"model": "nope", "prompt": PROMPT, "max_tokens": 2})
+    assert status == 404 and "'nope' does not exist" in refused["error"]["message"], refused
+    status, refused = lw.post(
+        "/inference/v1/generate", {"model": "nope", "token_ids": PROMPT, "sampling_params": {"max_tokens": 2}}
+    )
+    assert status == 404 and "LoRA adapters: o" in refused["error"]["message"], refused
 
 
 def test_vllm_routes_load_update_in_place_and_unload(lw: Worker, made: dict[str, Any]) -> None:
@@ -164,6 +171,10 @@ def test_an_adapter_sent_as_tensors_equals_the_directory(lw: Worker, made: dict[
     answer = lw.ok("POST", "/load_lora_adapter_from_tensors", body)
     assert answer["loaded_adapters"] == {"t": "__tensor__"} and answer["lora_version"] == 1
     assert _tokens(lw, "t")["output_ids"] == made["plain"][1]
+    # SGLang reads an adapter's tensors as a {name: tensor} dict, the form verl sends: the same adapter.
+    by_name = {**body, "lora_name": "d", "serialized_named_tensors": [forking_pickle(dict(tensors))]}
+    assert lw.ok("POST", "/load_lora_adapter_from_tensors", by_name)["lora_version"] == 1
+    assert _tokens(lw, "d")["output_ids"] == made["plain"][1]
     del tensors  # the shared memory the worker opened stays the test's until here
 
 

@@ -94,7 +94,11 @@ class AdapterService:
         if req.load_format not in (None, "direct"):
             raise LoraLoadError(f"load_format {req.load_format!r} is not supported for adapters; expected direct")
         try:
-            records = safe_unpickle.named_lazy_tensors(safe_unpickle.loads(req.serialized_named_tensors[0]), None)
+            payload = safe_unpickle.loads(req.serialized_named_tensors[0])
+            # SGLang reads an adapter's tensors as a {name: tensor} dict (verl sends one); a list of pairs, as its
+            # weight updates are sent, is read too.
+            pairs = list(payload.items()) if isinstance(payload, dict) else payload
+            records = safe_unpickle.named_lazy_tensors(pairs, None)
         except UnsafePayload as exc:
             raise LoraLoadError(f"serialized_named_tensors: {exc}") from None
         if len(records) > MAX_ADAPTER_TENSORS:
@@ -133,7 +137,9 @@ class AdapterService:
 
     def for_model(self, model: str | None, served: str) -> LoadedLora | None:
         """The adapter an OpenAI or token request's ``model`` names: an adapter's own name, or SGLang's
-        ``<base>:<adapter>``; anything else is the base model (the worker serves one)."""
+        ``<base>:<adapter>``; ``None`` for the base model. Without LoRA any name is the base model (the worker
+        serves one); with LoRA on, a name that is neither the served model nor a loaded adapter is a 404 naming
+        the loaded ones, as vLLM answers: an adapter this worker lacks must not be served by the base model."""
         table = self._table
         if model is None or table is None or model == served:
             return None
@@ -142,7 +148,10 @@ class AdapterService:
         _, sep, adapter = model.partition(":")
         if sep and adapter:
             return self.resolve(adapter)
-        return None
+        loaded = ", ".join(sorted(table.names())) or "none"
+        raise ApiError(
+            404, f"the model {model!r} does not exist: this worker serves {served!r} (LoRA adapters: {loaded})"
+        )
 
     # -- internals --------------------------------------------------------------------
     def _require(self) -> LoraAdapters:

@@ -73,31 +73,30 @@ def prepare_generate(raw: bytes) -> tuple[bytes, Any, bool, dict[str, Any] | Non
     return json.dumps({**payload, "rid": assigned}).encode(), base, stream, payload
 
 
-def prepare_tokens_payload(raw: bytes, header_id: str | None) -> tuple[bytes, str | None]:
-    """vLLM's ``/inference/v1/generate``: (body to send, the id its worker runs it as). The worker names
-    it ``generate-tokens-<X-Request-Id | request_id>``; a body with neither (or an empty one) gets a
-    ``request_id`` spliced in (re-encoded where that is not a plain byte splice), so the router can abort it."""
+def prepare_tokens_payload(raw: bytes, header_id: str | None) -> tuple[bytes, str | None, dict[str, Any] | None]:
+    """vLLM's ``/inference/v1/generate``: (body to send, the id its worker runs it as, the caller's JSON object
+    when it is one: its ``model`` names a LoRA adapter). The worker names it ``generate-tokens-<X-Request-Id |
+    request_id>``; a body with neither (or an empty one) gets a ``request_id`` spliced in (re-encoded where that
+    is not a plain byte splice), so the router can abort it."""
     try:
         payload = json.loads(raw) if raw else None
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return raw, None  # the worker answers 400 with its own message
+        return raw, None, None  # the worker answers 400 with its own message
     if not isinstance(payload, dict):
-        return raw, None
+        return raw, None, None
     if header_id:
-        return raw, REQUEST_ID_PREFIX + header_id
+        return raw, REQUEST_ID_PREFIX + header_id, payload
     given = payload.get("request_id")
     if isinstance(given, str) and given:
-        return raw, REQUEST_ID_PREFIX + given
+        return raw, REQUEST_ID_PREFIX + given, payload
     if given is not None and given != "":
-        return raw, None  # not an id: the worker refuses the body
+        return raw, None, payload  # not an id: the worker refuses the body
     base = _new_rid()
     start = len(raw) - len(raw.lstrip())
     if payload and "request_id" not in payload and raw[start : start + 1] == b"{":
-        return raw[: start + 1] + b'"request_id": ' + json.dumps(base).encode() + b", " + raw[start + 1 :], (
-            REQUEST_ID_PREFIX + base
-        )
-    payload["request_id"] = base
-    return json.dumps(payload).encode(), REQUEST_ID_PREFIX + base
+        spliced = raw[: start + 1] + b'"request_id": ' + json.dumps(base).encode() + b", " + raw[start + 1 :]
+        return spliced, REQUEST_ID_PREFIX + base, payload
+    return json.dumps({**payload, "request_id": base}).encode(), REQUEST_ID_PREFIX + base, payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,14 +123,15 @@ def sglang_prepare(raw: bytes, _request: web.Request) -> Prepared:
 
 
 def tokens_prepare(raw: bytes, request: web.Request) -> Prepared:
-    """vLLM's ``/inference/v1/generate``: aborted by its id (``/abort_requests``: the call and its choices)."""
-    body, request_id = prepare_tokens_payload(raw, request.headers.get(REQUEST_ID_HEADER))
+    """vLLM's ``/inference/v1/generate``: aborted by its id (``/abort_requests``: the call and its choices); routed
+    by the LoRA adapter its ``model`` names, as the OpenAI routes are."""
+    body, request_id, payload = prepare_tokens_payload(raw, request.headers.get(REQUEST_ID_HEADER))
     abort = (
         None
         if request_id is None
         else AbortCall(ep.ABORT_REQUESTS, {"request_ids": [request_id]}, f"request {request_id}")
     )
-    return body, abort, None
+    return body, abort, payload
 
 
 def passthrough(raw: bytes, _request: web.Request) -> Prepared:
