@@ -221,3 +221,29 @@ def test_a_restarted_router_routes_the_adapters_it_had_loaded(fleet: Any, made: 
         assert status == 200 and out["output_ids"] == made["rslora"][1]
     finally:
         second.stop()
+
+
+def test_skyrls_own_load_route_loads_fleet_wide_and_refuses_what_it_cannot(fleet: Any, made: dict[str, Any]) -> None:
+    """SkyRL's client posts ``/skyrl/v1/load_lora_adapter`` (its vLLM server's route, vLLM's load in place) to
+    every server: the router runs it as one fleet-wide load; an ``in_memory`` adapter, staged inside SkyRL's own
+    workers, and a body naming no source or both are 400s that change nothing."""
+    url, workers, _ = fleet
+    before = _table(url)
+    for bad in (
+        {"lora_name": "sky", "in_memory": True},
+        {"lora_name": "sky"},
+        {"lora_name": "sky", "lora_path": str(made["rslora"][0]), "in_memory": True},
+    ):
+        status, answer = _post(url, "/skyrl/v1/load_lora_adapter", bad)
+        assert status == 400 and answer["error"]["message"], (bad, answer)
+    assert _table(url) == before and all("sky" not in _loaded_on(w) for w in workers)
+    for version in (1, 2):  # the second load replaces the first in place, as SkyRL's route does
+        status, answer = _post(
+            url, "/skyrl/v1/load_lora_adapter", {"lora_name": "sky", "lora_path": str(made["rslora"][0])}
+        )
+        assert status == 200 and answer == {"status": "ok", "lora_name": "sky", "lora_int_id": version}, answer
+        assert _table(url)["sky"]["version"] == version
+    assert all("sky" in _loaded_on(w) for w in workers)
+    _wait_routed(url, "sky", made["rslora"][1])
+    status, _ = _post(url, "/v1/unload_lora_adapter", {"lora_name": "sky"})
+    assert status == 200

@@ -11,6 +11,10 @@ and ``/v1/unload_lora_adapter`` answer 200 with a plain-text sentence, 400 (a na
 without ``load_inplace``) or 404 (an unknown name) in vLLM's error envelope; a request chooses an
 adapter with ``"model": "<adapter>"``.
 
+SkyRL's vLLM server adds its own ``POST /skyrl/v1/load_lora_adapter {lora_name, lora_path | in_memory}``,
+which SkyRL's ``RemoteInferenceClient`` posts to every server: vLLM's load with ``load_inplace`` (a name
+loaded again is replaced), answered ``{"status": "ok", "lora_name", "lora_int_id"}``.
+
 What this project adds: loading a name again is an *update* (SGLang refuses it; vLLM needs
 ``load_inplace``): the new adapter is built whole before it replaces the old one, and the name's
 ``lora_version`` counts the loads that succeeded. Answers generated with an adapter say which
@@ -19,9 +23,9 @@ version served them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from router.contract.admin import MAX_SERIALIZED_CHARS
 from router.contract.base import Label, OutcomeResponse, PathText, WireRequest, WireResponse
@@ -110,3 +114,29 @@ class VllmLoraResult(WireResponse):
     @property
     def ok(self) -> bool:
         return self.success
+
+
+SKYRL_LOAD_LORA_ADAPTER_PATH = "/skyrl/v1/load_lora_adapter"
+
+
+class SkyrlLoadLoraAdapterRequest(WireRequest):
+    """``POST /skyrl/v1/load_lora_adapter`` (SkyRL's vLLM server): a PEFT directory, or ``in_memory`` for
+    tensors SkyRL staged in its own workers beforehand; exactly one of the two."""
+
+    lora_name: LoraName
+    lora_path: PathText | None = None
+    in_memory: bool = False
+
+    @model_validator(mode="after")
+    def _one_source(self) -> SkyrlLoadLoraAdapterRequest:
+        if self.in_memory == (self.lora_path is not None):
+            raise ValueError("'lora_name' plus exactly one of 'lora_path' or 'in_memory': true must be provided")
+        return self
+
+
+class SkyrlLoraLoaded(WireResponse):
+    """SkyRL's answer to its load: the adapter's name and the id requests for it run under."""
+
+    status: Literal["ok"] = "ok"
+    lora_name: str
+    lora_int_id: int

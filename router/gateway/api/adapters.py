@@ -12,6 +12,12 @@ from aiohttp import web
 
 from router.contract.errors import BadRequest
 from router.contract.fleet_adapters import FleetAdapterTable
+from router.contract.lora import (
+    SKYRL_LOAD_LORA_ADAPTER_PATH,
+    SkyrlLoadLoraAdapterRequest,
+    SkyrlLoraLoaded,
+    VllmLoadLoraAdapterRequest,
+)
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from router.gateway import keys
@@ -19,7 +25,7 @@ from router.gateway.admin import operations as ops
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.targets import TARGET_PARAMS
-from router.gateway.api.answers import answer_when_done
+from router.gateway.api.answers import answer_when_done, json_answer
 from router.gateway.api.headers import forward_headers
 from router.gateway.sync.adapters import LoadRequest, LoraAnswer, UnloadRequest, load_adapter, unload_adapter
 
@@ -44,6 +50,31 @@ async def unload(request: web.Request) -> web.Response:
     return await answer_when_done(request, unload_adapter(request.app[keys.ADMIN], op, call), op.name)
 
 
+async def skyrl_load(request: web.Request) -> web.Response:
+    """SkyRL's own load route, as its client posts it to every server: vLLM's load with ``load_inplace``, made
+    fleet-wide like every load. SkyRL's ``in_memory`` adapters are built from tensors its own weight sync staged
+    inside its vLLM workers, which no other server holds: refused (400), nothing changes."""
+    if not TARGET_PARAMS.isdisjoint(request.query):
+        raise BadRequest(f"{SKYRL_LOAD_LORA_ADAPTER_PATH} spans the whole fleet: it takes no ?workers= or ?selector=")
+    asked = await parse_body(request, SkyrlLoadLoraAdapterRequest)
+    if asked.lora_path is None:
+        raise BadRequest(
+            "in_memory adapters are built from tensors SkyRL staged in its own vLLM workers; load the adapter "
+            "from a path (lora_path) through this router"
+        )
+    op = ops.V1_LORA_LOAD
+    req = VllmLoadLoraAdapterRequest(lora_name=asked.lora_name, lora_path=asked.lora_path, load_inplace=True)
+    call: AdminCall[Any, LoraAnswer] = AdminCall(
+        op, "POST", req, forward_headers(request), timeout_s=op.router_wait(req)
+    )
+    outcome = await request.app[keys.TASKS].run_detached(load_adapter(request.app[keys.ADMIN], op, call), name=op.name)
+    entry = request.app[keys.REGISTRY].adapters.get(asked.lora_name)
+    if outcome.status != 200 or entry is None:
+        return json_answer(outcome.status, outcome.answer)
+    # The fleet's version of the adapter stands for vLLM's per-server id: the same on every worker, new per load.
+    return json_answer(200, SkyrlLoraLoaded(lora_name=asked.lora_name, lora_int_id=entry.version))
+
+
 async def fleet_adapters(request: web.Request) -> web.Response:
     table = request.app[keys.REGISTRY].adapters.table()
     return web.Response(body=table.model_dump_json(), content_type="application/json")
@@ -62,10 +93,18 @@ HANDLERS = {
 def routes() -> list[Route]:
     return [
         Route(
+            "POST",
+            SKYRL_LOAD_LORA_ADAPTER_PATH,
+            skyrl_load,
+            "SkyRL's load of a LoRA adapter from a path (vLLM's load in place), on every worker or none",
+            body=SkyrlLoadLoraAdapterRequest,
+            answer=SkyrlLoraLoaded,
+        ),
+        Route(
             "GET",
             "/fleet/adapters",
             fleet_adapters,
             "The fleet's LoRA adapters: each one's fleet version, source and holders",
             answer=FleetAdapterTable,
-        )
+        ),
     ]
