@@ -71,7 +71,7 @@ def _admin_table(endpoints: Iterable[Endpoint]) -> list[str]:
 def _engine_table() -> list[str]:
     """Which engine serves which of the router's admin and generation routes (the router's own table)."""
     from router.gateway.engines import ENGINES
-    from router.gateway.engines.vllm import PLUGIN_ADMIN
+    from router.gateway.engines.vllm import PLUGIN_ADMIN, RUNTIME_LORA_ADMIN
 
     names = list(ENGINES)
     rows = ["| route | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
@@ -79,7 +79,9 @@ def _engine_table() -> list[str]:
     def cell(name: str, path: str, served: frozenset[str]) -> str:
         if path in served:
             return "yes"
-        return "with the plugin" if name == "vllm" and path in PLUGIN_ADMIN else ""
+        if name == "vllm" and path in PLUGIN_ADMIN:
+            return "with the plugin"
+        return "with runtime LoRA updating" if name == "vllm" and path in RUNTIME_LORA_ADMIN else ""
 
     for e in (*WORKER_ADMIN, *VLLM_ONLY_ADMIN, *LORA_ADMIN):
         rows.append(f"| `{e.path}` | " + " | ".join(cell(n, e.path, ENGINES[n].admin_paths) for n in names) + " |")

@@ -24,7 +24,7 @@ from tests.procs import http_json, start_worker
 
 PROMPT = [5, 17, 42, 9, 3]
 STEPS = 6
-LORA_ARGS = ["--enable-lora", "--max-loras", "3", "--step-delay-ms", "20"]
+LORA_ARGS = ["--enable-lora", "--max-loras", "4", "--step-delay-ms", "20"]
 
 
 @pytest.fixture(scope="module")

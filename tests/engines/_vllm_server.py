@@ -60,6 +60,10 @@ def vllm_server(
 #: What a server needs for the project's plugin: vLLM's RL routes, the endpoint plugin, the worker extension.
 PLUGIN_ENV = {"VLLM_PLUGINS": "omni_router", "VLLM_SERVER_DEV_MODE": "1"}
 PLUGIN_ARGS = ("--worker-extension-cls", "worker.vllm_plugin.extension.OmniWeightSyncExtension")
+#: Runtime LoRA: adapters up to rank 8, two in a batch, loaded and unloaded through vLLM's
+#: ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (served only with the environment's flag).
+LORA_ARGS = ("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2")
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def start_vllm(

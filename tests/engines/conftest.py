@@ -5,9 +5,9 @@ without its GPU stack) and only with ``OMNI_ENGINE_TIER=1``; the main suite neve
 Every effect is checked independently of the router: a server's greedy tokens against ``transformers`` on the
 checkpoint it should serve, its version label and checksums read from the server itself.
 
-One pair of vLLM servers (with the project's plugin) serves the whole session: starting one costs about a minute
-on 2 cores. Each test starts its own router in front of them and first brings both to checkpoint A, so tests
-do not depend on each other's weights.
+One pair of vLLM servers (with the project's plugin and runtime LoRA) serves the whole session: starting one
+costs about a minute on 2 cores. Each test starts its own router in front of them and first brings both to
+checkpoint A, so tests do not depend on each other's weights.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import pytest
 from tests._polling import wait_for
 from tests._router_fixtures import ADMIN_KEY, start_router
 from tests.engines._checkpoints import hf_greedy, write_checkpoint
-from tests.engines._vllm_server import VllmServer, start_vllm, wait_ready
+from tests.engines._vllm_server import LORA_ARGS, LORA_ENV, PLUGIN_ARGS, VllmServer, start_vllm, wait_ready
 from tests.procs import ManagedProcess, http_json
 
 #: ``<s>`` then "Hello, world" in the byte tokenizer of :mod:`tests.engines._checkpoints`.
@@ -47,11 +47,16 @@ def reference(ckpts: dict[str, Path]) -> dict[str, list[int]]:
     return ref
 
 
+def start_pair_server(checkpoint: Path, port: int | None = None) -> VllmServer:
+    """One server of the session's pair: the plugin and runtime LoRA on, so that one start serves every test."""
+    return start_vllm(checkpoint, port=port, extra_args=[*PLUGIN_ARGS, *LORA_ARGS], env=LORA_ENV)
+
+
 @pytest.fixture(scope="session")
 def vllm_pair(ckpts: dict[str, Path]) -> Iterator[list[VllmServer]]:
-    """Two vLLM servers on checkpoint A with the plugin, started together; a test may replace one
+    """Two vLLM servers on checkpoint A with the plugin and runtime LoRA, started together; a test may replace one
     (:func:`restart`), and whatever is in the list at the end is stopped."""
-    servers = [start_vllm(ckpts["a"]) for _ in range(2)]
+    servers = [start_pair_server(ckpts["a"]) for _ in range(2)]
     try:
         wait_ready(servers)
         yield servers
@@ -63,7 +68,7 @@ def vllm_pair(ckpts: dict[str, Path]) -> Iterator[list[VllmServer]]:
 def restart(servers: list[VllmServer], index: int, checkpoint: Path) -> VllmServer:
     """Start a new server process on the same port as ``servers[index]`` (whose process is gone)."""
     port = int(servers[index].url.rsplit(":", 1)[1])
-    servers[index] = start_vllm(checkpoint, port=port)
+    servers[index] = start_pair_server(checkpoint, port=port)
     wait_ready([servers[index]])
     return servers[index]
 

@@ -4,7 +4,9 @@ The fleet's adapter table (:mod:`router.gateway.fleet.adapters`) says who holds 
 version, and in which process. A worker that holds none of a serving adapter (it joined after the
 load, it restarted, or a rollback left it without one) is simply not a candidate for requests naming
 it; this loop gives it the adapter: the fleet version's path, loaded with SGLang's
-``/load_lora_adapter`` under the admin update lock, one worker and one adapter at a time. Once the
+``/load_lora_adapter`` (omni-worker, SGLang) or vLLM's ``/v1/load_lora_adapter`` with ``load_inplace``
+(a vLLM server that kept the name across a weight change takes it again) under the admin update lock,
+one worker and one adapter at a time. Once the
 load succeeds the worker holds the fleet version, in the process it was loaded into, and the next
 routing snapshot sends it requests naming the adapter.
 
@@ -23,10 +25,12 @@ from collections.abc import AsyncIterator
 
 from aiohttp import web
 
+from router.contract.base import WireRequest
+from router.contract.endpoint import AnyEndpoint
 from router.contract.errors import Unavailable
 from router.contract.fleet_adapters import FleetAdapter
-from router.contract.lora import TENSOR_SOURCE, LoadLoraAdapterRequest
-from router.contract.lora_endpoints import LOAD_LORA_ADAPTER
+from router.contract.lora import TENSOR_SOURCE, LoadLoraAdapterRequest, VllmLoadLoraAdapterRequest
+from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, V1_LOAD_LORA_ADAPTER
 from router.gateway import keys
 from router.gateway.admin.locked import AdminContext, LockHold
 from router.gateway.catch_up.joiners import LOCK_WAIT_S, SCAN_S, backoff_s
@@ -35,6 +39,7 @@ from router.gateway.fleet.registry import Worker
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.tasks import every, running
 from router.gateway.upstream import WorkerClient
+from router.gateway.upstream.answer import decode_answer, decode_plain
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +64,7 @@ class AdapterCatchUp:
         registry = self._ctx.registry
         if not registry.is_routable(worker) or worker.update_holds or worker.instance_id is None:
             return None
-        if not serves(worker, LOAD_LORA_ADAPTER.path):
+        if not (serves(worker, LOAD_LORA_ADAPTER.path) or serves(worker, V1_LOAD_LORA_ADAPTER.path)):
             return None
         for name in registry.adapters.serving_names():
             entry = registry.adapters.get(name)
@@ -95,8 +100,9 @@ class AdapterCatchUp:
             if entry is None or entry.name != name:
                 return True
             instance = worker.instance_id
-            request = LoadLoraAdapterRequest(lora_name=name, lora_path=entry.source)
-            answer = await self._workers.call(worker.url, LOAD_LORA_ADAPTER, request, headers=self._headers)
+            endpoint, request = _load_call(worker, name, entry.source)
+            decode = decode_plain if endpoint is V1_LOAD_LORA_ADAPTER else decode_answer
+            answer = await self._workers.call(worker.url, endpoint, request, headers=self._headers, decode=decode)
             if answer.value is not None and answer.value.ok:
                 self._ctx.registry.adapters.add_holder(name, worker.id, entry.version, instance)
                 self._ctx.barrier.announce()
@@ -117,6 +123,13 @@ class AdapterCatchUp:
         self._next_try[worker.id] = (attempts + 1, time.monotonic() + delay)
         log.warning("giving worker %s LoRA adapter %r failed (%s); next try in %.0fs", worker.id, name, error, delay)
         return False
+
+
+def _load_call(worker: Worker, name: str, path: str) -> tuple[AnyEndpoint, WireRequest]:
+    """The load route ``worker`` serves: SGLang's, else vLLM's (its answer is a plain-text sentence)."""
+    if serves(worker, LOAD_LORA_ADAPTER.path):
+        return LOAD_LORA_ADAPTER, LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+    return V1_LOAD_LORA_ADAPTER, VllmLoadLoraAdapterRequest(lora_name=name, lora_path=path, load_inplace=True)
 
 
 async def adapter_catch_up_ctx(app: web.Application) -> AsyncIterator[None]:

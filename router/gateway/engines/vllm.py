@@ -12,7 +12,12 @@
   on its boot weights until the fleet's first weight change and is pending after it, since the router
   cannot tell which weights it holds.
 - **routes**: vLLM's RL and dev routes; with this project's plugin (``worker/vllm_plugin``, found by
-  ``GET /prepare_weights_update`` answering 405 rather than 404) also the two-phase sync's.
+  ``GET /prepare_weights_update`` answering 405 rather than 404) also the two-phase sync's; with runtime LoRA
+  updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, found by ``GET /v1/load_lora_adapter`` answering 405)
+  also its ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``. A full weight change
+  (``reload_weights``, the plugin's sync, ``/finish_weight_update``) empties the worker's LoRA cache
+  (``reset_lora_state``) but keeps the API server's adapters: the next request naming one reads it again
+  from its path, so a holder still holds it.
 - **answers**: empty and plain-text 200s are successes (``/sleep``, ``/collective_rpc``); a failure is
   vLLM's ``{"error": {"message"}}``, 500 for a worker-side error such as an update out of order.
 """
@@ -22,6 +27,7 @@ from __future__ import annotations
 import asyncio
 
 from router.contract import endpoints as ep
+from router.contract.lora_endpoints import V1_LOAD_LORA_ADAPTER, V1_UNLOAD_LORA_ADAPTER
 from router.contract.vllm_dev import SleepQuery
 from router.contract.vllm_rl import VllmServerIdentity
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
@@ -68,11 +74,14 @@ PLUGIN_ADMIN = frozenset(
         ep.ABORT_WEIGHTS_UPDATE,
     )
 )
+#: vLLM's runtime LoRA routes, served only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
+RUNTIME_LORA_ADMIN = frozenset(e.path for e in (V1_LOAD_LORA_ADAPTER, V1_UNLOAD_LORA_ADAPTER))
 VLLM_GENERATION = frozenset(
     {"/v1/completions", "/v1/chat/completions", TOKENS_GENERATE_PATH, TOKENIZE_PATH, DETOKENIZE_PATH}
 )
 #: A POST-only route answers a GET with 405 where it exists and 404 where it does not: a probe that changes nothing.
 PLUGIN_PROBE_PATH = ep.PREPARE_WEIGHTS_UPDATE.path
+LORA_PROBE_PATH = V1_LOAD_LORA_ADAPTER.path
 IDENTITY_QUERY = "config_format=json"
 
 
@@ -113,8 +122,8 @@ class VllmEngine(Engine):
         worker.tp_size = parallel.tensor_parallel_size * parallel.pipeline_parallel_size
         instance = info.vllm_config.instance_id
         if instance != worker.instance_id or worker.admin_paths is None:
-            # A new process may run with or without the plugin: look again.
-            worker.admin_paths = await self._served(client, worker, timeout_s)
+            # A new process may run with or without the plugin and runtime LoRA updating: look again.
+            worker.admin_paths = await self._served(client, worker, headers, timeout_s)
         worker.instance_id = instance
         return True
 
@@ -122,8 +131,18 @@ class VllmEngine(Engine):
         """vLLM's ``/sleep`` at level 2 frees the weights with no host copy; a wake leaves them uninitialised."""
         return path == ep.SLEEP.path and isinstance(request, SleepQuery) and request.level >= 2
 
-    async def _served(self, client: WorkerClient, worker: Worker, timeout_s: float) -> frozenset[str]:
-        status = await client.status(worker.url, PLUGIN_PROBE_PATH, headers={}, timeout_s=timeout_s)
-        plugin = status == 405
-        worker.engine_detail = None if plugin else "no omni-router plugin: the two-phase sync is not served"
-        return VLLM_ADMIN | PLUGIN_ADMIN if plugin else VLLM_ADMIN
+    async def _served(
+        self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float
+    ) -> frozenset[str]:
+        plugin, lora = await asyncio.gather(
+            client.status(worker.url, PLUGIN_PROBE_PATH, headers={}, timeout_s=timeout_s),
+            # vLLM's --api-key guards /v1: with the router's worker key the probe reaches the route.
+            client.status(worker.url, LORA_PROBE_PATH, headers=headers, timeout_s=timeout_s),
+        )
+        worker.engine_detail = None if plugin == 405 else "no omni-router plugin: the two-phase sync is not served"
+        served = VLLM_ADMIN
+        if plugin == 405:
+            served |= PLUGIN_ADMIN
+        if lora == 405:
+            served |= RUNTIME_LORA_ADMIN
+        return served
