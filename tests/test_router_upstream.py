@@ -488,6 +488,50 @@ async def test_fetch_timeout_refusals_and_the_idle_bound_per_worker():
         )
 
 
+async def test_fetch_all_sends_in_one_pass_and_converts_each_answer_as_it_lands():
+    """A broadcast's batch: the first call to each worker opens a connection (a task of its own), later ones
+    reuse the pooled connection and are written in one pass; each call ends on its own (an answer, a body over
+    the cap, a deadline, a worker that closed), and the connections that answered whole are pooled again."""
+    gate = asyncio.Event()
+    big = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\n" + b"x" * 100
+
+    async def stalls_second_time(writer: asyncio.StreamWriter, _: bytes) -> None:
+        if stalled.connections and stalled.requests[1:]:
+            await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    async with (
+        serving(fixed(OK)) as ok,
+        serving(fixed(big)) as large,
+        serving(stalls_second_time) as stalled,
+        serving(fixed(OK)) as closing,
+    ):
+        client = HttpUpstream(limit=0, connect_timeout_s=5)
+        calls = [(s.url, "/flush_cache", b"{}") for s in (ok, large, stalled, closing)]
+        landed: list[int] = []
+
+        def convert(i: int, exchange: lean_http.Exchange) -> object:
+            landed.append(i)
+            return exchange if isinstance(exchange, BaseException) else exchange[:2]
+
+        first = await client.fetch_all("POST", calls, {}, timeout_s=5, convert=convert, max_bytes=40)
+        assert first[0] == (200, b'{"ok":true}') and first[2] == (200, b'{"ok":true}')
+        assert isinstance(first[1], UpstreamError) and "larger than 40" in str(first[1])
+        assert sorted(landed) == [0, 1, 2, 3] and client.idle_connections(large.url) == []
+        for conn in client.idle_connections(closing.url):
+            assert conn.transport is not None
+        landed.clear()
+        closing.reply = fixed(b"", close=True)  # answers nothing and closes, on its pooled connection
+        second = await client.fetch_all("POST", calls, {}, timeout_s=0.5, convert=convert, max_bytes=40)
+        assert second[0] == (200, b'{"ok":true}') and ok.connections == 1  # the pooled connection, reused
+        assert isinstance(second[2], TimeoutError) and isinstance(second[3], (ConnectionError, UpstreamError))
+        assert sorted(landed) == [0, 1, 2, 3]
+        assert len(client.idle_connections(ok.url)) == 1 and client.idle_connections(stalled.url) == []
+        gate.set()
+        client.close()
+
+
 # ----------------------------------------------------------------------------- the worker client
 
 

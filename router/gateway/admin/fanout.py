@@ -7,15 +7,14 @@ failure with a message saying what was wrong, not something to probe with
 ``dict.get``. Admin POSTs are never retried: a second ``update_weights_*`` could
 apply twice.
 
-Each call is one whole answer through the gateway's worker client
-(:meth:`router.gateway.upstream.WorkerClient.fetch`: no bound on requests in flight, since a
-broadcast is one request per worker, all at once; the answer decoded once), waiting as long as the
-operation's budget gives the router (:attr:`AdminCall.timeout_s`).
+Each call is one whole answer through the gateway's worker client, all sent in one pass
+(:meth:`router.gateway.upstream.WorkerClient.fetch_all`: no bound on requests in flight and no task
+per worker, since a broadcast is one request per worker, all at once; each answer decoded once),
+waiting as long as the operation's budget gives the router (:attr:`AdminCall.timeout_s`).
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,7 +26,8 @@ from router.gateway.admin.operations import Operation, parametrized
 from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
-from router.gateway.upstream.answer import decode_answer, decode_plain
+from router.gateway.upstream.answer import WorkerAnswer, decode_answer, decode_plain, unreachable
+from router.gateway.upstream.lean_http import Exchange
 
 Req = TypeVar("Req", bound=WireRequest)
 Resp = TypeVar("Resp", bound=WireResponse)
@@ -64,31 +64,39 @@ class FanOut:
     def __init__(self, workers: WorkerClient) -> None:
         self._workers = workers
 
-    async def call(self, worker: Worker, call: AdminCall[Req, Resp]) -> WorkerResult[Resp]:
-        start = time.perf_counter()
-        engine = engine_of(worker)
-        decode = decode_plain if call.op.text_answers else engine.decode if engine is not None else decode_answer
-        answer = await self._workers.fetch(
-            worker.url,
-            call.op.path + (f"?{call.query}" if call.query else ""),
-            call.op.endpoint.response,
-            method=call.method,
-            body=call.body_for(worker),
+    async def to_all(self, targets: Sequence[Worker], call: AdminCall[Req, Resp]) -> list[WorkerResult[Resp]]:
+        """Send ``call`` to every target at once; one result per target, in target order, each decoded as its
+        answer lands."""
+        path = call.op.path + (f"?{call.query}" if call.query else "")
+        result: type[WorkerResult[Resp]] = parametrized(WorkerResult, call.op.endpoint.response)
+        started = time.perf_counter()
+
+        def land(i: int, exchange: Exchange) -> WorkerResult[Resp]:
+            worker = targets[i]
+            if isinstance(exchange, BaseException):
+                answer: WorkerAnswer[Resp] = unreachable(exchange, call.timeout_s)
+                elapsed_s = time.perf_counter() - started
+            else:
+                status, raw, elapsed_s = exchange
+                engine = engine_of(worker)
+                decode = (
+                    decode_plain if call.op.text_answers else engine.decode if engine is not None else decode_answer
+                )
+                answer = decode(call.op.endpoint.response, status, raw)
+            return result(
+                worker=worker.id,
+                url=worker.url,
+                success=answer.value is not None and answer.value.ok,
+                status_code=answer.status,
+                body=answer.body,
+                error=answer.error,
+                elapsed_ms=round(elapsed_s * 1000.0, 3),
+            )
+
+        return await self._workers.fetch_all(
+            call.method,
+            [(w.url, path, call.body_for(w)) for w in targets],
             headers=call.headers,
             timeout_s=call.timeout_s,
-            decode=decode,
+            convert=land,
         )
-        result: type[WorkerResult[Resp]] = parametrized(WorkerResult, call.op.endpoint.response)
-        return result(
-            worker=worker.id,
-            url=worker.url,
-            success=answer.value is not None and answer.value.ok,
-            status_code=answer.status,
-            body=answer.body,
-            error=answer.error,
-            elapsed_ms=round((time.perf_counter() - start) * 1000.0, 3),
-        )
-
-    async def to_all(self, targets: Sequence[Worker], call: AdminCall[Req, Resp]) -> list[WorkerResult[Resp]]:
-        """Send ``call`` to every target at once; one result per target, in target order."""
-        return list(await asyncio.gather(*(self.call(w, call) for w in targets)))

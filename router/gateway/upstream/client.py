@@ -6,6 +6,7 @@
       .stream(method, url, path, body, headers, timeout_s)  → UpstreamResponse  (the proxy)
       .fetch(url, path, model, ..., timeout_s)              → WorkerAnswer[model] (a whole answer)
       .call(url, endpoint, request, headers)                → WorkerAnswer[endpoint.response]
+      .fetch_all(method, [(url, path, body)], ...)          → [(status, body, seconds) | error] (a broadcast)
 
 - **One transport choice**, by the worker's scheme, in :meth:`WorkerClient._transport`: ``http://``
   workers over the lean keep-alive client (:mod:`router.gateway.upstream.lean_http`), anything else
@@ -27,19 +28,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 from router.contract.base import WireRequest, WireResponse
 from router.contract.endpoint import Endpoint
 from router.gateway.upstream.answer import Decoder, WorkerAnswer, decode_answer, unreachable
-from router.gateway.upstream.lean_http import HttpUpstream
+from router.gateway.upstream.lean_http import Exchange, HttpUpstream
 from router.gateway.upstream.transport import Transport, UpstreamError, UpstreamResponse
 from router.gateway.upstream.via_aiohttp import AiohttpUpstream
 
 __all__ = ["MAX_IDLE_PER_WORKER", "UNREACHABLE", "WorkerClient"]
 
 M = TypeVar("M", bound=WireResponse)
+T = TypeVar("T")
 
 #: Idle connections the whole-answer pool keeps per worker.
 MAX_IDLE_PER_WORKER = 8
@@ -102,6 +106,50 @@ class WorkerClient:
         except UNREACHABLE as exc:
             return unreachable(exc, timeout_s)
         return decode(model, status, raw)
+
+    async def fetch_all(
+        self,
+        method: str,
+        calls: Sequence[tuple[str, str, bytes | None]],
+        *,
+        headers: dict[str, str],
+        timeout_s: float,
+        convert: Callable[[int, Exchange], T],
+    ) -> list[T]:
+        """One whole exchange per ``(base_url, path, body)``, all at once (a broadcast): ``convert(i, exchange)``
+        per call, in order, as each answer lands; ``exchange`` is ``(status, body, seconds to the answer)`` or why
+        no answer came (an exception out of :data:`UNREACHABLE`, passed on, never raised). Plain-http workers go
+        through the lean pool's batch (:meth:`~router.gateway.upstream.lean_http.HttpUpstream.fetch_all`), the
+        rest one task each."""
+
+        def checked(i: int, exchange: Exchange) -> T:
+            if isinstance(exchange, BaseException) and not isinstance(exchange, UNREACHABLE):
+                raise exchange  # not the worker's doing: a fault of the router's own
+            return convert(i, exchange)
+
+        lean = [i for i, (url, _, _) in enumerate(calls) if url.startswith("http://")]
+        if len(lean) == len(calls):
+            return await self._calls.fetch_all(method, calls, headers, timeout_s=timeout_s, convert=checked)
+        other = [i for i in range(len(calls)) if i not in set(lean)]
+        batch, singles = await asyncio.gather(
+            self._calls.fetch_all(
+                method, [calls[i] for i in lean], headers, timeout_s=timeout_s, convert=lambda j, e: checked(lean[j], e)
+            ),
+            asyncio.gather(*(self._timed_fetch(method, *calls[i], headers, timeout_s) for i in other)),
+        )
+        converted = dict(zip(lean, batch, strict=True))
+        converted.update({i: checked(i, exchange) for i, exchange in zip(other, singles, strict=True)})
+        return [converted[i] for i in range(len(calls))]
+
+    async def _timed_fetch(
+        self, method: str, base_url: str, path: str, body: bytes | None, headers: dict[str, str], timeout_s: float
+    ) -> Exchange:
+        started = time.monotonic()
+        try:
+            status, raw = await self._tls.fetch(method, base_url, path, body, headers, timeout_s=timeout_s)
+        except UNREACHABLE as exc:
+            return exc
+        return status, raw, time.monotonic() - started
 
     async def status(self, base_url: str, path: str, *, headers: dict[str, str], timeout_s: float) -> int | None:
         """The status of one ``GET`` whose body says nothing (vLLM's and SGLang's ``/health``); ``None``

@@ -21,6 +21,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import time
 
 import httptools
 
@@ -41,6 +42,12 @@ class LeanConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._head_waiter: asyncio.Future[None] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
+        self._whole: asyncio.Future[None] | None = None
+        """Set by :meth:`send_whole`: done when the whole answer is in (or failed); the body is not read
+        before then, so it is bounded here rather than by the reader's pace."""
+        self._whole_limit = 0
+        self.ended_at = 0.0
+        """When the answer awaited by :meth:`send_whole` was in (or failed), on ``time.monotonic()``."""
         self._reset()
 
     def _reset(self) -> None:
@@ -78,7 +85,7 @@ class LeanConnection(asyncio.Protocol):
         if self.complete or self.error is not None:
             return
         if not self.status:
-            if self._head_waiter is not None:
+            if self._head_waiter is not None or self._whole is not None:
                 self._fail(exc or ConnectionResetError("the worker closed the connection before answering"))
         elif exc is None and "content-length" not in self.headers and "transfer-encoding" not in self.headers:
             self.on_message_complete()  # a body framed by the end of the connection ends here (llhttp has no EOF call)
@@ -110,6 +117,10 @@ class LeanConnection(asyncio.Protocol):
     def on_body(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
+        if self._whole is not None:
+            if self._buffered > self._whole_limit:
+                self._broken(UpstreamError(f"the worker's answer is larger than {self._whole_limit} bytes"))
+            return
         if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
             self._paused = True
             self.transport.pause_reading()
@@ -119,6 +130,10 @@ class LeanConnection(asyncio.Protocol):
         if self.status:  # not an interim answer's end
             self.complete = True
             self._wake_body()
+            whole = self._whole
+            if whole is not None and not whole.done():
+                self.ended_at = time.monotonic()
+                whole.set_result(None)
 
     # -- one exchange
     @property
@@ -133,9 +148,21 @@ class LeanConnection(asyncio.Protocol):
     def send(self, payload: bytes) -> asyncio.Future[None]:
         assert self.transport is not None
         self._reset()
+        self._whole = None
         self._head_waiter = asyncio.get_running_loop().create_future()
         self.transport.write(payload)
         return self._head_waiter
+
+    def send_whole(self, payload: bytes, max_bytes: int) -> asyncio.Future[None]:
+        """Send a request whose answer is wanted whole: the future is done once all of it is in (its body
+        then :meth:`take`), or failed; a body over ``max_bytes`` fails it and closes the connection."""
+        assert self.transport is not None
+        self._reset()
+        self._head_waiter = None
+        self._whole = asyncio.get_running_loop().create_future()
+        self._whole_limit = max_bytes
+        self.transport.write(payload)
+        return self._whole
 
     def close(self) -> None:
         self.closed = True
@@ -174,7 +201,8 @@ class LeanConnection(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         if self.error is None and not self.complete:
             self.error = exc
-        for waiter in (self._head_waiter, self._body_waiter):
+        self.ended_at = time.monotonic()
+        for waiter in (self._head_waiter, self._body_waiter, self._whole):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(exc)
 

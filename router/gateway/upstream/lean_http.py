@@ -39,15 +39,21 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from router.gateway.upstream.lean_conn import LeanConnection
 from router.gateway.upstream.transport import MAX_BODY_BYTES, NotAdmitted, UpstreamError
 
-__all__ = ["KEEPALIVE_S", "HttpUpstream", "LeanResponse"]
+__all__ = ["KEEPALIVE_S", "Exchange", "HttpUpstream", "LeanResponse"]
 
 KEEPALIVE_S = 4.0
+
+T = TypeVar("T")
+#: One whole exchange of a batch (:meth:`HttpUpstream.fetch_all`): ``(status, body, seconds to the answer)``,
+#: or why no answer came.
+Exchange = tuple[int, bytes, float] | BaseException
 
 
 class LeanResponse:
@@ -193,6 +199,108 @@ class HttpUpstream:
         finally:
             resp.release()
 
+    async def fetch_all(
+        self,
+        method: str,
+        calls: Sequence[tuple[str, str, bytes | None]],
+        headers: dict[str, str],
+        *,
+        timeout_s: float,
+        convert: Callable[[int, Exchange], T],
+        max_bytes: int = MAX_BODY_BYTES,
+    ) -> list[T]:
+        """:meth:`fetch` of many ``(base_url, path, body)`` at once, as a broadcast sends one request per worker,
+        under one deadline: ``convert(i, exchange)`` per call, in order, where ``exchange`` is ``(status, body,
+        seconds to the whole answer)`` or why no answer came.
+
+        Every request that finds an idle pooled connection is written here, in one pass, and each answer is
+        converted as it lands (so that work overlaps the workers still answering): no task per worker, which
+        on a broadcast to hundreds of workers is a large part of what the fan-out costs the event loop. A call
+        with no idle connection (the first to a worker) goes through :meth:`fetch` on a task of its own."""
+        loop = asyncio.get_running_loop()
+        started = time.monotonic()
+        deadline = loop.time() + timeout_s
+        results: list[T | None] = [None] * len(calls)
+        faults: list[BaseException] = []
+
+        def land(i: int, exchange: Exchange) -> None:
+            try:
+                results[i] = convert(i, exchange)
+            except Exception as exc:  # a fault of the caller's conversion: raised once all have landed
+                faults.append(exc)
+
+        def answered(i: int, key: tuple[str, int], conn: LeanConnection, timer: asyncio.TimerHandle) -> Any:
+            def done(answer: asyncio.Future[None]) -> None:
+                timer.cancel()
+                if answer.cancelled():
+                    return
+                error = answer.exception()
+                exchange = error if error is not None else (conn.status, conn.take(), conn.ended_at - started)
+                self._checkin(key, conn)
+                land(i, exchange)
+
+            return done
+
+        def fetched(i: int) -> Any:
+            def done(task: asyncio.Task[tuple[int, bytes]]) -> None:
+                if not task.cancelled():
+                    error = task.exception()
+                    land(i, error if error is not None else (*task.result(), time.monotonic() - started))
+
+            return done
+
+        waits: list[asyncio.Future[Any]] = []
+        sent: list[tuple[tuple[str, int], LeanConnection, asyncio.TimerHandle]] = []
+        try:
+            for i, (base_url, path, body) in enumerate(calls):
+                key, netloc = self._target(base_url)
+                conn = self._idle_connection(key) if self._slots is None else None
+                if conn is None:
+                    task = loop.create_task(
+                        self.fetch(method, base_url, path, body, headers, timeout_s=timeout_s, max_bytes=max_bytes)
+                    )
+                    task.add_done_callback(fetched(i))
+                    waits.append(task)
+                    continue
+                try:
+                    payload = _encode(method, path, netloc, body, headers)
+                except UpstreamError as exc:
+                    self._idle.setdefault(key, []).append(conn)
+                    land(i, exc)
+                    continue
+                timer = loop.call_at(deadline, conn.expire, f"no complete answer within {timeout_s:g}s")
+                self._busy.setdefault(key, set()).add(conn)
+                answer = conn.send_whole(payload, max_bytes)
+                answer.add_done_callback(answered(i, key, conn, timer))
+                waits.append(answer)
+                sent.append((key, conn, timer))
+            if waits:
+                await asyncio.wait(waits)  # each ends by its answer, its failure or its deadline timer
+        except BaseException:
+            for key, conn, timer in sent:
+                if not conn.complete:
+                    timer.cancel()
+                    self._busy.get(key, set()).discard(conn)
+                    conn.close()
+            for wait in waits:
+                wait.cancel()
+            raise
+        if faults:
+            raise faults[0]
+        assert all(r is not None for r in results), "every call's answer lands before the wait ends"
+        return results  # type: ignore[return-value]
+
+    def _idle_connection(self, key: tuple[str, int]) -> LeanConnection | None:
+        """A pooled connection to ``key`` ready for a request now, or ``None``."""
+        idle = self._idle.get(key)
+        now = time.monotonic()
+        while idle:
+            conn = idle.pop()
+            if conn.reusable and now - conn.idle_since < KEEPALIVE_S:
+                return conn
+            conn.close()
+        return None
+
     async def request(
         self,
         method: str,
@@ -253,14 +361,9 @@ class HttpUpstream:
         return LeanResponse(self, key, conn, timer)
 
     async def _checkout(self, key: tuple[str, int], deadline: float) -> LeanConnection:
-        idle = self._idle.get(key)
-        if idle:
-            now = time.monotonic()
-            while idle:
-                conn = idle.pop()
-                if conn.reusable and now - conn.idle_since < KEEPALIVE_S:
-                    return conn
-                conn.close()
+        conn = self._idle_connection(key)
+        if conn is not None:
+            return conn
         loop = asyncio.get_running_loop()
         async with asyncio.timeout_at(min(loop.time() + self._connect_timeout_s, deadline)):
             if self._unix_path is not None:
