@@ -69,7 +69,8 @@ def _recorded_router_metrics() -> RouterMetrics:
     series, labelled ones included, has a sample to read its labels from: the control process of a
     router with an update journal, leader election (this replica leads) and data-plane processes."""
     workers = WorkerRegistry()
-    workers.add("http://127.0.0.1:1")
+    worker = workers.add("http://127.0.0.1:1")
+    workers.adapters.record_load("policy", "/adapters/policy", [worker])
     gate = LeaderGate(_Lease())
     gate.open()
     metrics = RouterMetrics(workers, journal=UpdateJournal(None), leader=gate)
@@ -85,6 +86,7 @@ def _recorded_router_metrics() -> RouterMetrics:
     metrics.upstream_errors.labels("w-0").inc()
     metrics.client_aborts.inc()
     metrics.affinity.reassigned("retry")
+    metrics.adapter_requests.labels("policy").inc()
     return metrics
 
 

@@ -10,12 +10,14 @@ path runs against real refusals. Tokens are checked against transformers + PEFT 
 from __future__ import annotations
 
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests._lora_helpers import hf_model, reference_greedy, write_adapter
 from tests._router_fixtures import start_router
@@ -115,6 +117,18 @@ def test_a_load_that_every_worker_takes_is_routed_to_its_holders(fleet: Any, mad
     assert status == 200 and out["choices"][0]["token_ids"] == made["rslora"][1], out
     for w in workers:
         assert "small" in _loaded_on(w)
+    # Per adapter, from the control process (its gauges) and every data plane (the requests, summed).
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        samples = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(resp.read().decode())
+            for s in family.samples
+        }
+    small = (("adapter", "small"),)
+    assert samples[("omni_router_adapter_fleet_version", small)] == 1
+    assert samples[("omni_router_adapter_holders", small)] == 2
+    assert samples[("omni_router_adapter_serving", small)] == 1
+    assert samples[("omni_router_adapter_requests_total", small)] >= 5  # the four above, the completion, the waits
 
 
 def test_an_adapter_no_worker_holds_is_a_404_naming_the_loaded_ones(fleet: Any, made: dict[str, Any]) -> None:

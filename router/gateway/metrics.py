@@ -29,6 +29,7 @@ from prometheus_client.utils import floatToGoString
 
 from router.contract.fleet import LeaderRole
 from router.gateway.fleet.registry import WorkerRegistry
+from router.gateway.metrics_adapters import AdapterCollector
 
 if TYPE_CHECKING:
     from router.gateway.admin.journal import UpdateJournal
@@ -350,6 +351,12 @@ class RouterMetrics:
             ["outcome"],
             registry=r,
         )
+        self.adapter_requests = Counter(
+            "omni_router_adapter_requests_total",
+            "Generation requests routed naming a LoRA adapter, by adapter",
+            ["adapter"],
+            registry=r,
+        )
         self.catch_up_duration = Histogram(
             "omni_router_catch_up_duration_seconds",
             "Duration of one catch-up from a peer, the lock wait excluded",
@@ -366,6 +373,7 @@ class RouterMetrics:
         self.control = ControlState(leader)
         if fleet_gauges:
             r.register(_FleetCollector(workers, journal))
+            r.register(AdapterCollector(workers))
             r.register(self.control)
 
     def observe_request(self, route: str, method: str, status: int, duration_s: float) -> None:

@@ -215,6 +215,8 @@ class GenerateProxy:
         if adapters:
             policy = replace(policy, adapters=adapters)
             self._registry.adapters.started(adapters)  # an unload waits for these to end
+            for name in adapters:
+                self._metrics.adapter_requests.labels(name).inc()
         try:
             headers = self._upstream_headers(request)
             session = None if self._affinity is None else session_key(request.headers, fields)
