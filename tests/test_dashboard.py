@@ -2,11 +2,12 @@
 
 In-process: the page, its script and its style sheet are open, typed, under the strict
 Content-Security-Policy, relative and free of any external URL; the JSON routes the script reads
-still need the admin key. In a browser: headless Chromium, driven over its DevTools protocol (with
-aiohttp's websocket client, no browser package), opens the page of a real router in front of two
-real workers; every row it shows is compared with the verdict ``omni-router status`` computes
-(``router.gateway.status.verdict.judge``) from the same routes, through the key prompt, an update,
-a disabled worker and a fenced one (a router restarted over the journal its update left).
+still need the admin key; the script holds no copy of the verdict's rule. In a browser: headless
+Chromium, driven over its DevTools protocol (with aiohttp's websocket client, no browser package),
+opens the page of a real router in front of two real workers; every row it shows is compared with
+the router's verdict (``GET /fleet/status``, what ``omni-router status`` prints), through the key
+prompt, an update, a disabled worker and a fenced one (a router restarted over the journal its
+update left).
 ``OMNI_DASHBOARD_SCREENSHOT=1`` also writes the last view to ``docs/images/dashboard.png``.
 """
 
@@ -33,7 +34,8 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestClient
 
-from router.contract.fleet import JournalState, JournalTarget, JournalView, WorkerList
+from router.contract.fleet import JournalState, JournalTarget
+from router.contract.fleet_status import FleetStatus, WorkerStatus
 from router.contract.web.openapi import paths_with_access
 from router.gateway.admin.fence import RESOLVE_HINT
 from router.gateway.admin.journal import JOURNAL_FILE
@@ -41,7 +43,6 @@ from router.gateway.api.dashboard import ASSETS, CONTENT_SECURITY_POLICY, FILES,
 from router.gateway.app import create_app, routes
 from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import worker_id_for
-from router.gateway.status.verdict import WorkerStatus, judge
 from tests._router_fixtures import ADMIN_KEY, Fleet, auth, start_router
 from tests.procs import free_port, http_json
 
@@ -124,17 +125,14 @@ def test_the_page_runs_under_its_policy_and_escapes_what_it_shows() -> None:
     for sink in ("innerHTML", "outerHTML", "insertAdjacentHTML", "document.write", "eval(", "new Function"):
         assert sink not in js, f"dashboard.js uses {sink}"
     assert not re.search(r"setAttribute\(\s*[\"']style", js)
-    assert RESOLVE_HINT in js  # the journal's entry says what `omni-router status` says
+    # The verdict and its words are the router's (GET /fleet/status): the page keeps no copy that could drift.
+    for words in (RESOLVE_HINT, "disabled by the operator's flag", "fenced by the", "paused by the router"):
+        assert words not in js, f"dashboard.js words the verdict itself: {words!r}"
 
 
 async def test_the_data_the_page_reads_still_needs_the_admin_key(client: TestClient) -> None:
     read = _script_routes()
-    assert read == {
-        "workers": "workers",
-        "journal": "weight_update_journal",
-        "versions": "fleet/versions",
-        "health": "health",
-    }
+    assert read == {"status": "fleet/status", "health": "health"}
     admin = set(paths_with_access(routes(), "admin"))
     for route in read.values():
         path = "/" + route
@@ -381,14 +379,11 @@ def fleet(worker_fleet: Any) -> Fleet:
     return worker_fleet(2, seeds=(0, 1))
 
 
-def verdict(router: str) -> list[WorkerStatus]:
-    """What ``omni-router status`` says of each worker, from the routes the page reads."""
-    status, body = http_json("GET", router + "/workers", headers=auth(), timeout=10)
+def fleet_status(router: str) -> FleetStatus:
+    """The router's verdict, as ``omni-router status`` prints it and the page reads it."""
+    status, body = http_json("GET", router + "/fleet/status", headers=auth(), timeout=10)
     assert status == 200, body
-    workers = WorkerList.model_validate(body).workers
-    status, body = http_json("GET", router + "/weight_update_journal", headers=auth(), timeout=10)
-    assert status == 200, body
-    return judge(workers, JournalView.model_validate(body).pending)
+    return FleetStatus.model_validate(body)
 
 
 def cells(s: WorkerStatus) -> dict[str, str]:
@@ -417,11 +412,16 @@ def cells(s: WorkerStatus) -> dict[str, str]:
 
 
 def matches(page: Page, router: str) -> bool:
-    """Every row shows what ``omni-router status`` says of its worker now (in-flight counts aside)."""
+    """Every row shows what ``omni-router status`` says of its worker now (in-flight counts aside), and the
+    heading the router's summary of the fleet."""
     rows = page.rows()
-    expected = {s.id: cells(s) for s in verdict(router)}
-    return rows.keys() == expected.keys() and all(
-        {k: v for k, v in rows[wid].items() if k != "inflight"} == want for wid, want in expected.items()
+    status = fleet_status(router)
+    expected = {s.id: cells(s) for s in status.workers}
+    return (
+        rows.keys() == expected.keys()
+        and all({k: v for k, v in rows[wid].items() if k != "inflight"} == want for wid, want in expected.items())
+        and page.text("summary").startswith(f"{status.summary}. Read at ")
+        and page.by_id("summary").attrs.get("data-exit-code") == str(status.exit_code)
     )
 
 
@@ -464,6 +464,7 @@ def test_the_page_in_a_browser_follows_the_fleet(fleet: Fleet, browser: Browser,
             "the disabled worker", lambda p: p.rows()[second]["disabled"] == "yes" and matches(p, router)
         )
         assert page.rows()[second]["routable"] == "no: disabled by the operator's flag"
+        assert page.by_id("summary").attrs["data-exit-code"] == "1" and second in page.text("summary")
         assert page.bars(second)[-1] == (VERSION, "disabled") and f"{second}: serving → disabled" in page.events()
     finally:
         proc.stop()

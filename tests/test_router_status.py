@@ -1,6 +1,7 @@
 """``omni-router status`` against a real router in front of two real workers: the table and the JSON
 document, an update's version, a disabled and a fenced worker, a refused key, an unreachable router,
-and ``--watch``; the verdict rules themselves on records built here."""
+and ``--watch``; ``GET /fleet/status`` (what the command reads) in-process, against the verdict of the
+routes it combines; the verdict rules themselves on records built here."""
 
 from __future__ import annotations
 
@@ -10,18 +11,26 @@ import signal
 import subprocess
 import threading
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 
-from router.contract.fleet import JournalState, JournalTarget, WorkerRecord
+from router.contract.fleet import FleetVersions, JournalState, JournalTarget, JournalView, WorkerList, WorkerRecord
+from router.contract.fleet_status import FleetStatus
 from router.contract.web.auth import ADMIN_KEY_ENV
+from router.contract.web.openapi import paths_with_access
+from router.gateway import keys
 from router.gateway.admin.fence import RESOLVE_HINT
 from router.gateway.admin.journal import JOURNAL_FILE
+from router.gateway.app import create_app, routes
 from router.gateway.cli import main as router_main
+from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import worker_id_for
 from router.gateway.status.command import CLEAR_SCREEN
 from router.gateway.status.render import StatusReport
-from router.gateway.status.verdict import ALL_ROUTABLE, NONE_ROUTABLE, SOME_OUT, exit_code, judge
+from router.gateway.status.verdict import ALL_ROUTABLE, NONE_ROUTABLE, SOME_OUT, exit_code, judge, summary
+from tests._polling import until
 from tests._router_fixtures import ADMIN_KEY, Fleet, auth, start_router, wait_for
 from tests.procs import cli, free_port, http_json
 
@@ -210,6 +219,68 @@ def test_an_unreachable_router_is_exit_2_at_once(capsys):
     assert time.monotonic() - started < QUICK_S
 
 
+#: Nothing listens on the discard port of these loopback addresses: the workers of the in-process router.
+UNREACHABLE = ["http://127.0.0.2:9", "http://127.0.0.3:9", "http://127.0.0.4:9"]
+
+
+async def test_fleet_status_needs_the_admin_key_and_is_the_verdict_of_the_routes_it_combines(
+    aiohttp_client: Any, tmp_path: Path
+) -> None:
+    """One worker serving, one fenced by the journal a stopped update left, one pending (its weights partial)."""
+    serving, fenced, pending = (worker_id_for(url) for url in UNREACHABLE)
+    state = tmp_path / "state"
+    state.mkdir()
+    entry = JournalState(
+        state="in_flight",
+        path="/update_weights_from_disk",
+        started_at=time.time() - 30,
+        targets=[JournalTarget(id=fenced, url=UNREACHABLE[1], previous_disabled=False)],
+    )
+    (state / JOURNAL_FILE).write_text(entry.model_dump_json())
+    config = RouterConfig(
+        worker_urls=UNREACHABLE,
+        admin_api_key=ADMIN_KEY,
+        state_dir=state,
+        connect_timeout_s=2.0,
+        health_check_interval_s=3600.0,  # one probe round at start-up, then the fields set below hold
+    )
+    client = await aiohttp_client(create_app(config))
+    registry = client.app[keys.REGISTRY]
+    await until(lambda: all(w.consecutive_failures for w in registry), 10, "the start-up probe of every worker")
+    for worker in registry:  # as a good probe of each would leave it
+        worker.health = "healthy"
+    registry.get(pending).weight_state = "partial"
+
+    assert "/fleet/status" in paths_with_access(routes(), "admin")
+    for headers in ({}, auth("not-the-key")):
+        async with client.get("/fleet/status", headers=headers) as resp:
+            assert resp.status == 401, await resp.text()
+
+    async def read(path: str) -> Any:
+        async with client.get(path, headers=auth()) as resp:
+            assert resp.status == 200, await resp.text()
+            return await resp.json()
+
+    before = time.time()
+    answer = FleetStatus.model_validate(await read("/fleet/status"))
+    records = WorkerList.model_validate(await read("/workers")).workers
+    journal = JournalView.model_validate(await read("/weight_update_journal"))
+    versions = FleetVersions.model_validate(await read("/fleet/versions"))
+    expected = judge(records, journal.pending)
+    assert answer.workers == expected
+    assert (answer.journal, answer.versions) == (journal, versions)
+    assert answer.exit_code == exit_code(expected) == SOME_OUT
+    assert answer.summary == summary(expected) == f"3 worker(s), 1 routable; out of rotation: {fenced}, {pending}"
+    assert answer.resolve_hint == RESOLVE_HINT and answer.leader.role == "single"
+    assert before <= answer.read_at <= time.time()
+    # What the verdict says of each, in the words `omni-router status` prints.
+    assert [(w.id, w.routable, w.fenced, w.out_of_rotation) for w in answer.workers] == [
+        (serving, True, False, None),
+        (fenced, False, True, "fenced by the failed update /update_weights_from_disk"),
+        (pending, False, False, "pending: its weights are partial"),
+    ]
+
+
 def record(wid: str, **fields) -> WorkerRecord:
     """A registry record as ``GET /workers`` has it (never asked: these tests read no router)."""
     given = {"health": "healthy", "disabled": False, "inflight": 0, **fields}
@@ -251,7 +322,18 @@ def test_every_reason_is_said_and_no_worker_is_exit_2():
     ]
     assert [s.fenced for s in statuses] == [False, True, False, False]
     assert exit_code(statuses) == NONE_ROUTABLE
+    assert summary(statuses) == "4 worker(s), 0 routable: no worker takes generation traffic"
     assert exit_code(judge([], None)) == NONE_ROUTABLE
+    assert summary(judge([], None)) == "0 worker(s), 0 routable: none is registered"
+
+
+def test_the_summary_names_the_workers_out_of_rotation_up_to_a_bound():
+    assert (
+        summary(judge([record("a"), record("b")], None))
+        == "2 worker(s), 2 routable: every worker takes generation traffic"
+    )
+    many = judge([record("ok"), *(record(f"w{i}", health="dead") for i in range(7))], None)
+    assert summary(many) == "8 worker(s), 1 routable; out of rotation: w0, w1, w2, w3, w4 and 2 more"
 
 
 def test_bad_flags_are_refused_by_the_parser(capsys):

@@ -38,7 +38,7 @@ from router.gateway.admin.fleet_views import FleetViews
 from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal, keep_fenced
 from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.update_gate import UpdateGate
-from router.gateway.api import adapters, admin, dashboard, fleet, fleet_versions, openai, rl, tokens
+from router.gateway.api import adapters, admin, dashboard, fleet, fleet_status, fleet_versions, openai, rl, tokens
 from router.gateway.catch_up.adapters import adapter_catch_up_ctx
 from router.gateway.catch_up.fleet_state import control_sync_ctx
 from router.gateway.catch_up.joiners import catch_up_ctx
@@ -85,6 +85,7 @@ def routes() -> list[Route]:
         *openai.routes(),
         *tokens.routes(),
         *fleet_versions.routes(),
+        *fleet_status.routes(),
         *adapters.routes(),
         Route("GET", "/health", fleet.health, "The router process serves", access="open"),
         Route("GET", "/liveness", fleet.liveness, "The router process serves", access="open"),

@@ -9,8 +9,8 @@ Access: the three files are **open** routes, and they hold no data. A browser ca
 ``Authorization`` header when it navigates to a URL, so a page behind the admin key could not be
 opened at all; instead everything the page shows is read by its script with ``fetch()`` from the
 routes that already guard it, with the admin key the operator types in once (kept in the tab's
-``sessionStorage``, sent as ``Authorization: Bearer <key>``): ``GET /workers``,
-``/weight_update_journal`` and ``/fleet/versions`` (admin routes), and ``GET /health`` (open). A
+``sessionStorage``, sent as ``Authorization: Bearer <key>``): ``GET /fleet/status`` (an admin route: every
+worker with the router's own verdict, the journal and the fleet's versions) and ``GET /health`` (open). A
 router without an admin key answers those without one, and the page asks for none. For tests and
 scripted screenshots a key may be handed in the URL's fragment (``/dashboard#key=...``): a
 fragment never reaches the server or its logs, and the page removes it from the address bar.

@@ -13,8 +13,10 @@ from router.contract.web.openapi import Route
 from router.gateway import keys
 
 
-async def fleet_versions(request: web.Request) -> web.Response:
-    registry = request.app[keys.REGISTRY]
+def fleet_versions_view(app: web.Application) -> FleetVersions:
+    """The fleet's recorded versions and each worker's standing, as the registry says now (``GET /fleet/status``
+    reads it too)."""
+    registry = app[keys.REGISTRY]
     fleet = registry.fleet
     record = fleet.record
     standings = {}
@@ -27,14 +29,17 @@ async def fleet_versions(request: web.Request) -> web.Response:
             paused=worker.paused,
             asleep=worker.asleep,
         )
-    body = FleetVersions(
+    return FleetVersions(
         sequence=fleet.latest_sequence,
         weight_version=None if record is None else record.weight_version,
-        version_policy=request.app[keys.CONFIG].version_policy,
+        version_policy=app[keys.CONFIG].version_policy,
         history=[] if record is None else list(record.history),
         workers=standings,
     )
-    return web.json_response(body.model_dump())
+
+
+async def fleet_versions(request: web.Request) -> web.Response:
+    return web.json_response(fleet_versions_view(request.app).model_dump())
 
 
 def routes() -> list[Route]:

@@ -2,8 +2,9 @@
 //
 // Only what the router reported is shown; a field it did not report is a dash. Every text is set with
 // textContent or a text node, never parsed as HTML. All URLs are relative to the page (/dashboard), so
-// it works behind `kubectl port-forward` or a path prefix. The verdict (routable, out of rotation and
-// why) follows router/gateway/status/verdict.py, as `omni-router status` prints it.
+// it works behind `kubectl port-forward` or a path prefix. The verdict (routable, fenced, out of
+// rotation and why, the fleet's summary) is the router's own, from GET /fleet/status: the page judges
+// nothing, so it cannot say otherwise than `omni-router status`, which prints the same answer.
 "use strict";
 
 (() => {
@@ -21,10 +22,7 @@
   const COLORS = 8;
   const NONE = "-";
   // The routes read, relative to this page.
-  const ROUTES = { workers: "workers", journal: "weight_update_journal", versions: "fleet/versions", health: "health" };
-  // How an operator clears the journal's entry (router.gateway.admin.fence.RESOLVE_HINT).
-  const RESOLVE_HINT =
-    're-enable each worker with PUT /workers/{id} {"disabled": false} once it is repaired, or POST /weight_update_journal/resolve {"acknowledge": true}';
+  const ROUTES = { status: "fleet/status", health: "health" };
 
   const $ = (id) => document.getElementById(id);
 
@@ -107,50 +105,11 @@
     return body;
   }
 
+  /** The router's verdict with what it was judged from (GET /fleet/status), and its process (GET /health). */
   async function readRouter() {
-    const [health, workers, journal, versions] = await Promise.all([
-      getJson(ROUTES.health),
-      getJson(ROUTES.workers),
-      getJson(ROUTES.journal),
-      getJson(ROUTES.versions),
-    ]);
-    return { health, workers: workers.workers, journal, versions, takenAt: Date.now() };
-  }
-
-  // --- the verdict (router/gateway/status/verdict.py) --------------------------------------------
-
-  function whyOut(w, fenced, journal) {
-    const reasons = [];
-    if (w.health !== "healthy") {
-      const detail = w.engine === null && w.engine_detail ? ` (${w.engine_detail})` : "";
-      reasons.push(`${w.health}${detail}`);
-    }
-    if (w.departed !== null && w.departed !== undefined) reasons.push(`departed: ${w.departed}`);
-    if (w.disabled) {
-      if (fenced && journal) {
-        const what = journal.state === "in_flight" ? "running" : "failed";
-        reasons.push(`fenced by the ${what} update ${journal.path}`);
-      } else {
-        reasons.push("disabled by the operator's flag");
-      }
-    }
-    if (w.pending !== null && w.pending !== undefined) {
-      reasons.push(`pending: ${w.pending}`);
-      const c = w.catch_up;
-      if (c && c.state === "failed" && c.last_error) reasons.push(`catch-up failed: ${c.last_error}`);
-    }
-    return reasons.length ? reasons.join("; ") : null;
-  }
-
-  function judge(workers, journal) {
-    const fencedIds = new Set(journal ? journal.targets.map((t) => t.id) : []);
-    const reasons = new Map(workers.map((w) => [w.id, whyOut(w, w.disabled && fencedIds.has(w.id), journal)]));
-    const fleetRuns = workers.some((w) => reasons.get(w.id) === null && !w.paused);
-    return workers.map((w) => {
-      let why = reasons.get(w.id);
-      if (why === null && w.paused && fleetRuns) why = "paused by the router while the rest of the fleet runs";
-      return { ...w, fenced: w.disabled && fencedIds.has(w.id), routable: why === null, outOfRotation: why };
-    });
+    const [health, status] = await Promise.all([getJson(ROUTES.health), getJson(ROUTES.status)]);
+    // The router's clock, as the journal's and the versions' times are: ages and the timeline agree with them.
+    return { health, status, takenAt: status.read_at * 1000 };
   }
 
   // --- words ----------------------------------------------------------------------------------
@@ -204,7 +163,7 @@
         ["pending", s.pending === null || s.pending === undefined ? "no" : s.pending],
         ["inflight", String(s.inflight)],
         ["catch-up", catchUpLabel(s.catch_up)],
-        ["routable", s.routable ? "yes" : `no: ${s.outOfRotation}`],
+        ["routable", s.routable ? "yes" : `no: ${s.out_of_rotation}`],
       ];
       const classes = [s.routable ? "routable" : "out", s.fenced ? "fenced" : s.disabled ? "disabled" : null];
       const row = el("tr", { "data-worker": s.id, class: classes.filter(Boolean).join(" ") });
@@ -220,12 +179,11 @@
     $("worker-rows").replaceChildren(...rows);
   }
 
-  function renderSummary(data, statuses) {
-    const routable = statuses.filter((s) => s.routable).length;
-    const leader = data.health.leader;
-    const role = leader ? ` (${leader.role})` : "";
-    $("summary").textContent =
-      `${statuses.length} worker(s), ${routable} routable${role}; read at ${clock(data.takenAt)}`;
+  function renderSummary(data) {
+    const status = data.status;
+    const summary = $("summary");
+    summary.textContent = `${status.summary}. Read at ${clock(data.takenAt)} (router role: ${status.leader.role}).`;
+    summary.dataset.exitCode = String(status.exit_code);
     const parts = [`The router reports ${data.health.routable_workers} routable worker(s).`];
     if (data.health.discovery) parts.push(`Discovery: ${JSON.stringify(data.health.discovery)}.`);
     $("router-health").textContent = parts.join(" ");
@@ -240,7 +198,7 @@
     return `the store ${storage.location} refuses writes (${storage.error})${unsaved}`;
   }
 
-  function renderJournal(view, nowMs) {
+  function renderJournal(view, resolveHint, nowMs) {
     const host = $("journal");
     const kept = storageWords(view.storage);
     const entry = view.pending;
@@ -266,7 +224,7 @@
       el("p", { id: "journal-state" }, `Unresolved ${entry.state === "in_flight" ? "running" : "failed"} update ${entry.path}`),
       list,
       el("p", { class: "resolve-head" }, "To resolve (this page changes nothing): "),
-      el("p", { id: "resolve-hint", class: "resolve" }, el("code", {}, RESOLVE_HINT)),
+      el("p", { id: "resolve-hint", class: "resolve" }, el("code", {}, resolveHint || NONE)),
       el(
         "p",
         { class: "note" },
@@ -386,9 +344,9 @@
     if (timeline.events.length > MAX_EVENTS) timeline.events.splice(0, timeline.events.length - MAX_EVENTS);
   }
 
-  function renderTimeline(data, statuses) {
+  function renderTimeline(data) {
     const now = data.takenAt;
-    const history = data.versions.history || [];
+    const history = data.status.versions.history || [];
     let first = now;
     for (const id of timeline.order) first = Math.min(first, timeline.workers[id][0].from);
     for (const e of history) if (e.changed_at && now - e.changed_at * 1000 <= SPAN_MS) first = Math.min(first, e.changed_at * 1000);
@@ -446,7 +404,7 @@
     }
 
     // The journal's failed (or running) update, whose targets are fenced.
-    const pending = data.journal.pending;
+    const pending = data.status.journal.pending;
     if (pending && pending.started_at * 1000 >= start) {
       const ms = pending.started_at * 1000;
       const what = `${pending.state === "in_flight" ? "running" : "failed"} update ${pending.path}`;
@@ -454,7 +412,7 @@
     }
 
     // One row per worker: one bar per (version, state) it was seen in.
-    const current = new Set(statuses.map((s) => s.id));
+    const current = new Set(data.status.workers.map((s) => s.id));
     ids.forEach((id, i) => {
       const y = top + i * rowH;
       const name = current.has(id) ? id : `${id} (gone)`;
@@ -534,14 +492,13 @@
     showProblem(null);
     $("key-form").hidden = true;
     $("forget-key").hidden = adminKey() === null;
-    const pending = data.journal.pending || null;
-    const statuses = judge(data.workers, pending);
-    record(statuses, data.takenAt);
-    renderSummary(data, statuses);
-    renderWorkers(statuses);
-    renderJournal(data.journal, data.takenAt);
-    renderVersions(data.versions, data.takenAt);
-    renderTimeline(data, statuses);
+    const status = data.status;
+    record(status.workers, data.takenAt);
+    renderSummary(data);
+    renderWorkers(status.workers);
+    renderJournal(status.journal, status.resolve_hint, data.takenAt);
+    renderVersions(status.versions, data.takenAt);
+    renderTimeline(data);
     document.body.dataset.polls = String(Number(document.body.dataset.polls || "0") + 1);
   }
 

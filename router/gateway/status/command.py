@@ -76,8 +76,8 @@ def build_parser(default_port: int) -> argparse.ArgumentParser:
 
 
 def look(reader: RouterReader) -> StatusReport:
-    """One reading of the router, judged (raises :class:`Unreadable`)."""
-    return build_report(reader.snapshot())
+    """One reading of the router, as the router judged it (raises :class:`Unreadable`)."""
+    return build_report(reader.url, reader.fleet_status())
 
 
 def _print(report: StatusReport, as_json: bool, out: TextIO, *, one_line: bool = False) -> None:

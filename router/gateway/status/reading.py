@@ -1,4 +1,7 @@
-"""Read a running router's state over its own JSON routes, each answer parsed into its contract model.
+"""Read a running router's fleet over ``GET /fleet/status``, the answer parsed into its contract model.
+
+The router judges its workers itself (:mod:`router.gateway.status.verdict`); this client asks once
+and shows that answer.
 
 Blocking calls from the standard library only: ``omni-router status`` is a short-lived client, and
 every wait is bounded by the caller's timeout (each connect and each read). Anything that keeps a
@@ -7,7 +10,6 @@ complete picture from being read raises :class:`Unreadable` with the reason in w
 
 from __future__ import annotations
 
-import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -16,15 +18,8 @@ from typing import TypeVar
 from pydantic import BaseModel, ValidationError
 
 from router.contract.errors import ErrorBody
-from router.contract.fleet import (
-    ROUTER_ROLE_HEADER,
-    STANDBY_ROLE,
-    FleetVersions,
-    JournalView,
-    LeaderView,
-    WorkerList,
-    WorkerRecord,
-)
+from router.contract.fleet import ROUTER_ROLE_HEADER, STANDBY_ROLE
+from router.contract.fleet_status import FleetStatus
 from router.contract.web.auth import ADMIN_KEY_ENV
 
 M = TypeVar("M", bound=BaseModel)
@@ -35,20 +30,6 @@ QUOTED_CHARS = 200
 
 class Unreadable(Exception):
     """The router could not be asked, or refused, or answered something that is not its contract."""
-
-
-@dataclass(frozen=True)
-class Snapshot:
-    """What the router reported, read route by route (each answer is consistent on its own)."""
-
-    url: str
-    leader: LeaderView | None
-    """``None``: the router serves no ``/leader`` (an older version)."""
-    workers: list[WorkerRecord]
-    journal: JournalView
-    versions: FleetVersions
-    taken_at: float
-    """When the reads began (Unix time): ages are shown against it."""
 
 
 @dataclass(frozen=True)
@@ -66,33 +47,15 @@ class RouterReader:
         self.admin_key = admin_key
         self.timeout_s = timeout_s
 
-    def snapshot(self) -> Snapshot:
-        taken_at = time.time()
-        # The leader first: its route is open, so an unreachable router is told apart from a refused key.
-        leader = self._leader()
-        return Snapshot(
-            url=self.url,
-            leader=leader,
-            workers=self.get("/workers", WorkerList).workers,
-            journal=self.get("/weight_update_journal", JournalView),
-            versions=self.get("/fleet/versions", FleetVersions),
-            taken_at=taken_at,
-        )
+    def fleet_status(self) -> FleetStatus:
+        """The router's fleet and its verdict on each worker, read at one moment (one request)."""
+        return self.get("/fleet/status", FleetStatus)
 
     def get(self, path: str, model: type[M]) -> M:
         answer = self._request(path)
         if answer.status != 200:
             raise Unreadable(self._refusal(path, answer))
         return _parse(path, model, answer.body)
-
-    def _leader(self) -> LeaderView | None:
-        answer = self._request("/leader")
-        if answer.status == 404:
-            return None
-        # A standby answers 503 with its view: that is an answer here, the refusal comes with /workers.
-        if answer.status not in (200, 503):
-            raise Unreadable(self._refusal("/leader", answer))
-        return _parse("/leader", LeaderView, answer.body)
 
     def _request(self, path: str) -> _Answer:
         request = urllib.request.Request(self.url + path, headers={"Accept": "application/json"})

@@ -1,6 +1,7 @@
 """What ``omni-router status`` prints: the report as one JSON document, or as plain-text tables.
 
-Only what the router reported is shown; a field it did not report is a dash, never a guess.
+Only what the router reported is shown, its verdicts included; a field it did not report is a dash,
+never a guess.
 """
 
 from __future__ import annotations
@@ -11,9 +12,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel
 
 from router.contract.fleet import CatchUpStatus, FleetVersionEntry, FleetVersions, JournalView, LeaderView
-from router.gateway.admin.fence import RESOLVE_HINT
-from router.gateway.status.reading import Snapshot
-from router.gateway.status.verdict import WorkerStatus, exit_code, judge
+from router.contract.fleet_status import ExitCode, FleetStatus, WorkerStatus
 
 #: Recorded fleet versions listed in the text (the router keeps a bounded history; ``--json`` has all of it).
 SHOWN_VERSIONS = 5
@@ -23,12 +22,13 @@ NONE = "-"
 
 
 class StatusReport(BaseModel):
-    """``omni-router status --json``: the router's answers as read, with each worker's verdict."""
+    """``omni-router status --json``: the router's ``GET /fleet/status``, with the router it came from."""
 
     router: str
     taken_at: float
-    exit_code: int
-    leader: LeaderView | None
+    """When the router read its state (``read_at``, the router's clock): ages are shown against it."""
+    exit_code: ExitCode
+    leader: LeaderView
     workers: list[WorkerStatus]
     journal: JournalView
     resolve_hint: str | None = None
@@ -36,18 +36,17 @@ class StatusReport(BaseModel):
     fleet_versions: FleetVersions
 
 
-def build_report(snapshot: Snapshot) -> StatusReport:
-    pending = snapshot.journal.pending
-    statuses = judge(snapshot.workers, pending)
+def build_report(router: str, status: FleetStatus) -> StatusReport:
+    """The router's answer under the names ``--json`` has always printed."""
     return StatusReport(
-        router=snapshot.url,
-        taken_at=snapshot.taken_at,
-        exit_code=exit_code(statuses),
-        leader=snapshot.leader,
-        workers=statuses,
-        journal=snapshot.journal,
-        resolve_hint=None if pending is None else RESOLVE_HINT,
-        fleet_versions=snapshot.versions,
+        router=router,
+        taken_at=status.read_at,
+        exit_code=status.exit_code,
+        leader=status.leader,
+        workers=status.workers,
+        journal=status.journal,
+        resolve_hint=status.resolve_hint,
+        fleet_versions=status.versions,
     )
 
 
@@ -60,8 +59,7 @@ def render_text(report: StatusReport) -> str:
 
 
 def _headline(report: StatusReport) -> str:
-    leader = report.leader
-    role = "" if leader is None else f" ({leader.role})"
+    role = f" ({report.leader.role})"
     routable = sum(w.routable for w in report.workers)
     return (
         f"omni-router {report.router}{role}: {len(report.workers)} worker(s), {routable} routable; "

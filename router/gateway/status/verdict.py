@@ -1,4 +1,7 @@
-"""Which workers are in rotation, and the exit code that sums the fleet up.
+"""Which workers are in rotation, and the exit code that sums the fleet up: the rule, written once.
+
+The router serves it as ``GET /fleet/status`` (:func:`fleet_status`); ``omni-router status`` and
+the fleet page show that answer.
 
 Decided from the registry's own fields, as the router decides routing (``latest-only``): a worker
 takes generation traffic when it is healthy, enabled, still listed by discovery and not pending. A
@@ -10,23 +13,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from router.contract.fleet import JournalState, WorkerRecord
+from router.contract.fleet import FleetVersions, JournalState, JournalView, LeaderView, WorkerRecord
+from router.contract.fleet_status import (
+    ALL_ROUTABLE,
+    NONE_ROUTABLE,
+    SOME_OUT,
+    ExitCode,
+    FleetStatus,
+    WorkerStatus,
+)
+from router.gateway.admin.fence import RESOLVE_HINT
 
-#: Exit codes of ``omni-router status``.
-ALL_ROUTABLE = 0
-SOME_OUT = 1
-NONE_ROUTABLE = 2
-"""Also the code when the router cannot be read at all."""
+__all__ = ["ALL_ROUTABLE", "NONE_ROUTABLE", "SOME_OUT", "WorkerStatus", "exit_code", "fleet_status", "judge", "summary"]
 
-
-class WorkerStatus(WorkerRecord):
-    """A registry record with this command's verdict beside its fields (what ``--json`` prints)."""
-
-    routable: bool
-    fenced: bool
-    """Disabled as a target of the unresolved (or running) weight update in the journal."""
-    out_of_rotation: str | None = None
-    """Why it takes no generation traffic; ``None`` while it does."""
+#: Workers named in the summary of a fleet with some out of rotation; the rest are counted.
+NAMED_OUT = 5
 
 
 def _fenced_ids(journal: JournalState | None) -> frozenset[str]:
@@ -78,8 +79,44 @@ def judge(workers: Sequence[WorkerRecord], journal: JournalState | None) -> list
     return out
 
 
-def exit_code(statuses: Sequence[WorkerStatus]) -> int:
+def exit_code(statuses: Sequence[WorkerStatus]) -> ExitCode:
     routable = sum(s.routable for s in statuses)
     if routable == 0:
         return NONE_ROUTABLE
     return ALL_ROUTABLE if routable == len(statuses) else SOME_OUT
+
+
+def summary(statuses: Sequence[WorkerStatus]) -> str:
+    """The verdict on the whole fleet in words: the counts, then what the exit code means."""
+    routable = sum(s.routable for s in statuses)
+    counts = f"{len(statuses)} worker(s), {routable} routable"
+    if not statuses:
+        return f"{counts}: none is registered"
+    if routable == len(statuses):
+        return f"{counts}: every worker takes generation traffic"
+    if routable == 0:
+        return f"{counts}: no worker takes generation traffic"
+    out = [s.id for s in statuses if not s.routable]
+    more = f" and {len(out) - NAMED_OUT} more" if len(out) > NAMED_OUT else ""
+    return f"{counts}; out of rotation: {', '.join(out[:NAMED_OUT])}{more}"
+
+
+def fleet_status(
+    workers: Sequence[WorkerRecord],
+    journal: JournalView,
+    versions: FleetVersions,
+    leader: LeaderView,
+    read_at: float,
+) -> FleetStatus:
+    """``GET /fleet/status`` from the registry's records, the journal and the fleet's versions of one moment."""
+    statuses = judge(workers, journal.pending)
+    return FleetStatus(
+        workers=statuses,
+        journal=journal,
+        resolve_hint=None if journal.pending is None else RESOLVE_HINT,
+        versions=versions,
+        leader=leader,
+        exit_code=exit_code(statuses),
+        summary=summary(statuses),
+        read_at=read_at,
+    )

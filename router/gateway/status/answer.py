@@ -1,0 +1,38 @@
+"""``GET /fleet/status``: the router's own registry, journal and fleet versions, judged where they live.
+
+Each part is read as the route that serves it alone reads it (``GET /workers``,
+``/weight_update_journal``, ``/fleet/versions``, ``/leader``), so the combined answer cannot say
+something else than they do. Nothing here awaits I/O: the parts are read in one turn of the event
+loop, so the verdicts, the journal and the versions are of the same moment.
+"""
+
+from __future__ import annotations
+
+import time
+
+from aiohttp import web
+
+from router.contract.fleet import JournalView, LeaderView
+from router.contract.fleet_status import FleetStatus
+from router.gateway import keys
+from router.gateway.api.fleet_versions import fleet_versions_view
+from router.gateway.status.verdict import fleet_status
+
+
+def _leader(app: web.Application) -> LeaderView:
+    gate = app.get(keys.LEADER_GATE)
+    # Only an open gate lets an admin route run: a standby never gets here.
+    return LeaderView(role="single") if gate is None else gate.view()
+
+
+async def read(request: web.Request) -> FleetStatus:
+    read_at = time.time()
+    app = request.app
+    registry = app[keys.REGISTRY]
+    return fleet_status(
+        [registry.record(w) for w in registry],
+        JournalView(pending=app[keys.JOURNAL].pending, storage=app[keys.STATE].view()),
+        fleet_versions_view(app),
+        _leader(app),
+        read_at=read_at,
+    )
