@@ -116,7 +116,7 @@ class WorkerConfig:
         Flag(
             "serve LoRA adapters in PEFT's format: SGLang's /load_lora_adapter, /load_lora_adapter_from_tensors, "
             "/unload_lora_adapter and vLLM's /v1/load_lora_adapter, /v1/unload_lora_adapter; a request chooses "
-            "one by lora_path (/generate) or model (OpenAI and token routes); needs --tp-size 1"
+            "one by lora_path (/generate) or model (OpenAI and token routes)"
         ),
     ] = False
     max_loras: Annotated[int, Flag("LoRA adapters loaded at once (with --enable-lora)")] = 4
@@ -133,10 +133,6 @@ class WorkerConfig:
         ):
             if value is not None and value < 1:
                 raise ValueError(f"{flag} must be at least 1")
-        if self.enable_lora and self.tp_size > 1:
-            raise ValueError(
-                "--enable-lora needs --tp-size 1: the follower ranks of a tensor-parallel worker hold no adapters"
-            )
         if not self.shutdown_grace_s >= 0:
             raise ValueError("--shutdown-grace-s must be >= 0")
         if self.device != "cpu":

@@ -44,6 +44,7 @@ from worker.model import (
 from worker.model.chat_template import ChatTemplateSlot
 from worker.model.checkpoint import check_config_file, read_checkpoint_chunked
 from worker.model.kv_cache import KVCache
+from worker.model.lora import LoadedLora
 from worker.model.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -57,7 +58,7 @@ class ForwardPeers(Protocol):
 
     def drop_sequence(self, seq: int) -> None: ...
 
-    def send_forward(self, batch: list[tuple[int, list[int]]]) -> None: ...
+    def send_forward(self, batch: list[tuple[int, list[int], LoadedLora | None]]) -> None: ...
 
     def await_forward(self) -> None: ...
 
@@ -158,7 +159,7 @@ class ModelWorker:
         (their shards meet in the model's all-reduces), and their acknowledgements are awaited."""
         if self.peers is None:
             return self.model.forward_batch(seqs)
-        self.peers.send_forward([(self._seq_ids[s.kv], s.token_ids) for s in seqs])
+        self.peers.send_forward([(self._seq_ids[s.kv], s.token_ids, s.adapter) for s in seqs])
         try:
             return self.model.forward_batch(seqs)
         finally:

@@ -165,6 +165,7 @@ def create_app(config: WorkerConfig, coordinator: Coordinator | None = None) -> 
         max_loras=config.max_loras,
         max_lora_rank=config.max_lora_rank,
         allow_pickled=config.allow_pickled_tensors,
+        stage=coord.stage,
     )
     coord.updates.leases.wait_s = config.snapshot_lease_wait_s
     app.add_routes(route_defs(table))

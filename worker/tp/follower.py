@@ -3,11 +3,20 @@
 Rank 0 (the process that serves HTTP) makes every decision: which sequences run
 in the next forward step, which admin operation runs. A follower only carries
 them out, in the order rank 0 sent them, over a private pipe: a forward step (the
-model's all-reduces meet rank 0's inside it), or an admin operation (a plain
+model's all-reduces meet rank 0's inside it), an admin operation (a plain
 function of :mod:`worker.engine.admin_ops` or :mod:`worker.engine.weight_ops`
-applied to this rank's scheduler state), answered with its result and a snapshot
-of this rank's state. Messages on the pipe are pickled objects built by rank 0's
-own code; nothing a caller sent is ever unpickled here.
+applied to this rank's scheduler state), or a LoRA adapter to place, the last two
+answered with their result and a snapshot of this rank's state. Messages on the
+pipe are pickled objects built by rank 0's own code; nothing a caller sent is ever
+unpickled here.
+
+LoRA adapters: rank 0 reads an adapter once (a directory, or tensors a caller
+shared) and hands this rank the full tensors under an id of its own; this rank
+places its slice and keeps it by that id. A forward step names each sequence's
+adapter by id, so every rank applies the same version to the same sequence, and
+tells which ids to drop: those whose last holder on rank 0 (its table, or a
+request still running with it) let go. This rank holds no names: which adapter a
+request gets is rank 0's decision alone.
 
 A follower exits when rank 0 tells it to, when the pipe closes (rank 0 died), or
 when a collective fails (a peer died): it never waits for a rank that is gone.
@@ -20,7 +29,7 @@ import os
 import signal
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any
@@ -28,8 +37,11 @@ from typing import TYPE_CHECKING, Any
 from worker.engine.weight_state import WeightState
 
 if TYPE_CHECKING:
+    from worker.engine.model_worker import ModelWorker
     from worker.engine.results import OpResult
     from worker.engine.scheduler import Scheduler
+    from worker.model.kv_cache import KVCache
+    from worker.model.lora import LoadedLora, LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +71,26 @@ class RankSpec:
 
 @dataclass(frozen=True)
 class Forward:
-    """One forward step: sequences to open (id, capacity) and to drop, then ``(id, new tokens)`` to run."""
+    """One forward step: sequences to open (id, capacity) and to drop, adapters to drop (by id), then
+    ``(id, new tokens, adapter id or None for the base model)`` to run."""
 
     opened: list[tuple[int, int]]
     dropped: list[int]
-    batch: list[tuple[int, list[int]]]
+    batch: list[tuple[int, list[int], int | None]]
+    dropped_adapters: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Place this rank's slice of ``adapter`` (the full tensors, on the CPU) and keep it as ``adapter_id``;
+    answered like :class:`RunOp`. ``dropped_adapters`` are let go first."""
+
+    adapter_id: int
+    name: str
+    version: int
+    max_rank: int
+    adapter: LoraAdapter
+    dropped_adapters: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -160,7 +187,8 @@ def follower_main(conn: Connection, spec: RankSpec) -> None:
     except BaseException as exc:
         _report_startup_failure(conn, exc)
         os._exit(3)
-    caches: dict[int, Any] = {}
+    caches: dict[int, KVCache] = {}
+    adapters: dict[int, LoadedLora] = {}
     while True:
         try:
             message = conn.recv()
@@ -171,8 +199,11 @@ def follower_main(conn: Connection, spec: RankSpec) -> None:
             break
         try:
             if isinstance(message, Forward):
-                _forward(worker, caches, message)
+                _forward(worker, caches, adapters, message)
                 conn.send(("ok", None))
+            elif isinstance(message, LoadAdapter):
+                result = _load_adapter(worker, adapters, message)
+                conn.send(("result", (result, snapshot(scheduler))))
             elif isinstance(message, RunOp):
                 try:
                     result = message.op(scheduler)
@@ -189,14 +220,44 @@ def follower_main(conn: Connection, spec: RankSpec) -> None:
     _leave(spec)
 
 
-def _forward(worker: Any, caches: dict[int, Any], step: Forward) -> None:
+def _forward(worker: ModelWorker, caches: dict[int, KVCache], adapters: dict[int, LoadedLora], step: Forward) -> None:
     from worker.model import SeqInput
 
     for seq in step.dropped:
         caches.pop(seq, None)
+    for adapter_id in step.dropped_adapters:
+        adapters.pop(adapter_id, None)
     for seq, capacity in step.opened:
         caches[seq] = worker.model.new_kv_cache(capacity)
-    worker.model.forward_batch([SeqInput(tokens, caches[seq]) for seq, tokens in step.batch])
+    # An adapter id this rank does not hold is a broken pipe protocol, not a request's problem: the KeyError
+    # fails this rank (and so the worker) rather than serve a sequence without the adapter rank 0 applies.
+    worker.model.forward_batch(
+        [
+            SeqInput(tokens, caches[seq], None if adapter_id is None else adapters[adapter_id])
+            for seq, tokens, adapter_id in step.batch
+        ]
+    )
+
+
+def _load_adapter(worker: ModelWorker, adapters: dict[int, LoadedLora], message: LoadAdapter) -> OpResult[None]:
+    """Place this rank's slice; a refusal (a check of this rank's shapes, memory) is answered, not fatal:
+    rank 0 then serves the adapter on no rank."""
+    from worker.engine.results import OpResult
+    from worker.model.lora import Placement, place_adapter
+
+    for adapter_id in message.dropped_adapters:
+        adapters.pop(adapter_id, None)
+    try:
+        adapters[message.adapter_id] = place_adapter(
+            message.adapter,
+            Placement.of(worker.model),
+            max_rank=message.max_rank,
+            name=message.name,
+            version=message.version,
+        )
+    except Exception as exc:
+        return OpResult(False, f"{type(exc).__name__}: {exc}")
+    return OpResult(True, "")
 
 
 def _report_startup_failure(conn: Connection, exc: BaseException) -> None:

@@ -12,26 +12,36 @@ operation is sent, run on rank 0 too, then every follower's result is awaited.
 Every wait is bounded; a follower that dies, fails or does not answer in time
 raises :class:`TPRankLost` naming it, the worker reports unhealthy, and the
 process exits instead of serving with a rank missing.
+
+LoRA adapters (:meth:`TPPeers.load_adapter`): rank 0 gives every adapter version
+it placed an id and hands the followers its full tensors under that id before the
+version is served; forward steps name each sequence's adapter by that id, and the
+id is dropped on the followers once rank 0's own copy is freed (unloaded or
+replaced, and the last request running with it ended), so each rank holds exactly
+the versions rank 0 holds.
 """
 
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import queue
 import socket
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import replace
 from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import TYPE_CHECKING, Any
 
-from worker.tp.follower import STOP, Forward, RankSpec, RankState, RunOp, follower_main, join_group
+from worker.tp.follower import STOP, Forward, LoadAdapter, RankSpec, RankState, RunOp, follower_main, join_group
 from worker.tp.ops import RankOp
 
 if TYPE_CHECKING:
     from worker.engine.results import OpResult
+    from worker.model.lora import LoadedLora, LoraAdapter
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +49,8 @@ log = logging.getLogger(__name__)
 START_TIMEOUT_S = 300.0
 #: How long a follower may take to acknowledge one forward step beyond rank 0's own.
 STEP_GRACE_S = 60.0
+#: How long the followers may take to place an adapter (read from rank 0's tensors, sliced, copied).
+ADAPTER_LOAD_TIMEOUT_S = 120.0
 #: The tensor-parallel group's bound on joining and on each collective: a rank that died makes
 #: its peers' collectives fail (at once when its sockets close, at this bound at the latest).
 TP_TIMEOUT_S = 120.0
@@ -94,6 +106,11 @@ class TPPeers:
         self._opened: list[tuple[int, int]] = []
         self._dropped: list[int] = []
         self._lock = threading.Lock()
+        # Rank 0's adapter versions the followers hold, by id. Drops come from finalizers, which may run in any
+        # thread at any point (the cyclic GC included, even inside ``_lock``): SimpleQueue.put is safe there.
+        self._adapter_ids: weakref.WeakKeyDictionary[LoadedLora, int] = weakref.WeakKeyDictionary()
+        self._next_adapter = 0
+        self._dropped_adapters: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._closing = False
         self._on_lost: Callable[[TPRankLost], None] | None = None
 
@@ -159,9 +176,14 @@ class TPPeers:
             self._dropped.append(seq)
 
     # -- scheduler thread ------------------------------------------------------------------------
-    def send_forward(self, batch: list[tuple[int, list[int]]]) -> None:
+    def send_forward(self, batch: list[tuple[int, list[int], LoadedLora | None]]) -> None:
+        """Send one step: each sequence's id, new tokens and adapter (named by the id the followers hold it by).
+        An adapter the followers were never given fails the step here, before anything is sent."""
+        steps = [(seq, tokens, self._adapter_id(adapter)) for seq, tokens, adapter in batch]
         with self._lock:
-            step = Forward(opened=self._opened, dropped=self._dropped, batch=batch)
+            step = Forward(
+                opened=self._opened, dropped=self._dropped, batch=steps, dropped_adapters=self._take_dropped_adapters()
+            )
             self._opened, self._dropped = [], []
         self._send(step, "a forward step")
 
@@ -188,6 +210,58 @@ class TPPeers:
             result, f.state = payload
             results.append(result)
         return results
+
+    def load_adapter(
+        self, placed: LoadedLora, adapter: LoraAdapter, *, max_rank: int, timeout_s: float = ADAPTER_LOAD_TIMEOUT_S
+    ) -> list[OpResult[Any]]:
+        """Have every follower place its slice of ``adapter``, the version rank 0 placed as ``placed`` (not
+        served yet); each follower's result, in rank order. Only when every one succeeded may forward steps
+        name ``placed``: a refused load leaves it unknown to the followers, and any that placed it drop it
+        with the next message. A follower lost meanwhile raises :class:`TPRankLost` (the worker fails)."""
+        with self._lock:
+            self._next_adapter += 1
+            adapter_id = self._next_adapter
+        action = f"loading LoRA adapter {placed.name!r}"
+        message = LoadAdapter(
+            adapter_id,
+            placed.name,
+            placed.version,
+            max_rank,
+            adapter.on_cpu(),
+            dropped_adapters=self._take_dropped_adapters(),
+        )
+        try:
+            self._send(message, action)
+        except TypeError:
+            for dropped in message.dropped_adapters:  # sent to no follower: they go with the next message
+                self._dropped_adapters.put(dropped)
+            raise
+        results = self.await_op(action, timeout_s)
+        if all(r.success for r in results):
+            self._adapter_ids[placed] = adapter_id
+            # Rank 0's copy is freed once unloaded or replaced and no request runs with it: so are the followers'.
+            weakref.finalize(placed, self._dropped_adapters.put, adapter_id)
+        else:
+            self._dropped_adapters.put(adapter_id)
+        return results
+
+    def _adapter_id(self, adapter: LoadedLora | None) -> int | None:
+        if adapter is None:
+            return None
+        adapter_id = self._adapter_ids.get(adapter)
+        if adapter_id is None:
+            raise RuntimeError(
+                f"LoRA adapter {adapter.name!r} version {adapter.version} was never placed on the follower ranks"
+            )
+        return adapter_id
+
+    def _take_dropped_adapters(self) -> list[int]:
+        dropped = []
+        while True:
+            try:
+                dropped.append(self._dropped_adapters.get_nowait())
+            except queue.Empty:
+                return dropped
 
     def _send(self, message: Any, what: str) -> None:
         self._send_each([message] * len(self.followers), what)

@@ -117,3 +117,12 @@ class LoraAdapter:
             problems.append("no lora_A / lora_B tensors")
         raise_problems(problems, "the adapter")
         return cls(cfg, weights)
+
+    def on_cpu(self) -> LoraAdapter:
+        """A copy whose tensors are contiguous, on the CPU and its own (sharing no storage with this one's):
+        what rank 0 of a tensor-parallel worker hands the other ranks, each on its own device, to place."""
+
+        def own(t: torch.Tensor) -> torch.Tensor:
+            return t.detach().to(device="cpu", copy=True, memory_format=torch.contiguous_format)
+
+        return LoraAdapter(self.config, {key: LoraPair(own(p.a), own(p.b)) for key, p in self.weights.items()})

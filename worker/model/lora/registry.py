@@ -38,16 +38,32 @@ class LoraAdapters:
     def load(self, name: str, adapter: LoraAdapter) -> LoadedLora:
         """Place ``adapter`` under ``name`` (replacing an adapter of that name), or raise
         :class:`~worker.model.lora.config.LoraLoadError` with nothing changed."""
+        return self._swap(self.prepare(name, adapter), renumber=True)
+
+    def prepare(self, name: str, adapter: LoraAdapter) -> LoadedLora:
+        """``adapter`` placed as the next version of ``name``, checked whole but not served yet: :meth:`commit`
+        serves it. Tensor parallelism places it on the other ranks in between, so no rank serves a version
+        one of them refused."""
         if not isinstance(name, str) or not name:
             raise LoraLoadError(f"an adapter name must be a non-empty string, not {name!r}")
         self._check_room(name)
-        placed = place_adapter(
+        return place_adapter(
             adapter, self.placement, max_rank=self.max_lora_rank, name=name, version=self._versions.get(name, 0) + 1
         )
+
+    def commit(self, placed: LoadedLora) -> LoadedLora:
+        """Serve an adapter from :meth:`prepare` as it is: :class:`LoraLoadError` if another load of its name
+        committed meanwhile (the other ranks hold this very version) or there is no room any more."""
+        return self._swap(placed, renumber=False)
+
+    def _swap(self, placed: LoadedLora, *, renumber: bool) -> LoadedLora:
+        name = placed.name
         with self._lock:
             self._check_room(name)
             version = self._versions.get(name, 0) + 1
             if version != placed.version:  # another load of this name committed meanwhile
+                if not renumber:
+                    raise LoraLoadError(f"another load of adapter {name!r} finished first; load it again")
                 placed = LoadedLora(name, version, placed.config, placed.layers)
             self._versions[name] = version
             self._loaded[name] = placed
