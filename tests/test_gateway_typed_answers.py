@@ -29,7 +29,6 @@ from router.gateway.admin.verdicts import refused_untouched
 from router.gateway.fleet.groups import group_name_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.fleet.weights import agreed_checksum
-from router.gateway.upstream import decode_answer
 
 
 def keys(model: Any) -> list[str]:
@@ -111,9 +110,9 @@ class _Client:
         self.status, self.raw = status, raw
         self.paths: list[str] = []
 
-    async def fetch(self, base_url: str, path: str, model: Any, **_: Any) -> Any:
-        self.paths.append(path)
-        return decode_answer(model, self.status, self.raw)
+    async def fetch_all(self, method: str, calls: list[tuple[str, str, bytes | None]], **kw: Any) -> list[Any]:
+        self.paths += [path for _, path, _ in calls]
+        return [kw["convert"](i, (self.status, self.raw, 0.001)) for i in range(len(calls))]
 
 
 async def test_the_fan_out_answers_in_the_operation_s_response_model() -> None:
