@@ -76,8 +76,14 @@ def test_trl_syncs_versioned_adapters_through_the_router(
     for url in workers:
         status, models = http_json("GET", url + "/v1/models", timeout=10)
         assert {card["id"] for card in models["data"] if card.get("parent")} == {"policy-v2"}, models
-    status, _ = http_json("POST", router + "/v1/completions", {"model": "x", "prompt": PROMPT, "max_tokens": 1})
-    assert status == 200  # a model that names no adapter is the base model
+    base = next(card["id"] for card in models["data"] if not card.get("parent"))
+    status, _ = http_json("POST", router + "/v1/completions", {"model": base, "prompt": PROMPT, "max_tokens": 1})
+    assert status == 200  # the served model's name is the base model
+    # A name that is neither the served model nor a loaded adapter is vLLM's 404, never the base model's tokens
+    # (an unloaded adapter's name included: policy-v1).
+    for model in ("x", "policy-v1"):
+        status, _ = http_json("POST", router + "/v1/completions", {"model": model, "prompt": PROMPT, "max_tokens": 1})
+        assert status == 404, model
     status, gone = http_json("POST", router + "/generate", {"input_ids": PROMPT, "lora_path": "policy-v1"}, timeout=30)
     assert status == 404 and "policy-v1" in gone["error"]["message"]
 
