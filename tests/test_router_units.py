@@ -434,6 +434,7 @@ class TestWire:
             body, request_id, _ = prepare_tokens_payload(raw, None)
             sent = json.loads(body)
             assert request_id == "generate-tokens-" + sent.pop("request_id") and len(request_id) > 20
-        assert prepare_tokens_payload(b'{"request_id": 5}', None)[:2] == (b'{"request_id": 5}', None)  # the worker's 400
+        # Not an id: passed on as it came, for the worker's 400.
+        assert prepare_tokens_payload(b'{"request_id": 5}', None)[:2] == (b'{"request_id": 5}', None)
         assert prepare_tokens_payload(b"[1]", None) == (b"[1]", None, None)
         assert prepare_tokens_payload(b"not json", None) == (b"not json", None, None)
