@@ -38,6 +38,7 @@ import torch.multiprocessing
 import torch.nn.functional as F
 
 from demo.fleet import Fleet
+from demo.policy import optimizer_steps
 from demo.table import shown, shown_tokens
 from demo.trainer import WORKER_HEADER, DemoError
 from router.contract.fleet_answers import FleetAnswer
@@ -103,15 +104,7 @@ class LoraPolicy:
     def train_step(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         """``updates_per_step`` Adam updates of the adapter; returns the loss the step started from."""
         self.model.train()
-        first: float | None = None
-        for _ in range(self.updates_per_step):
-            loss = self.loss(prompt_ids, target_ids)
-            first = loss.item() if first is None else first
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-        assert first is not None
-        return first
+        return optimizer_steps(self.optimizer, lambda: self.loss(prompt_ids, target_ids), self.updates_per_step)
 
     @torch.no_grad()
     def greedy(self, prompt_ids: list[int], steps: int) -> list[int]:

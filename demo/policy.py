@@ -10,6 +10,7 @@ exactly the weights the workers must receive.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -45,16 +46,21 @@ class TrainablePolicy:
 
     def train_step(self, prompt_ids: list[int], target_ids: list[int]) -> float:
         """``updates_per_step`` Adam updates on the target; returns the loss the step started from."""
-        first: float | None = None
-        for _ in range(self.updates_per_step):
-            loss = self.loss(prompt_ids, target_ids)
-            first = loss.item() if first is None else first
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
-        assert first is not None
-        return first
+        return optimizer_steps(self.optimizer, lambda: self.loss(prompt_ids, target_ids), self.updates_per_step)
 
     def checksum(self) -> str:
         """The weights checker's per-rank checksum of the current weights."""
         return sent_checksum(self.tensors.items())
+
+
+def optimizer_steps(optimizer: torch.optim.Optimizer, loss: Callable[[], torch.Tensor], steps: int) -> float:
+    """``steps`` updates of ``optimizer`` on ``loss()``; returns the loss the first one started from."""
+    first: float | None = None
+    for _ in range(steps):
+        value = loss()
+        first = value.item() if first is None else first
+        optimizer.zero_grad(set_to_none=True)
+        value.backward()
+        optimizer.step()
+    assert first is not None
+    return first
