@@ -147,3 +147,21 @@ def test_a_parametrized_answer_model_is_built_once_per_process() -> None:
     # Pydantic holds parametrized models weakly; the broadcast path must not rebuild one per call.
     assert ops.parametrized(WorkerResult, ModelInfo) is ops.parametrized(WorkerResult, ModelInfo)
     assert ops.MODEL_INFO.answer_model() is ops.MODEL_INFO.answer_model()
+
+
+def test_a_flush_that_sets_nothing_goes_bare_as_sglang_s_router_sends_it() -> None:
+    """SGLang's ``/flush_cache`` reads no body: a call that sets nothing is sent without one (and without a
+    ``Content-Type``), so no worker parses a body on a broadcast. A field set, or a route that reads its body
+    even when it is all defaults (``/pause_generation``), forwards the parsed body as before."""
+    headers = {"Content-Type": "application/json", "Authorization": "Bearer k"}
+    worker = Worker(id="w1", url="http://w1")
+    flush = ops.OPERATIONS[ep.FLUSH_CACHE.path]
+    bare = AdminCall(flush, "POST", flush.endpoint.request(), headers, timeout_s=5.0)
+    assert bare.body_for(worker) == b"" and bare.headers == {"Authorization": "Bearer k"}
+    timed = flush.endpoint.request.model_validate({"timeout": 2})
+    sent = AdminCall(flush, "POST", timed, headers, timeout_s=5.0)
+    assert json.loads(sent.body_for(worker) or b"") == {"timeout": 2.0} and sent.headers == headers
+    pause = ops.OPERATIONS[ep.PAUSE_GENERATION.path]
+    kept = AdminCall(pause, "POST", pause.endpoint.request(), headers, timeout_s=5.0)
+    assert kept.body_for(worker) == b"{}" and kept.headers == headers
+    assert [e.path for e in (*ep.WORKER_ADMIN, *ep.VLLM_ONLY_ADMIN) if e.bare_when_default] == [ep.FLUSH_CACHE.path]

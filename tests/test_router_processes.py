@@ -149,6 +149,55 @@ def test_generation_admin_and_metrics_through_every_process(fleet):
     assert "omni_router_worker_health" in text
 
 
+def _handed_count(url: str) -> float:
+    text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(r"^omni_router_admin_connections_handed_total ([0-9.e+]+)", text, re.M))
+
+
+def _exchange(conn: http.client.HTTPConnection, method: str, path: str, body: Any = None, **headers: str) -> Any:
+    payload = None if body is None else json.dumps(body)
+    conn.request(method, path, payload, {"Content-Type": "application/json", **auth(), **headers})
+    resp = conn.getresponse()
+    return resp.status, json.loads(resp.read() or b"null"), resp.getheader("X-Omni-Worker")
+
+
+def test_a_trainer_s_admin_connection_moves_to_the_control_process_and_keeps_serving(fleet):
+    """The first admin POST on a keep-alive connection hands the connection to the control process (counted
+    once); every later call on the same socket, admin, reads and generation alike, is answered there as
+    before. Reads, and a call that asks to close, are relayed and leave their connection where it was."""
+    host, port = fleet.url.removeprefix("http://").split(":")
+    before = _handed_count(fleet.url)
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        assert _exchange(conn, "GET", "/workers")[0] == 200  # a read: relayed, not handed over
+        local = conn.sock.getsockname()
+        for _ in range(3):
+            status, body, _ = _exchange(conn, "POST", "/flush_cache", {})
+            assert status == 200 and body["worker_count"] == 2, body
+        status, body, _ = _exchange(conn, "POST", "/pause_generation", {"mode": "in_place"})
+        assert status == 200, body
+        assert _exchange(conn, "POST", "/continue_generation", {})[0] == 200
+        status, body, worker = _exchange(
+            conn, "POST", "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+        )
+        assert status == 200 and worker in fleet.ids and body["meta_info"]["completion_tokens"] == 2
+        assert _exchange(conn, "GET", "/workers")[0] == 200
+        conn.request("POST", "/flush_cache", "{}", {"Content-Type": "application/json"})  # no key: refused there
+        refused = conn.getresponse()
+        assert refused.status == 401 and b"error" in refused.read()
+        assert conn.sock.getsockname() == local  # one socket throughout: nothing was dropped or reopened
+    finally:
+        conn.close()
+    assert _handed_count(fleet.url) - before == 1
+    closing = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:
+        status, body, _ = _exchange(closing, "POST", "/flush_cache", {}, Connection="close")
+        assert status == 200, body
+    finally:
+        closing.close()
+    assert _handed_count(fleet.url) - before == 1
+
+
 def _generate_count(url: str) -> float:
     text = urllib.request.urlopen(url + "/metrics", timeout=10).read().decode()
     pattern = r'omni_router_requests_total\{method="POST",route="/generate",status="200"\} ([0-9.e+]+)'

@@ -532,6 +532,46 @@ async def test_fetch_all_sends_in_one_pass_and_converts_each_answer_as_it_lands(
         client.close()
 
 
+async def test_a_cancelled_batch_closes_what_it_sent_and_nothing_lands_afterwards():
+    """No task per call: the batch's own cancellation must close every connection still mid-exchange (never
+    pooled half-read), and an answer that comes later lands nowhere. A header that cannot be sent fails every
+    call of the batch, and a bare ``POST`` says it has no body."""
+    gate = asyncio.Event()
+
+    async def held(writer: asyncio.StreamWriter, _: bytes) -> None:
+        await gate.wait()
+        writer.write(OK)
+        await writer.drain()
+
+    async with serving(fixed(OK)) as ok, serving(held) as slow:
+        client = HttpUpstream(limit=0, connect_timeout_s=5)
+        calls = [(ok.url, "/flush_cache", b""), (slow.url, "/flush_cache", b"")]
+        landed: list[int] = []
+
+        def convert(i: int, exchange: lean_http.Exchange) -> object:
+            landed.append(i)
+            return exchange
+
+        gate.set()
+        await client.fetch_all("POST", calls, {}, timeout_s=5, convert=convert)  # opens and pools both
+        assert b"\r\nContent-Length: 0\r\n" in ok.requests[-1] and ok.requests[-1].endswith(b"\r\n\r\n")
+        gate.clear()
+        landed.clear()
+        batch = asyncio.create_task(client.fetch_all("POST", calls, {}, timeout_s=5, convert=convert))
+        await until(lambda: len(slow.requests) == 2 and landed == [0], what="the second request sent, one answer in")
+        batch.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await batch
+        assert client.idle_connections(slow.url) == [] and len(client.idle_connections(ok.url)) == 1
+        gate.set()
+        await asyncio.sleep(0.05)
+        assert landed == [0]
+        refused = await client.fetch_all("POST", calls, {"X": "a\r\nb"}, timeout_s=5, convert=convert)
+        assert all(isinstance(r, UpstreamError) and "line break" in str(r) for r in refused)
+        assert len(client.idle_connections(ok.url)) == 1  # refused before a byte: the connection is pooled again
+        client.close()
+
+
 # ----------------------------------------------------------------------------- the worker client
 
 

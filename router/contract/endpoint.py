@@ -42,6 +42,9 @@ class Endpoint(Generic[Req, Resp]):
     query_params: bool = False
     """The route takes its arguments as query parameters, as vLLM's dev routes do (``/pause?mode=``):
     they win over the body's fields, and a list field takes every value of a repeated name."""
+    bare_when_default: bool = False
+    """The workers read no body on this route when every field is its default (SGLang's ``/flush_cache``
+    takes none): a call that sets nothing is sent without one, as SGLang's router sends it."""
 
     @property
     def name(self) -> str:

@@ -109,6 +109,7 @@ FLUSH_CACHE = Endpoint(
     Budget(30.0, overhead_s=30.0),
     timeout_field="timeout",
     summary="Flush the KV cache once idle",
+    bare_when_default=True,
 )
 UPDATE_WEIGHTS_FROM_DISK = Endpoint(
     "/update_weights_from_disk",

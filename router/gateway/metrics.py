@@ -345,6 +345,11 @@ class RouterMetrics:
         self.client_aborts = Counter(
             "omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r
         )
+        self.handed_connections = Counter(
+            "omni_router_admin_connections_handed_total",
+            "Callers' connections a data plane handed to the control process with their first admin call",
+            registry=r,
+        )
         self.catch_ups = Counter(
             "omni_router_catch_ups_total",
             "Pending workers loaded from a peer (--sync-joiners peer), by outcome",

@@ -27,7 +27,7 @@ from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import WorkerAnswer, decode_answer, decode_plain, unreachable
-from router.gateway.upstream.lean_http import Exchange
+from router.gateway.upstream.lean_batch import Exchange
 
 Req = TypeVar("Req", bound=WireRequest)
 Resp = TypeVar("Resp", bound=WireResponse)
@@ -51,8 +51,14 @@ class AdminCall(Generic[Req, Resp]):
 
     def __post_init__(self) -> None:
         data = self.request.to_json()
-        # A GET that carried nothing stays a plain GET; everything else forwards the parsed body.
-        self._body = None if self.method == "GET" and data == b"{}" else data
+        # A GET that carried nothing stays a plain GET, and a POST that set nothing on a route the workers
+        # take bare goes bare (no body to parse: a broadcast's cost on each worker); everything else
+        # forwards the parsed body.
+        if data == b"{}" and (self.method == "GET" or self.op.endpoint.bare_when_default):
+            self._body = None if self.method == "GET" else b""
+            self.headers = {k: v for k, v in self.headers.items() if k.lower() != "content-type"}
+        else:
+            self._body = data
 
     def body_for(self, worker: Worker) -> bytes | None:
         return self.request_for(worker).to_json() if self.request_for is not None else self._body

@@ -34,6 +34,7 @@ from router.gateway import keys
 from router.gateway.app import routes, service_headers
 from router.gateway.config import RouterConfig
 from router.gateway.data_planes.forward import ControlForwarder
+from router.gateway.data_planes.handoff import ConnectionHandoff, handoff_path
 from router.gateway.data_planes.hub import HUB_PATH, KEEPALIVE_S, LOAD_EVERY_S, SILENT_S
 from router.gateway.data_planes.leader_mirror import MirroredLease, apply_gate, mirrored_gate
 from router.gateway.data_planes.messages import (
@@ -238,7 +239,9 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
             post=link.post,
             stats=metrics.affinity,
         )
-    forwarder = ControlForwarder(socket_path)
+    handed = frozenset(r.path for r in table if r.access == "admin" and r.method == "POST" and "{" not in r.path)
+    handoff = ConnectionHandoff(handoff_path(socket_path), handed, on_handed=metrics.handed_connections.inc)
+    forwarder = ControlForwarder(socket_path, handoff)
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
     app[keys.METRICS] = metrics

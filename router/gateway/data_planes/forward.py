@@ -15,6 +15,7 @@ import logging
 from aiohttp import web
 
 from router.contract.errors import ApiError
+from router.gateway.data_planes.handoff import ConnectionHandoff
 from router.gateway.upstream.lean_http import HttpUpstream
 from router.gateway.upstream.transport import UpstreamError
 
@@ -48,14 +49,17 @@ class ControlForwarder:
     """Relays requests to the control process over its Unix socket (the router's lean keep-alive client:
     a relayed admin call costs the relay a few tens of microseconds, not aiohttp's client machinery)."""
 
-    def __init__(self, socket_path: str):
+    def __init__(self, socket_path: str, handoff: ConnectionHandoff | None = None):
         self._upstream = HttpUpstream(limit=0, connect_timeout_s=CONNECT_TIMEOUT_S, unix_path=socket_path)
+        self._handoff = handoff
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.path.startswith(INTERNAL_PREFIX):
             raise ApiError(404, f"no route {request.path}")
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_RELAYED}
         body = await request.read()
+        if self._handoff is not None and self._handoff.hand_over(request, body):
+            return web.Response(status=204)  # never sent: the connection is the control process's now
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _NOT_RELAYED}
         # HEAD is relayed as a GET whose body is left out (the client cannot frame a HEAD's answer).
         method = "GET" if request.method == "HEAD" else request.method
         try:
@@ -85,3 +89,5 @@ class ControlForwarder:
 
     async def close(self) -> None:
         self._upstream.close()
+        if self._handoff is not None:
+            self._handoff.close()

@@ -13,6 +13,7 @@ from aiohttp import web
 from router.gateway.config import RouterConfig
 from router.gateway.data_planes.control import attach_data_planes
 from router.gateway.data_planes.data_plane import create_data_plane_app
+from router.gateway.data_planes.handoff import HandoffSite, handoff_path
 from router.gateway.data_planes.supervisor import DataPlaneSupervisor
 from router.gateway.serving import Hooks, serve, tcp, unix
 
@@ -68,9 +69,11 @@ async def run_control(
         supervisor.start()
 
     try:
-        await serve(
-            app, unix(socket_path), config.shutdown_grace_s, Hooks(on_started=started, on_stopping=supervisor.stop)
-        )
+        # Besides its HTTP socket, the socket on which data planes hand over callers' admin connections.
+        def listen(runner: web.AppRunner) -> list[web.BaseSite]:
+            return [*unix(socket_path)(runner), HandoffSite(runner, handoff_path(socket_path))]
+
+        await serve(app, listen, config.shutdown_grace_s, Hooks(on_started=started, on_stopping=supervisor.stop))
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
 

@@ -36,7 +36,8 @@ from typing import TypeVar
 from router.contract.base import WireRequest, WireResponse
 from router.contract.endpoint import Endpoint
 from router.gateway.upstream.answer import Decoder, WorkerAnswer, decode_answer, unreachable
-from router.gateway.upstream.lean_http import Exchange, HttpUpstream
+from router.gateway.upstream.lean_batch import Exchange
+from router.gateway.upstream.lean_http import HttpUpstream
 from router.gateway.upstream.transport import Transport, UpstreamError, UpstreamResponse
 from router.gateway.upstream.via_aiohttp import AiohttpUpstream
 

@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 import httptools
 
 from router.gateway.upstream.transport import UpstreamError
 
 MAX_HEAD_BYTES = 64 * 1024
+#: ``Content-Length`` and ``Transfer-Encoding``: a whole answer keeps only headers of these name lengths,
+#: which :meth:`LeanConnection.connection_lost` needs to tell a body framed by the connection's end.
+FRAMING_NAME_LENGTHS = frozenset((len("content-length"), len("transfer-encoding")))
 #: Body bytes buffered ahead of a slow caller before the router stops reading from the worker.
 HIGH_WATER = 1024 * 1024
 
@@ -42,10 +46,11 @@ class LeanConnection(asyncio.Protocol):
         self._parser = httptools.HttpResponseParser(self)
         self._head_waiter: asyncio.Future[None] | None = None
         self._body_waiter: asyncio.Future[None] | None = None
-        self._whole: asyncio.Future[None] | None = None
-        """Set by :meth:`send_whole`: done when the whole answer is in (or failed); the body is not read
-        before then, so it is bounded here rather than by the reader's pace."""
+        self._on_end: Callable[[], None] | None = None
+        """Set by :meth:`send_whole`: called once, when the whole answer is in or failed; the body is not
+        read before then, so it is bounded here rather than by the reader's pace."""
         self._whole_limit = 0
+        """A whole answer's bound (:meth:`send_whole`); 0 while the body is read as it comes (:meth:`send`)."""
         self.ended_at = 0.0
         """When the answer awaited by :meth:`send_whole` was in (or failed), on ``time.monotonic()``."""
         self._reset()
@@ -85,7 +90,7 @@ class LeanConnection(asyncio.Protocol):
         if self.complete or self.error is not None:
             return
         if not self.status:
-            if self._head_waiter is not None or self._whole is not None:
+            if self._head_waiter is not None or self._on_end is not None:
                 self._fail(exc or ConnectionResetError("the worker closed the connection before answering"))
         elif exc is None and "content-length" not in self.headers and "transfer-encoding" not in self.headers:
             self.on_message_complete()  # a body framed by the end of the connection ends here (llhttp has no EOF call)
@@ -98,10 +103,11 @@ class LeanConnection(asyncio.Protocol):
             raise UpstreamError("bytes after a complete answer")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self.status:  # not trailers
-            self.headers[name.decode("latin-1").lower()] = value.decode(
-                "latin-1"
-            ).rstrip()  # llhttp keeps trailing blanks
+        if self.status:  # trailers
+            return
+        if self._whole_limit and len(name) not in FRAMING_NAME_LENGTHS:
+            return  # a whole answer's reader wants its status and body: only the framing headers are kept
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1").rstrip()  # llhttp keeps trailing blanks
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
@@ -117,7 +123,7 @@ class LeanConnection(asyncio.Protocol):
     def on_body(self, data: bytes) -> None:
         self._chunks.append(data)
         self._buffered += len(data)
-        if self._whole is not None:
+        if self._whole_limit:
             if self._buffered > self._whole_limit:
                 self._broken(UpstreamError(f"the worker's answer is larger than {self._whole_limit} bytes"))
             return
@@ -130,10 +136,7 @@ class LeanConnection(asyncio.Protocol):
         if self.status:  # not an interim answer's end
             self.complete = True
             self._wake_body()
-            whole = self._whole
-            if whole is not None and not whole.done():
-                self.ended_at = time.monotonic()
-                whole.set_result(None)
+            self._ended()
 
     # -- one exchange
     @property
@@ -148,21 +151,34 @@ class LeanConnection(asyncio.Protocol):
     def send(self, payload: bytes) -> asyncio.Future[None]:
         assert self.transport is not None
         self._reset()
-        self._whole = None
+        self._on_end = None
+        self._whole_limit = 0
         self._head_waiter = asyncio.get_running_loop().create_future()
         self.transport.write(payload)
         return self._head_waiter
 
-    def send_whole(self, payload: bytes, max_bytes: int) -> asyncio.Future[None]:
-        """Send a request whose answer is wanted whole: the future is done once all of it is in (its body
-        then :meth:`take`), or failed; a body over ``max_bytes`` fails it and closes the connection."""
+    def send_whole(self, payload: bytes, max_bytes: int, on_end: Callable[[], None]) -> None:
+        """Send a request whose answer is wanted whole: ``on_end()`` is called once, from the event loop's
+        callbacks, when all of it is in (``status``, the body then :meth:`take`) or it failed (``error``); a
+        body over ``max_bytes`` fails it and closes the connection. Of the headers only the framing ones
+        are kept. No future and no task: a broadcast sends hundreds of these at once."""
         assert self.transport is not None
         self._reset()
         self._head_waiter = None
-        self._whole = asyncio.get_running_loop().create_future()
-        self._whole_limit = max_bytes
+        self._on_end = on_end
+        self._whole_limit = max(1, max_bytes)
         self.transport.write(payload)
-        return self._whole
+
+    @property
+    def awaiting_whole(self) -> bool:
+        """A :meth:`send_whole` answer is still awaited (its ``on_end`` not yet called)."""
+        return self._on_end is not None
+
+    def abandon(self) -> None:
+        """The caller of :meth:`send_whole` no longer waits (cancelled): ``on_end`` is never called, and the
+        connection, mid-exchange, is closed."""
+        self._on_end = None
+        self.close()
 
     def close(self) -> None:
         self.closed = True
@@ -201,10 +217,17 @@ class LeanConnection(asyncio.Protocol):
     def _fail(self, exc: BaseException) -> None:
         if self.error is None and not self.complete:
             self.error = exc
-        self.ended_at = time.monotonic()
-        for waiter in (self._head_waiter, self._body_waiter, self._whole):
+        for waiter in (self._head_waiter, self._body_waiter):
             if waiter is not None and not waiter.done():
                 waiter.set_exception(exc)
+        self._ended()
+
+    def _ended(self) -> None:
+        end = self._on_end
+        if end is not None:
+            self._on_end = None
+            self.ended_at = time.monotonic()
+            end()
 
     def _wake_body(self) -> None:
         waiter = self._body_waiter

@@ -40,9 +40,11 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit
 
+from router.gateway.upstream import lean_batch
+from router.gateway.upstream.lean_batch import Exchange
 from router.gateway.upstream.lean_conn import LeanConnection
 from router.gateway.upstream.transport import MAX_BODY_BYTES, NotAdmitted, UpstreamError
 
@@ -51,9 +53,6 @@ __all__ = ["KEEPALIVE_S", "Exchange", "HttpUpstream", "LeanResponse"]
 KEEPALIVE_S = 4.0
 
 T = TypeVar("T")
-#: One whole exchange of a batch (:meth:`HttpUpstream.fetch_all`): ``(status, body, seconds to the answer)``,
-#: or why no answer came.
-Exchange = tuple[int, bytes, float] | BaseException
 
 
 class LeanResponse:
@@ -127,7 +126,7 @@ class LeanResponse:
         if not self._released:
             self._released = True
             self._timer.cancel()
-            self._pool._checkin(self._key, self._conn)
+            self._pool.checkin(self._key, self._conn)
 
 
 class HttpUpstream:
@@ -166,9 +165,9 @@ class HttpUpstream:
 
     def idle_connections(self, base_url: str) -> list[LeanConnection]:
         """The idle connections pooled for one worker (a copy), reusable or not yet swept."""
-        return list(self._idle.get(self._target(base_url)[0], ()))
+        return list(self._idle.get(self.target(base_url)[0], ()))
 
-    def _target(self, base_url: str) -> tuple[tuple[str, int], str]:
+    def target(self, base_url: str) -> tuple[tuple[str, int], str]:
         target = self._targets.get(base_url)
         if target is None:
             parts = urlsplit(base_url)
@@ -210,87 +209,33 @@ class HttpUpstream:
         max_bytes: int = MAX_BODY_BYTES,
     ) -> list[T]:
         """:meth:`fetch` of many ``(base_url, path, body)`` at once, as a broadcast sends one request per worker,
-        under one deadline: ``convert(i, exchange)`` per call, in order, where ``exchange`` is ``(status, body,
-        seconds to the whole answer)`` or why no answer came.
+        under one deadline: ``convert(i, exchange)`` per call, as each answer lands, in order of ``calls``
+        (:func:`router.gateway.upstream.lean_batch.fetch_all`)."""
+        return await lean_batch.fetch_all(
+            self, method, calls, headers, timeout_s=timeout_s, convert=convert, max_bytes=max_bytes
+        )
 
-        Every request that finds an idle pooled connection is written here, in one pass, and each answer is
-        converted as it lands (so that work overlaps the workers still answering): no task per worker, which
-        on a broadcast to hundreds of workers is a large part of what the fan-out costs the event loop. A call
-        with no idle connection (the first to a worker) goes through :meth:`fetch` on a task of its own."""
-        loop = asyncio.get_running_loop()
-        started = time.monotonic()
-        deadline = loop.time() + timeout_s
-        results: list[T | None] = [None] * len(calls)
-        faults: list[BaseException] = []
+    # -- the pool's bookkeeping, shared with the batch (lean_batch)
+    @property
+    def bounded(self) -> bool:
+        """Requests in flight are bounded (``limit`` > 0): each takes a slot, so none skips the queue."""
+        return self._slots is not None
 
-        def land(i: int, exchange: Exchange) -> None:
-            try:
-                results[i] = convert(i, exchange)
-            except Exception as exc:  # a fault of the caller's conversion: raised once all have landed
-                faults.append(exc)
+    def mark_busy(self, key: tuple[str, int], conn: LeanConnection) -> None:
+        """``conn`` carries a request now (what :meth:`cut` ends)."""
+        busy = self._busy.get(key)
+        if busy is None:
+            busy = self._busy[key] = set()
+        busy.add(conn)
 
-        def answered(i: int, key: tuple[str, int], conn: LeanConnection, timer: asyncio.TimerHandle) -> Any:
-            def done(answer: asyncio.Future[None]) -> None:
-                timer.cancel()
-                if answer.cancelled():
-                    return
-                error = answer.exception()
-                exchange = error if error is not None else (conn.status, conn.take(), conn.ended_at - started)
-                self._checkin(key, conn)
-                land(i, exchange)
+    def unmark_busy(self, key: tuple[str, int], conn: LeanConnection) -> None:
+        busy = self._busy.get(key)
+        if busy is not None:
+            busy.discard(conn)
+            if not busy:
+                del self._busy[key]
 
-            return done
-
-        def fetched(i: int) -> Any:
-            def done(task: asyncio.Task[tuple[int, bytes]]) -> None:
-                if not task.cancelled():
-                    error = task.exception()
-                    land(i, error if error is not None else (*task.result(), time.monotonic() - started))
-
-            return done
-
-        waits: list[asyncio.Future[Any]] = []
-        sent: list[tuple[tuple[str, int], LeanConnection, asyncio.TimerHandle]] = []
-        try:
-            for i, (base_url, path, body) in enumerate(calls):
-                key, netloc = self._target(base_url)
-                conn = self._idle_connection(key) if self._slots is None else None
-                if conn is None:
-                    task = loop.create_task(
-                        self.fetch(method, base_url, path, body, headers, timeout_s=timeout_s, max_bytes=max_bytes)
-                    )
-                    task.add_done_callback(fetched(i))
-                    waits.append(task)
-                    continue
-                try:
-                    payload = _encode(method, path, netloc, body, headers)
-                except UpstreamError as exc:
-                    self._idle.setdefault(key, []).append(conn)
-                    land(i, exc)
-                    continue
-                timer = loop.call_at(deadline, conn.expire, f"no complete answer within {timeout_s:g}s")
-                self._busy.setdefault(key, set()).add(conn)
-                answer = conn.send_whole(payload, max_bytes)
-                answer.add_done_callback(answered(i, key, conn, timer))
-                waits.append(answer)
-                sent.append((key, conn, timer))
-            if waits:
-                await asyncio.wait(waits)  # each ends by its answer, its failure or its deadline timer
-        except BaseException:
-            for key, conn, timer in sent:
-                if not conn.complete:
-                    timer.cancel()
-                    self._busy.get(key, set()).discard(conn)
-                    conn.close()
-            for wait in waits:
-                wait.cancel()
-            raise
-        if faults:
-            raise faults[0]
-        assert all(r is not None for r in results), "every call's answer lands before the wait ends"
-        return results  # type: ignore[return-value]
-
-    def _idle_connection(self, key: tuple[str, int]) -> LeanConnection | None:
+    def idle_connection(self, key: tuple[str, int]) -> LeanConnection | None:
         """A pooled connection to ``key`` ready for a request now, or ``None``."""
         idle = self._idle.get(key)
         now = time.monotonic()
@@ -323,7 +268,7 @@ class HttpUpstream:
         """
         if method == "HEAD":
             raise UpstreamError("HEAD is not supported: its answer's framing cannot be told to the parser")
-        key, netloc = self._target(base_url)
+        key, netloc = self.target(base_url)
         payload = _encode(method, path, netloc, body, headers)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
@@ -341,17 +286,14 @@ class HttpUpstream:
         try:
             conn = await self._checkout(key, deadline)
             timer = loop.call_at(deadline, conn.expire, f"no complete answer within {timeout_s:g}s")
-            busy = self._busy.get(key)
-            if busy is None:
-                busy = self._busy[key] = set()
-            busy.add(conn)
+            self.mark_busy(key, conn)
             try:
                 if admit is not None and not admit():
                     raise NotAdmitted(f"{base_url} left routing before the request was sent")
                 await conn.send(payload)
             except BaseException:
                 timer.cancel()
-                busy.discard(conn)
+                self.unmark_busy(key, conn)
                 conn.close()
                 raise
         except BaseException:
@@ -361,7 +303,7 @@ class HttpUpstream:
         return LeanResponse(self, key, conn, timer)
 
     async def _checkout(self, key: tuple[str, int], deadline: float) -> LeanConnection:
-        conn = self._idle_connection(key)
+        conn = self.idle_connection(key)
         if conn is not None:
             return conn
         loop = asyncio.get_running_loop()
@@ -376,7 +318,7 @@ class HttpUpstream:
         """End every request in flight to one worker now (``unanswered_only``: those whose response head has
         not arrived): whoever waits for its head or body gets :class:`UpstreamError` (``message``). Returns how
         many were cut."""
-        key = self._target(base_url)[0]
+        key = self.target(base_url)[0]
         busy = self._busy.get(key, set())
         chosen = {conn for conn in busy if not conn.status} if unanswered_only else set(busy)
         busy -= chosen
@@ -386,12 +328,9 @@ class HttpUpstream:
             conn.cut(message)
         return len(chosen)
 
-    def _checkin(self, key: tuple[str, int], conn: LeanConnection) -> None:
-        busy = self._busy.get(key)
-        if busy is not None:
-            busy.discard(conn)
-            if not busy:
-                del self._busy[key]
+    def checkin(self, key: tuple[str, int], conn: LeanConnection) -> None:
+        """``conn``'s exchange is over: pooled again when it can carry another, else closed."""
+        self.unmark_busy(key, conn)
         if self._slots is not None:
             self._slots.release()
         now = time.monotonic()
@@ -431,14 +370,4 @@ class HttpUpstream:
 
 
 def _encode(method: str, path: str, netloc: str, body: bytes | None, headers: dict[str, str]) -> bytes:
-    if "\r" in path or "\n" in path:
-        raise UpstreamError("the request path contains a line break")
-    head = f"{method} {path} HTTP/1.1\r\nHost: {netloc}\r\n"
-    if body is not None:
-        head += f"Content-Length: {len(body)}\r\n"
-    for name, value in headers.items():
-        if "\r" in value or "\n" in value or "\r" in name or "\n" in name:
-            raise UpstreamError(f"header {name!r} contains a line break")
-        head += f"{name}: {value}\r\n"
-    raw = (head + "\r\n").encode("latin-1")
-    return raw + body if body else raw
+    return lean_batch.encode_request(method, path, netloc, body, lean_batch.encode_fields(headers))
