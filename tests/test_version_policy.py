@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from router.contract.errors import BadRequest, Unavailable
-from router.gateway.data_planes.mirror import apply, view_of
+from router.gateway.data_planes.mirror import VIEW_FIELDS, ViewCache, apply, same_routing, view_of
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, HISTORY_LIMIT, FleetWeights, WorkerWeights, agreed_checksum
 from router.gateway.routing.stamping import answer_mixes_versions
@@ -257,3 +257,25 @@ def test_a_mixed_answer_is_told_from_one_that_names_only_the_picked_version() ->
     assert answer_mixes_versions(json.dumps([json.loads(answer("v1")), json.loads(answer("v2"))]).encode(), "v1")
     assert not answer_mixes_versions(b'{"meta_info": {"weight_version": "v1"}}', "v1")
     assert not answer_mixes_versions(b"not json", "v1")
+
+
+def test_a_snapshot_reuses_the_view_of_every_worker_whose_routing_state_it_saw_before() -> None:
+    """A fence raised and lowered on the whole fleet builds no worker's view twice (the control process
+    publishes a snapshot at each), and the snapshots that say the same hold the same objects."""
+    registry, (a, b) = fleet_of(2)
+    a.engine, a.tp_size, a.reported_paused, a.departed = "vllm", 2, True, "pod gone"
+    views = ViewCache()
+    before = view_of(registry, 1, views=views)
+    first = before.workers[0]
+    assert first.model_dump() == {name: getattr(a, name) for name in VIEW_FIELDS}  # every field, in its place
+    for w in (a, b):
+        w.disabled = True
+    fenced = view_of(registry, 2, views=views)
+    assert fenced.workers[0] is not first and fenced.workers[0].disabled and not same_routing(before, fenced)
+    for w in (a, b):
+        w.disabled = False
+    after = view_of(registry, 3, views=views)
+    assert all(x is y for x, y in zip(after.workers, before.workers, strict=True)) and same_routing(before, after)
+    assert view_of(registry, 4, views=views).workers[1] is after.workers[1]
+    b.health = "dead"
+    assert view_of(registry, 5, views=views).workers[1].health == "dead"

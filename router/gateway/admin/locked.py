@@ -217,9 +217,12 @@ class AdminRun(Generic[Req, Resp]):
         if not self.op.fenced:
             return self.fence
         fence = Fence.take_out(targets, self.op.path, self.ctx.journal)
-        # Both must hold before anything is sent, and neither needs the other: they run at once.
+        # Both must hold before anything is sent, and neither needs the other: they run at once. The journal's
+        # write goes to its thread first (one turn of the loop), so its file system calls run while the
+        # barrier builds and sends the routing snapshot.
         written = asyncio.ensure_future(fence.write_journal())
         try:
+            await asyncio.sleep(0)
             await self.ctx.barrier.confirm(f"{self.op.path} refused")
         except BaseException:
             await _undo(fence, written)

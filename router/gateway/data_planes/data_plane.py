@@ -106,6 +106,8 @@ class ControlLink:
                     heartbeat=KEEPALIVE_S,
                     receive_timeout=SILENT_S,
                     max_msg_size=64 * 1024 * 1024,
+                    # A local socket: compressing every snapshot would only cost both ends CPU on the fence's path.
+                    compress=0,
                 ) as socket,
             ):
                 self._socket = socket

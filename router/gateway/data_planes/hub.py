@@ -50,7 +50,7 @@ from router.gateway.data_planes.messages import (
     Unpinned,
     WorkerRestarted,
 )
-from router.gateway.data_planes.mirror import routing_key, same_routing, view_of
+from router.gateway.data_planes.mirror import ViewCache, routing_key, same_routing, view_of
 from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.routing.affinity import SessionAffinity
 
@@ -104,7 +104,8 @@ class DataPlaneHub:
         self.ack_timeout_s = ack_timeout_s
         self._restart = restart
         self._planes: dict[int, _Plane] = {}
-        self._snapshot = view_of(registry, 1, self._gate_view())
+        self._views = ViewCache()
+        self._snapshot = view_of(registry, 1, self._gate_view(), self._views)
         self._key: tuple[object, ...] = routing_key(registry, self._gate_view())
         self._scrape_ids = itertools.count(1)
         self._scrapes: dict[int, dict[int, asyncio.Future[str]]] = {}
@@ -135,7 +136,7 @@ class DataPlaneHub:
         if key == self._key:
             return False
         self._key = key
-        fresh = view_of(self._registry, self._snapshot.version + 1, gate)
+        fresh = view_of(self._registry, self._snapshot.version + 1, gate, self._views)
         if same_routing(fresh, self._snapshot):
             return False
         self._snapshot = fresh
@@ -243,7 +244,8 @@ class DataPlaneHub:
             index = int(request.query["index"])
         except (KeyError, ValueError):
             raise BadRequest("a data plane connects with ?index=<its number>") from None
-        socket = web.WebSocketResponse(heartbeat=KEEPALIVE_S, max_msg_size=16 * 1024 * 1024)
+        # No per-message compression on a local socket, whatever the peer offers (it costs the fence's barrier).
+        socket = web.WebSocketResponse(heartbeat=KEEPALIVE_S, max_msg_size=16 * 1024 * 1024, compress=False)
         await socket.prepare(request)
         plane = _Plane(index, socket)
         previous = self._planes.get(index)

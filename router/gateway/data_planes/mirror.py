@@ -13,28 +13,59 @@ from __future__ import annotations
 from router.gateway.data_planes.messages import GateView, RoutingSnapshot, WorkerView
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 
+#: The worker fields a snapshot carries (:class:`WorkerView`'s, in its order): what routing reads.
+VIEW_FIELDS = tuple(WorkerView.model_fields)
 
-def view_of(registry: WorkerRegistry, version: int, gate: GateView | None = None) -> RoutingSnapshot:
+
+def _routing_fields(w: Worker) -> tuple[object, ...]:
+    """A worker's :data:`VIEW_FIELDS`, in their order (read for every worker on every check: spelt out, which
+    is faster than any generic getter)."""
+    return (
+        w.id,
+        w.url,
+        w.engine,
+        w.health,
+        w.disabled,
+        w.departed,
+        w.weight_version,
+        w.weight_state,
+        w.instance_id,
+        w.tp_size,
+        w.paused,
+        w.reported_paused,
+        w.asleep,
+    )
+
+
+#: Views kept for reuse, at most: an update flips the same flags back and forth, so a few per worker suffice.
+MAX_CACHED_VIEWS = 4096
+
+
+class ViewCache:
+    """:class:`WorkerView` objects by the fields they carry, so a snapshot reuses the view of every worker
+    whose routing state it saw before (a fence raised and lowered again on the whole fleet builds no view
+    twice); equal snapshots then also hold the same objects, which compare at once."""
+
+    __slots__ = ("_views",)
+
+    def __init__(self) -> None:
+        self._views: dict[tuple[object, ...], WorkerView] = {}
+
+    def view(self, fields: tuple[object, ...]) -> WorkerView:
+        view = self._views.get(fields)
+        if view is None:
+            if len(self._views) >= MAX_CACHED_VIEWS:
+                self._views.clear()
+            view = self._views[fields] = WorkerView.model_validate(dict(zip(VIEW_FIELDS, fields, strict=True)))
+        return view
+
+
+def view_of(
+    registry: WorkerRegistry, version: int, gate: GateView | None = None, views: ViewCache | None = None
+) -> RoutingSnapshot:
     """The control process's routing state as a snapshot (removed workers are left out)."""
-    workers = [
-        WorkerView(
-            id=w.id,
-            url=w.url,
-            engine=w.engine,
-            health=w.health,
-            disabled=w.disabled,
-            departed=w.departed,
-            weight_version=w.weight_version,
-            weight_state=w.weight_state,
-            instance_id=w.instance_id,
-            tp_size=w.tp_size,
-            paused=w.paused,
-            reported_paused=w.reported_paused,
-            asleep=w.asleep,
-        )
-        for w in registry
-        if not w.removed
-    ]
+    cache = views if views is not None else ViewCache()
+    workers = [cache.view(_routing_fields(w)) for w in registry if not w.removed]
     adapters = registry.adapters.table() if registry.adapters else None
     return RoutingSnapshot(version=version, workers=workers, fleet=registry.fleet.record, gate=gate, adapters=adapters)
 
@@ -43,25 +74,7 @@ def routing_key(registry: WorkerRegistry, gate: GateView | None) -> tuple[object
     """What a snapshot would say, as a cheap tuple: equal keys, equal snapshots (versions aside). The workers
     are compared by the fields :func:`view_of` reads; the fleet record is held (every change replaces it, and
     tuple equality tries identity before comparing contents)."""
-    workers = tuple(
-        (
-            w.id,
-            w.url,
-            w.engine,
-            w.health,
-            w.disabled,
-            w.departed,
-            w.weight_version,
-            w.weight_state,
-            w.instance_id,
-            w.tp_size,
-            w.paused,
-            w.reported_paused,
-            w.asleep,
-        )
-        for w in registry
-        if not w.removed
-    )
+    workers = tuple(_routing_fields(w) for w in registry if not w.removed)
     return (workers, registry.fleet.record, gate, registry.adapters.key())
 
 
