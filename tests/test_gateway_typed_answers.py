@@ -46,9 +46,12 @@ def test_answers_keep_their_field_order_on_the_wire() -> None:
     assert keys(AbortWeightsUpdateResponse(success=True))[3:5] == ["weights", "weights_partial"]
     complete = CompleteWeightsUpdateResponse(success=True, checksum="crc32:00000000")
     assert keys(complete)[:5] == ["success", "message", "rank_results", "weights", "weights_partial"]
-    # A failure carries error.message last, after any field this version does not know.
+    # A failure carries error.message after every declared field; fields this version does not know follow.
     failed = PrepareWeightsUpdateResponse.model_validate({"status": "error", "newer": 1}).failed("no")
-    assert keys(failed) == ["status", "message", "weights", "weights_partial", "rank_results", "newer", "error"]
+    assert keys(failed) == ["status", "message", "weights", "weights_partial", "rank_results", "error", "newer"]
+    assert keys(AdminResult(success=False).failed("no"))[-1] == "error" and "error" not in keys(
+        failed.model_copy(update={"error": None})
+    )
 
 
 def test_every_answer_that_says_what_happened_to_the_weights_shares_the_base() -> None:

@@ -11,10 +11,10 @@ can report a failure (:class:`OutcomeResponse`) is sent failed with ``error.mess
 from __future__ import annotations
 
 import ipaddress
-from typing import Annotated, Protocol, Self, runtime_checkable
+from typing import Annotated, Any, Protocol, Self, runtime_checkable
 from urllib.parse import urlsplit
 
-from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
+from pydantic import BaseModel, ConfigDict, Field
 
 # -- bounds of caller-supplied values: a 2 MB label or a 5 MB path is a 400, never copied around.
 
@@ -164,21 +164,22 @@ class OutcomeResponse(WireResponse):
 
     A failed one is answered with ``error: {"message"}`` beside its fields (:meth:`failed`): the
     admin shape SGLang's clients read and the project's error shape at once. ``error`` is left
-    out while it is None and sent last, after any fields this version does not know."""
+    out while it is None, and comes after every field the answer declares (fields this version
+    does not know follow, as in every answer)."""
 
-    error: FailureDetail | None = None
+    # Left out by a field rule rather than a model serializer: a wrap serializer makes pydantic build a
+    # dict per answer, which a broadcast's answer (one per worker) pays on every call.
+    error: FailureDetail | None = Field(default=None, exclude_if=lambda v: v is None)
+
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        # Pydantic orders fields from the deepest base up, which puts ``error`` first: move it last.
+        fields = cls.__pydantic_fields__
+        if next(reversed(fields)) != "error":
+            fields["error"] = fields.pop("error")
+            cls.model_rebuild(force=True)
 
     def failed(self, message: str) -> Self:
         """This answer as sent when it fails: with ``error.message`` set to ``message``."""
         return self.model_copy(update={"error": FailureDetail(message=message)})
-
-    # No return annotation on purpose: pydantic then documents the model's own fields as what it
-    # serializes to (an annotated wrap serializer replaces them with its return type's schema).
-    @model_serializer(mode="wrap")
-    def _error_last(self, handler: SerializerFunctionWrapHandler):  # type: ignore[no-untyped-def]
-        data = handler(self)
-        if isinstance(data, dict):
-            error = data.pop("error", None)
-            if error is not None:
-                data["error"] = error
-        return data
