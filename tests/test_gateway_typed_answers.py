@@ -168,3 +168,31 @@ def test_a_flush_that_sets_nothing_goes_bare_as_sglang_s_router_sends_it() -> No
     kept = AdminCall(pause, "POST", pause.endpoint.request(), headers, timeout_s=5.0)
     assert kept.body_for(worker) == b"{}" and kept.headers == headers
     assert [e.path for e in (*ep.WORKER_ADMIN, *ep.VLLM_ONLY_ADMIN) if e.bare_when_default] == [ep.FLUSH_CACHE.path]
+
+
+def test_the_cheap_protocol_checks_decide_as_isinstance_does() -> None:
+    """``names_a_group`` and ``reports_checksum`` stand in for ``isinstance`` on the broadcast's path (Python
+    3.11's protocol check costs microseconds per call): they must agree on every kind of answer and request."""
+    from router.contract.admin import FlushCacheRequest
+    from router.contract.weight_sync import (
+        DEFAULT_GROUP_NAME,
+        ChecksumReport,
+        GroupCall,
+        names_a_group,
+        reports_checksum,
+    )
+
+    requests = [
+        FlushCacheRequest(),
+        FlushCacheRequest.model_validate({"group_name": "g"}),  # a field this version does not know
+        AbortWeightsUpdateRequest(group_name="g"),
+        PrepareWeightsUpdateRequest.model_validate(
+            {"num_buckets": 1, "group_name": "g", "buckets": [{"names": ["a"], "dtypes": ["float32"], "shapes": [[1]]}]}
+        ),
+    ]
+    assert [names_a_group(r) for r in requests] == [isinstance(r, GroupCall) for r in requests] == [
+        False, True, True, True,
+    ]  # fmt: skip
+    answers = [AdminResult(success=True), CompleteWeightsUpdateResponse(success=True, checksum="crc32:0"), object()]
+    assert [reports_checksum(a) for a in answers] == [isinstance(a, ChecksumReport) for a in answers]
+    assert [group_name_of(r) for r in requests] == [DEFAULT_GROUP_NAME, "g", "g", "g"]

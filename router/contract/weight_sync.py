@@ -19,7 +19,7 @@ worker. Requests coerce types as SGLang's do (``"29500"`` where a port belongs i
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Protocol, runtime_checkable
+from typing import Annotated, Any, Literal, Protocol, TypeGuard, runtime_checkable
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
@@ -135,6 +135,12 @@ class GroupCall(Protocol):
 
     @property
     def group_name(self) -> str: ...
+
+
+def names_a_group(request: object) -> TypeGuard[GroupCall]:
+    """``isinstance(request, GroupCall)``, as Python 3.11 decides it (the member is there) at the cost of one
+    attribute lookup rather than the protocol machinery's several microseconds: asked on every broadcast."""
+    return hasattr(request, "group_name")
 
 
 class WeightSyncResponse(AdminResult):
@@ -323,6 +329,11 @@ class ChecksumReport(Protocol):
 
     @property
     def checksum(self) -> str | None: ...
+
+
+def reports_checksum(answer: object) -> TypeGuard[ChecksumReport]:
+    """``isinstance(answer, ChecksumReport)`` without the protocol machinery (asked of every worker's answer)."""
+    return hasattr(answer, "checksum")
 
 
 class CompleteWeightsUpdateResponse(AdminResult):

@@ -28,6 +28,8 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 async def read_json(request: web.Request, *, allow_empty: bool = True) -> dict[str, Any]:
     """Read the body as a JSON object; an empty body (or GET) is ``{}`` when allowed."""
     raw = await request.read() if request.can_read_body else b""
+    if raw == b"{}":  # most admin calls: nothing to scan or decode
+        return {}
     if not raw.strip():
         if allow_empty:
             return {}
@@ -46,7 +48,7 @@ def decode_json(raw: bytes) -> Any:
     if depth > MAX_JSON_DEPTH:
         raise ApiError(400, f"JSON nested {depth} levels deep; at most {MAX_JSON_DEPTH} levels are accepted")
     try:
-        return json.loads(raw, parse_constant=_refuse_constant)
+        return _DECODER.decode(raw.decode(json.detect_encoding(raw), "surrogatepass"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise ApiError(400, f"malformed JSON body: {exc}") from None
     except ValueError as exc:
@@ -77,6 +79,10 @@ def nesting_depth(raw: bytes) -> int:
 
 def _refuse_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number this API accepts (non-finite values are refused)")
+
+
+#: ``json.loads(raw, parse_constant=...)`` builds a decoder per call; one serves every body.
+_DECODER = json.JSONDecoder(parse_constant=_refuse_constant)
 
 
 def validation_message(exc: ValidationError) -> str:

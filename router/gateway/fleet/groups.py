@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field, ValidationError
 from router.contract.base import WireRequest
 from router.contract.errors import Conflict
 from router.contract.fleet import GroupMembership, RankAssignment
-from router.contract.weight_sync import DEFAULT_GROUP_NAME, GroupCall
+from router.contract.weight_sync import DEFAULT_GROUP_NAME, names_a_group
 from router.gateway.fleet.registry import Worker
 from router.gateway.state.durable import DurableRecord, as_record
 
@@ -67,7 +67,7 @@ class _Records(BaseModel):
 
 def group_name_of(request: WireRequest) -> str:
     """The group a request is sent over (SGLang's default name when it names none)."""
-    return request.group_name if isinstance(request, GroupCall) else DEFAULT_GROUP_NAME
+    return request.group_name if names_a_group(request) else DEFAULT_GROUP_NAME
 
 
 def membership_changes(record: GroupRecord, targets: Sequence[Worker]) -> list[str]:

@@ -44,7 +44,7 @@ from router.contract.admin import UpdateWeightsFromDiskRequest
 from router.contract.base import WireRequest
 from router.contract.fleet import FleetVersionEntry
 from router.contract.vllm_rl import CollectiveRpcRequest
-from router.contract.weight_sync import ChecksumReport
+from router.contract.weight_sync import reports_checksum
 from router.gateway.state.durable import DurableRecord, as_record
 
 log = logging.getLogger(__name__)
@@ -403,7 +403,7 @@ def checkpoint_of(path: str, request: WireRequest, record: FleetRecord | None) -
 
 def agreed_checksum(bodies: Iterable[object]) -> str | None:
     """The ``checksum`` every answer reported (SGLang's complete answer with ``return_checksum``), else ``None``."""
-    sums = {body.checksum if isinstance(body, ChecksumReport) else None for body in bodies}
+    sums = {body.checksum if reports_checksum(body) else None for body in bodies}
     if len(sums) != 1:
         return None
     only = sums.pop()
