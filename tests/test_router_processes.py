@@ -195,6 +195,13 @@ def test_a_trainer_s_admin_connection_moves_to_the_control_process_and_keeps_ser
         assert status == 200, body
     finally:
         closing.close()
+    large = http.client.HTTPConnection(host, int(port), timeout=30)
+    try:  # over the hand-over's 60 KiB: relayed, whatever the answer
+        status, body, _ = _exchange(large, "POST", "/flush_cache", {"padding": "x" * 70_000})
+        assert status in (200, 400, 502), body
+        assert _exchange(large, "GET", "/workers")[0] == 200  # the relayed connection still serves
+    finally:
+        large.close()
     assert _handed_count(fleet.url) - before == 1
 
 
