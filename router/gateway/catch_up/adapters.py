@@ -20,25 +20,19 @@ only in the control process, and with ``--leader-election`` only on the leader.
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
 
 from router.contract.base import WireRequest
 from router.contract.endpoint import AnyEndpoint
-from router.contract.errors import Unavailable
 from router.contract.fleet_adapters import FleetAdapter
 from router.contract.lora import TENSOR_SOURCE, LoadLoraAdapterRequest, VllmLoadLoraAdapterRequest
 from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, V1_LOAD_LORA_ADAPTER
-from router.gateway import keys
-from router.gateway.admin.locked import AdminContext, LockHold
-from router.gateway.catch_up.joiners import LOCK_WAIT_S, SCAN_S, backoff_s
+from router.gateway.catch_up.scan import ScanLoop
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
-from router.gateway.leader.gate import LeaderGate
-from router.gateway.tasks import every, running
-from router.gateway.upstream import WorkerClient
+from router.gateway.tasks import running
 from router.gateway.upstream.answer import decode_answer, decode_plain
 
 log = logging.getLogger(__name__)
@@ -46,18 +40,11 @@ log = logging.getLogger(__name__)
 LOCK_HOLDER = "giving a worker the fleet's LoRA adapters"
 
 
-class AdapterCatchUp:
+class AdapterCatchUp(ScanLoop):
     """The scan loop and one adapter load at a time (see the module docstring)."""
 
-    def __init__(
-        self, ctx: AdminContext, workers: WorkerClient, *, headers: dict[str, str], leader: LeaderGate | None = None
-    ):
-        self._ctx = ctx
-        self._workers = workers
-        self._headers = headers
-        self._leader = leader
-        self._next_try: dict[str, tuple[int, float]] = {}
-        """Worker id → (failed attempts, when the next may start)."""
+    scan_name = "adapter catch-up scan"
+    lock_holder = LOCK_HOLDER
 
     def missing(self, worker: Worker) -> FleetAdapter | None:
         """The first adapter ``worker`` should hold and does not, if it can be given one now."""
@@ -72,28 +59,23 @@ class AdapterCatchUp:
                 return entry
         return None
 
-    async def run(self) -> None:
-        await every(lambda: SCAN_S, self.scan, "adapter catch-up scan")
-
     async def scan(self) -> None:
-        if not self._ctx.registry.adapters or (self._leader is not None and not self._leader.is_open):
+        if not self._ctx.registry.adapters or self.standby:
             return
-        now = time.monotonic()
+        now = self._backoff.now()
         for worker in self._ctx.registry:
             entry = self.missing(worker)
             if entry is None:
-                self._next_try.pop(worker.id, None)
+                self._backoff.forget(worker.id)
                 continue
-            attempts, at = self._next_try.get(worker.id, (0, 0.0))
-            if at <= now:
-                await self.give(worker, entry.name, attempts)
+            if self._backoff.due(worker.id, now):
+                await self.give(worker, entry.name, self._backoff.attempts(worker.id))
                 return  # one at a time
 
     async def give(self, worker: Worker, name: str, attempts: int) -> bool:
         """Load the fleet version of ``name`` into ``worker`` under the update lock; True once it holds it."""
-        try:
-            lock = await LockHold.take(self._ctx.gate, LOCK_HOLDER, timeout_s=LOCK_WAIT_S)
-        except Unavailable:
+        lock = await self.take_lock()
+        if lock is None:
             return False  # an update holds the lock; look again at the next scan
         try:
             entry = self.missing(worker)  # the table may have changed while the lock was taken
@@ -107,7 +89,7 @@ class AdapterCatchUp:
                 self._ctx.registry.adapters.add_holder(name, worker.id, entry.version, instance)
                 self._ctx.barrier.announce()
                 await self._ctx.registry.adapters.save()
-                self._next_try.pop(worker.id, None)
+                self._backoff.forget(worker.id)
                 log.info(
                     "worker %s (%s) was given LoRA adapter %r (fleet version %d)",
                     worker.id,
@@ -119,8 +101,7 @@ class AdapterCatchUp:
             error = answer.error or "no usable answer"
         finally:
             lock.release()
-        delay = backoff_s(attempts + 1)
-        self._next_try[worker.id] = (attempts + 1, time.monotonic() + delay)
+        delay = self._backoff.failed(worker, attempts)
         log.warning("giving worker %s LoRA adapter %r failed (%s); next try in %.0fs", worker.id, name, error, delay)
         return False
 
@@ -134,8 +115,5 @@ def _load_call(worker: Worker, name: str, path: str) -> tuple[AnyEndpoint, WireR
 
 async def adapter_catch_up_ctx(app: web.Application) -> AsyncIterator[None]:
     """An aiohttp cleanup context: the scan loop for as long as the app runs."""
-    catch_up = AdapterCatchUp(
-        app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
-    )
-    async with running(catch_up.run(), "adapter-catch-up"):
+    async with running(AdapterCatchUp.from_app(app).run(), "adapter-catch-up"):
         yield

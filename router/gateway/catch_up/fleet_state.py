@@ -22,7 +22,7 @@ otherwise its memory is restored with its engine's route (``/resume_memory_occup
 weights: one released without a copy comes back ``partial`` and stays pending until an update.
 
 A continue or a resume changes no weights, so nothing is fenced or journaled. Failures back off per worker as
-catch-ups do (:func:`~router.gateway.catch_up.joiners.backoff_s`); the reason stays in ``GET /workers``
+catch-ups do (:func:`~router.gateway.catch_up.scan.backoff_s`); the reason stays in ``GET /workers``
 (``pending``). A worker that is fenced (an operator decides), dead, departed or held by an update is
 left alone. It runs only in the control process, and, with ``--leader-election``, only on the leader.
 """
@@ -30,7 +30,6 @@ left alone. It runs only in the control process, and, with ``--leader-election``
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import AsyncIterator
 
 from aiohttp import web
@@ -39,17 +38,12 @@ from router.contract import endpoints as ep
 from router.contract.admin import ContinueRequest, MemoryOccupationRequest
 from router.contract.base import WireRequest
 from router.contract.endpoint import AnyEndpoint
-from router.contract.errors import Unavailable
 from router.contract.vllm import EmptyVllmRequest
 from router.contract.vllm_dev import WakeUpQuery
-from router.gateway import keys
-from router.gateway.admin.locked import AdminContext, LockHold
-from router.gateway.catch_up.joiners import LOCK_WAIT_S, SCAN_S, backoff_s
+from router.gateway.catch_up.scan import ScanLoop
 from router.gateway.engines import engine_of, serves
 from router.gateway.fleet.registry import Worker
-from router.gateway.leader.gate import LeaderGate
-from router.gateway.tasks import every, running
-from router.gateway.upstream import WorkerClient
+from router.gateway.tasks import running
 from router.gateway.upstream.answer import decode_answer
 
 log = logging.getLogger(__name__)
@@ -57,18 +51,11 @@ log = logging.getLogger(__name__)
 LOCK_HOLDER = "bringing back a worker paused or released behind the router"
 
 
-class ControlSync:
+class ControlSync(ScanLoop):
     """The scan loop and one continue at a time (see the module docstring)."""
 
-    def __init__(
-        self, ctx: AdminContext, workers: WorkerClient, *, headers: dict[str, str], leader: LeaderGate | None = None
-    ):
-        self._ctx = ctx
-        self._workers = workers
-        self._headers = headers
-        self._leader = leader
-        self._next_try: dict[str, tuple[int, float]] = {}
-        """Worker id → (failed attempts, when the next may start)."""
+    scan_name = "control-state scan"
+    lock_holder = LOCK_HOLDER
 
     def eligible(self, worker: Worker) -> bool:
         return (
@@ -90,16 +77,13 @@ class ControlSync:
         others = [w for w in self._ctx.registry.live() if w.id != worker.id and not w.disabled]
         return bool(others) and all(w.asleep for w in others)
 
-    async def run(self) -> None:
-        await every(lambda: SCAN_S, self.scan, "control-state scan")
-
     async def scan(self) -> None:
-        if self._leader is not None and not self._leader.is_open:
+        if self.standby:
             return
-        now = time.monotonic()
+        now = self._backoff.now()
         for worker in self._ctx.registry:
             if not self.eligible(worker):
-                self._next_try.pop(worker.id, None)
+                self._backoff.forget(worker.id)
                 continue
             if worker.released_behind_router and self.fleet_asleep(worker):
                 worker.asleep = True  # the fleet's own state: its resume will reach this worker too
@@ -107,16 +91,14 @@ class ControlSync:
                 worker.paused = True  # the fleet's own state: its continue will reach this worker too
             if not self.eligible(worker):
                 continue
-            attempts, at = self._next_try.get(worker.id, (0, 0.0))
-            if at <= now:
-                await self.bring_back(worker, attempts)
+            if self._backoff.due(worker.id, now):
+                await self.bring_back(worker, self._backoff.attempts(worker.id))
                 return  # one at a time
 
     async def bring_back(self, worker: Worker, attempts: int) -> bool:
         """Continue ``worker`` under the update lock and read it again; True once it says it runs."""
-        try:
-            lock = await LockHold.take(self._ctx.gate, LOCK_HOLDER, timeout_s=LOCK_WAIT_S)
-        except Unavailable:
+        lock = await self.take_lock()
+        if lock is None:
             return False  # an update holds the lock; look again at the next scan
         try:
             if not self.eligible(worker):
@@ -126,7 +108,7 @@ class ControlSync:
             if error is None:
                 await self._ctx.prober.refresh_metadata(worker)
                 if not (worker.paused_behind_router or worker.released_behind_router):
-                    self._next_try.pop(worker.id, None)
+                    self._backoff.forget(worker.id)
                     what = (
                         "had its memory released behind the router: resumed"
                         if released
@@ -137,8 +119,7 @@ class ControlSync:
                 error = "it still says it is paused or released"
         finally:
             lock.release()
-        delay = backoff_s(attempts + 1)
-        self._next_try[worker.id] = (attempts + 1, time.monotonic() + delay)
+        delay = self._backoff.failed(worker, attempts)
         log.warning(
             "bringing worker %s back to the fleet's state failed (%s); next try in %.0fs", worker.id, error, delay
         )
@@ -173,8 +154,5 @@ class ControlSync:
 
 async def control_sync_ctx(app: web.Application) -> AsyncIterator[None]:
     """An aiohttp cleanup context: the scan loop for as long as the app runs."""
-    sync = ControlSync(
-        app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
-    )
-    async with running(sync.run(), "control-state-sync"):
+    async with running(ControlSync.from_app(app).run(), "control-state-sync"):
         yield

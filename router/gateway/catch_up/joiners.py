@@ -35,8 +35,8 @@ Invariants: the joiner receives no traffic before it is recorded (it is pending 
 the router records it only after the verification above); a failed load leaves its old weights (the
 sink is atomic) and it stays pending with the reason in ``GET /workers`` (``catch_up``); nothing is
 journalled or fenced, because a joiner that is not recorded is never routed to whatever it holds.
-Failures back off exponentially per worker (:data:`FIRST_BACKOFF_S` doubling to :data:`MAX_BACKOFF_S`),
-reset when its process changes. One catch-up runs at a time fleet-wide: each holds the update lock,
+Failures back off exponentially per worker (:func:`~router.gateway.catch_up.scan.backoff_s`), reset
+when its process changes. One catch-up runs at a time fleet-wide: each holds the update lock,
 and a source streams its whole model to one sink at once. It runs only in the control process (the
 app of :func:`~router.gateway.app.create_app`) and, with ``--leader-election``, only while this
 replica's gate is open: a standby changes no worker.
@@ -53,28 +53,19 @@ from aiohttp import web
 from pydantic import ValidationError
 
 from router.contract import endpoints as ep
-from router.contract.errors import Unavailable
 from router.contract.fleet import CatchUpStatus
 from router.contract.peer import UpdateWeightsFromPeerRequest, UpdateWeightsFromPeerResult
 from router.gateway import keys
-from router.gateway.admin.locked import AdminContext, LockHold
 from router.gateway.catch_up import from_path
+from router.gateway.catch_up.scan import Backoff, ScanLoop, Tries
+from router.gateway.catch_up.scan import backoff_s as backoff_s  # part of this module's interface
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.fleet.weights import FleetWeights
-from router.gateway.leader.gate import LeaderGate
-from router.gateway.tasks import every, running
-from router.gateway.upstream import WorkerClient
+from router.gateway.tasks import running
 
 log = logging.getLogger(__name__)
 
-#: How often the registry is scanned for workers to catch up.
-SCAN_S = 0.5
-#: How long a catch-up waits for the update lock before it leaves it to a fleet update and retries later.
-LOCK_WAIT_S = 0.5
-#: The first retry's delay after a failure; it doubles per failure up to :data:`MAX_BACKOFF_S`.
-FIRST_BACKOFF_S = 2.0
-MAX_BACKOFF_S = 60.0
 #: ``holder`` of the update lock while a catch-up holds it (in a 503 another operation gets).
 LOCK_HOLDER = "catch-up from a peer"
 
@@ -87,37 +78,24 @@ class NothingToDo(Exception):
     """Under the lock the worker no longer qualifies (the fleet moved it, or it changed): no attempt is counted."""
 
 
-def backoff_s(attempts: int) -> float:
-    """The delay before the next attempt after ``attempts`` failures (>= 1)."""
-    return min(MAX_BACKOFF_S, FIRST_BACKOFF_S * 2.0 ** max(0, attempts - 1))
-
-
-@dataclass(slots=True)
-class _Tries:
-    """A worker's failed attempts, for the process they were made on."""
+@dataclass(slots=True, kw_only=True)
+class _Tries(Tries):
+    """A worker's failed attempts, for the process they were made on, and the sources that failed it."""
 
     instance_id: str | None
-    attempts: int = 0
-    next_try_at: float = 0.0
     failed_sources: set[str] = field(default_factory=set)
 
 
-class JoinerSync:
+class JoinerSync(ScanLoop):
     """The scan loop and one catch-up at a time (see the module docstring)."""
 
-    def __init__(
-        self,
-        ctx: AdminContext,
-        workers: WorkerClient,
-        *,
-        headers: dict[str, str],
-        leader: LeaderGate | None = None,
-    ):
-        self._ctx = ctx
-        self._workers = workers
-        self._headers = headers
-        self._leader = leader
-        self._tries: dict[str, _Tries] = {}
+    scan_name = "catch-up scan"
+    lock_holder = LOCK_HOLDER
+    _backoff: Backoff[_Tries]
+
+    def new_backoff(self) -> Backoff[_Tries]:
+        # The wall clock: a failed catch-up's next try is shown in ``GET /workers`` as a time of day.
+        return Backoff(lambda worker: _Tries(instance_id=worker.instance_id), clock=time.time)
 
     def eligible(self, worker: Worker) -> bool:
         """Whether ``worker`` is pending for want of the fleet's latest weights and may load them."""
@@ -137,7 +115,7 @@ class JoinerSync:
         """Routable holders of the latest entry other than ``joiner``: untried first, then the least loaded."""
         registry = self._ctx.registry
         fleet = registry.fleet
-        tried = self._tries.get(joiner.id)
+        tried = self._backoff.get(joiner.id)
         failed = tried.failed_sources if tried is not None else set()
         found = [
             w
@@ -159,23 +137,20 @@ class JoinerSync:
         record = self._ctx.registry.fleet.record
         return None if record is None else from_path.steps(joiner, record.latest)
 
-    async def run(self) -> None:
-        """Scan every :data:`SCAN_S` and catch up the first worker whose turn it is."""
-        await every(lambda: SCAN_S, self.scan, "catch-up scan")
-
     async def scan(self) -> None:
-        if self._leader is not None and not self._leader.is_open:
+        """Catch up the first worker whose turn it is."""
+        if self.standby:
             return
-        now = time.time()
+        now = self._backoff.now()
         for worker in self._ctx.registry:
             if not self.eligible(worker):
-                self._tries.pop(worker.id, None)
+                self._backoff.forget(worker.id)
                 worker.catch_up = None
                 continue
-            tries = self._tries.get(worker.id)
+            tries = self._backoff.get(worker.id)
             if tries is not None and tries.instance_id != worker.instance_id:
-                tries = self._tries[worker.id] = _Tries(worker.instance_id)
-            if tries is not None and tries.next_try_at > now:
+                self._backoff.restart(worker)
+            if not self._backoff.due(worker.id, now):
                 continue
             sources = self.sources(worker)
             if sources:
@@ -188,13 +163,12 @@ class JoinerSync:
     async def catch_up(self, joiner: Worker, source: Worker | None) -> bool:
         """Load ``joiner`` from ``source`` (``None``: from the fleet's checkpoint) and record it; False (with the
         reason kept) when it did not."""
-        try:
-            lock = await LockHold.take(self._ctx.gate, LOCK_HOLDER, timeout_s=LOCK_WAIT_S)
-        except Unavailable:
+        lock = await self.take_lock()
+        if lock is None:
             return False  # a fleet update holds the lock: it may move the fleet on; look again next scan
         started = time.perf_counter()
         outcome, copied = "failure", 0
-        tries = self._tries.setdefault(joiner.id, _Tries(joiner.instance_id))
+        tries = self._backoff.entry(joiner)
         try:
             if source is None:
                 await self._load_path(joiner, tries.attempts)
@@ -205,10 +179,9 @@ class JoinerSync:
             outcome = "skipped"
             joiner.catch_up = None
         except CatchUpFailed as exc:
-            tries.attempts += 1
+            self._backoff.failed(joiner, tries.attempts)
             if source is not None:
                 tries.failed_sources.add(source.id)
-            tries.next_try_at = time.time() + backoff_s(tries.attempts)
             joiner.catch_up = CatchUpStatus(
                 state="failed",
                 source=source.id if source is not None else None,
@@ -229,7 +202,7 @@ class JoinerSync:
             seconds = time.perf_counter() - started
             self._ctx.metrics.observe_catch_up(outcome, seconds)
         if outcome == "success":
-            self._tries.pop(joiner.id, None)
+            self._backoff.forget(joiner.id)
             joiner.catch_up = None
             log.info(
                 "worker %s (%s) caught up from %s: weight_version %r, %d bytes in %.2fs",
@@ -337,10 +310,7 @@ async def catch_up_ctx(app: web.Application) -> AsyncIterator[None]:
     if app[keys.CONFIG].sync_joiners != "peer":
         yield
         return
-    sync = JoinerSync(
-        app[keys.ADMIN], app[keys.WORKERS], headers=app[keys.SERVICE_HEADERS], leader=app.get(keys.LEADER_GATE)
-    )
-    async with running(sync.run(), "catch-up-joiners"):
+    async with running(JoinerSync.from_app(app).run(), "catch-up-joiners"):
         yield
 
 
