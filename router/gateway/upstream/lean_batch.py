@@ -25,7 +25,7 @@ from functools import partial
 from typing import Protocol, TypeVar
 
 from router.gateway.upstream.lean_conn import LeanConnection
-from router.gateway.upstream.transport import MAX_BODY_BYTES, UpstreamError
+from router.gateway.upstream.transport import MAX_BODY_BYTES, Transport, UpstreamError
 
 __all__ = ["Exchange", "Pool", "fetch_all"]
 
@@ -34,8 +34,9 @@ T = TypeVar("T")
 Exchange = tuple[int, bytes, float] | BaseException
 
 
-class Pool(Protocol):
-    """The pooled connections a batch draws on (:class:`~router.gateway.upstream.lean_http.HttpUpstream`)."""
+class Pool(Transport, Protocol):
+    """The pooled connections a batch draws on (:class:`~router.gateway.upstream.lean_http.HttpUpstream`): a
+    transport whose idle connections it may take, and give back, itself."""
 
     @property
     def bounded(self) -> bool: ...
@@ -49,18 +50,6 @@ class Pool(Protocol):
     def unmark_busy(self, key: tuple[str, int], conn: LeanConnection) -> None: ...
 
     def checkin(self, key: tuple[str, int], conn: LeanConnection) -> None: ...
-
-    async def fetch(
-        self,
-        method: str,
-        base_url: str,
-        path: str,
-        body: bytes | None,
-        headers: dict[str, str],
-        *,
-        timeout_s: float,
-        max_bytes: int = ...,
-    ) -> tuple[int, bytes]: ...
 
 
 async def fetch_all(
