@@ -12,5 +12,6 @@ broadcast, complete, verify the fleet's checksums against its own, continue).
 - :mod:`demo.policy`: the trainer's copy of the model, made trainable.
 - :mod:`demo.trainer`: rollouts, optimizer steps and weight syncs.
 - :mod:`demo.table`: the per-step table printed as it runs.
+- :mod:`demo.lifecycle`: one run's start, failure report, clean-up and exit status (both demos).
 - :mod:`demo.lora`: ``python -m demo --lora``, the same loop with the policy trained as a LoRA adapter.
 """

@@ -9,23 +9,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import signal
-import tempfile
-import time
 from collections.abc import Sequence
-from pathlib import Path
-from typing import Any
-
-import torch
+from functools import partial
 
 from demo.fleet import Fleet
 from demo.launch import free_port
+from demo.lifecycle import Closer, run_demo
 from demo.policy import TrainablePolicy
 from demo.table import HASH_CHARS, StepTable, shown
 from demo.trainer import DemoError, Trainer
 from router.trainer import SyncError
-from worker.model import write_tiny_checkpoint
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -55,10 +48,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not args.target:
         p.error("--target must not be empty")
     return args
-
-
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 def run(args: argparse.Namespace, fleet: Fleet, trainer: Trainer) -> None:
@@ -114,60 +103,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         from demo import lora  # imports transformers and PEFT, which only this mode needs
 
         return lora.main(args)
-    started = time.perf_counter()
-    torch.set_num_threads(1)  # two workers and the trainer share a small machine
-    previous_term = signal.signal(signal.SIGTERM, _interrupt)
-    ok, interrupted = False, False
-    with tempfile.TemporaryDirectory(prefix="omni-demo-") as tmp:
-        model_dir = write_tiny_checkpoint(Path(tmp) / "model", "llama", seed=args.seed)
-        fleet = Fleet(
-            model_dir, workers=args.workers, admin_key=secrets.token_urlsafe(24), state_dir=Path(tmp) / "router-state"
+
+    def train(fleet: Fleet, policy: TrainablePolicy, closers: list[Closer]) -> None:
+        trainer = Trainer(
+            fleet.router_url,
+            fleet.admin_key,
+            policy,
+            prompt=args.prompt,
+            target=args.target,
+            group_port=free_port(),
+            bucket_bytes=args.bucket_kib * 1024,
         )
-        trainer: Trainer | None = None
-        try:
-            print(f"starting {args.workers} omni-workers and an omni-router on a tiny random llama ({model_dir})")
-            fleet.start_workers()
-            policy = TrainablePolicy(
-                model_dir, lr=args.lr, updates_per_step=args.updates_per_step
-            )  # while the workers boot
-            fleet.start_router()
-            trainer = Trainer(
-                fleet.router_url,
-                fleet.admin_key,
-                policy,
-                prompt=args.prompt,
-                target=args.target,
-                group_port=free_port(),
-                bucket_bytes=args.bucket_kib * 1024,
-            )
-            run(args, fleet, trainer)
-            ok = True
-        except SyncError as exc:
-            print(f"\nFAILED: {exc}")
-            for r in exc.results:
-                print(f"  {r.worker}: success={r.success} status={r.status_code} {r.reason()[:200]}")
-        except (DemoError, RuntimeError, TimeoutError, OSError) as exc:
-            print(f"\nFAILED: {type(exc).__name__}: {exc}")
-        except KeyboardInterrupt:
-            interrupted = True
-            print("\ninterrupted; stopping every process")
-        finally:
-            # A second Ctrl-C must not cut the clean-up short and orphan a worker.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
-                if trainer is not None:
-                    trainer.close(leave_group=ok)
-            finally:
-                fleet.stop()
-                if ok or interrupted:
-                    fleet.remove_logs()
-                else:
-                    print("process logs kept: " + " ".join(str(p) for p in fleet.log_paths()))
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                signal.signal(signal.SIGTERM, previous_term)
-    print(f"{'done' if ok else 'stopped'} in {time.perf_counter() - started:.1f}s")
-    return 0 if ok else 130 if interrupted else 1
+        # Registered before the run, so the group is left whatever happens (the workers are told only after a clean run).
+        closers.append(lambda ok: trainer.close(leave_group=ok))
+        run(args, fleet, trainer)
+
+    return run_demo(
+        workers=args.workers,
+        seed=args.seed,
+        tmp_prefix="omni-demo-",
+        build_policy=partial(TrainablePolicy, lr=args.lr, updates_per_step=args.updates_per_step),
+        train=train,
+        detailed=SyncError,
+    )
 
 
 if __name__ == "__main__":

@@ -21,14 +21,11 @@ import base64
 import io
 import json
 import os
-import secrets
-import signal
-import tempfile
 import time
 import urllib.error
-import urllib.request
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
@@ -38,13 +35,14 @@ import torch.multiprocessing
 import torch.nn.functional as F
 
 from demo.fleet import Fleet
+from demo.lifecycle import Closer, run_demo
 from demo.policy import optimizer_steps
 from demo.table import shown, shown_tokens
-from demo.trainer import WORKER_HEADER, DemoError
+from demo.trainer import DemoError, post_generate
 from router.contract.fleet_answers import FleetAnswer
 from router.contract.lora import LoraUpdateResult
 from router.trainer import RouterCallError, RouterClient
-from worker.model import load_tokenizer, write_tiny_checkpoint
+from worker.model import load_tokenizer
 
 #: The name the fleet serves the adapter under; every push after the first is an update of it.
 ADAPTER_NAME = "policy"
@@ -163,19 +161,10 @@ def generate(router_url: str, prompt_ids: list[int], steps: int, lora: str | Non
     }
     if lora is not None:
         body["lora_path"] = lora
-    req = urllib.request.Request(
-        router_url + "/generate",
-        data=json.dumps(body).encode(),
-        method="POST",
-        headers={"Content-Type": "application/json"},
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=REQUEST_TIMEOUT_S) as resp:
-            answer, worker = json.loads(resp.read()), resp.headers.get(WORKER_HEADER, "?")
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()[:500].decode(errors="replace")
-    except (urllib.error.URLError, OSError) as exc:
-        raise DemoError(f"/generate through the router failed: {exc!r}") from exc
+    served = post_generate(router_url, body, REQUEST_TIMEOUT_S)
+    if isinstance(served, urllib.error.HTTPError):
+        return served.code, served.read()[:500].decode(errors="replace")
+    answer, worker = served
     meta = answer["meta_info"]
     return 200, Answer(list(answer["output_ids"]), worker, meta.get("lora_name"), meta.get("lora_version"))
 
@@ -349,57 +338,18 @@ def run(args: argparse.Namespace, fleet: Fleet, trainer: LoraTrainer) -> None:
     print(f"final rollout {'matches' if learned else 'does not yet match'} the target {shown(args.target)}")
 
 
-def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
 def main(args: argparse.Namespace) -> int:
     """Start the fleet with LoRA on, train and push the adapter, stop every process whatever happened."""
-    started = time.perf_counter()
-    torch.set_num_threads(1)  # two workers and the trainer share a small machine
-    previous_term = signal.signal(signal.SIGTERM, _interrupt)
-    ok, interrupted = False, False
-    with tempfile.TemporaryDirectory(prefix="omni-demo-lora-") as tmp:
-        model_dir = write_tiny_checkpoint(Path(tmp) / "model", "llama", seed=args.seed)
-        fleet = Fleet(
-            model_dir,
-            workers=args.workers,
-            admin_key=secrets.token_urlsafe(24),
-            state_dir=Path(tmp) / "router-state",
-            worker_args=WORKER_ARGS,
-        )
-        try:
-            print(
-                f"starting {args.workers} omni-workers ({' '.join(WORKER_ARGS)}) and an omni-router "
-                f"on a tiny random llama ({model_dir})"
-            )
-            fleet.start_workers()
-            # Built while the workers boot.
-            policy = LoraPolicy(model_dir, lr=args.lr, updates_per_step=args.updates_per_step, seed=args.seed)
-            fleet.start_router()
-            run(args, fleet, LoraTrainer(fleet, policy, prompt=args.prompt, target=args.target))
-            ok = True
-        except RouterCallError as exc:
-            print(f"\nFAILED: {exc}")
-            for r in exc.results:
-                print(f"  {r.worker}: success={r.success} status={r.status_code} {r.reason()[:200]}")
-        except (DemoError, RuntimeError, TimeoutError, OSError) as exc:
-            print(f"\nFAILED: {type(exc).__name__}: {exc}")
-        except KeyboardInterrupt:
-            interrupted = True
-            print("\ninterrupted; stopping every process")
-        finally:
-            # A second Ctrl-C must not cut the clean-up short and orphan a worker.
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-            signal.signal(signal.SIGTERM, signal.SIG_IGN)
-            try:
-                fleet.stop()
-                if ok or interrupted:
-                    fleet.remove_logs()
-                else:
-                    print("process logs kept: " + " ".join(str(p) for p in fleet.log_paths()))
-            finally:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                signal.signal(signal.SIGTERM, previous_term)
-    print(f"{'done' if ok else 'stopped'} in {time.perf_counter() - started:.1f}s")
-    return 0 if ok else 130 if interrupted else 1
+
+    def train(fleet: Fleet, policy: LoraPolicy, closers: list[Closer]) -> None:
+        run(args, fleet, LoraTrainer(fleet, policy, prompt=args.prompt, target=args.target))
+
+    return run_demo(
+        workers=args.workers,
+        seed=args.seed,
+        tmp_prefix="omni-demo-lora-",
+        build_policy=partial(LoraPolicy, lr=args.lr, updates_per_step=args.updates_per_step, seed=args.seed),
+        train=train,
+        detailed=RouterCallError,
+        worker_args=WORKER_ARGS,
+    )

@@ -13,6 +13,7 @@ import json
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
+from typing import Any
 
 from demo.policy import TrainablePolicy
 from router.trainer import BucketPlan, GroupSpec, RouterCallError, RouterClient, SyncReport, TrainerWeightSender
@@ -46,12 +47,15 @@ class StepResult:
     sync: SyncReport
 
 
-def generate(router_url: str, prompt: str, max_new_tokens: int, timeout_s: float) -> Rollout:
-    """One greedy rollout through the router, with the id of the worker that served it."""
-    body = {
-        "text": prompt,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
-    }
+def post_generate(
+    router_url: str, body: dict[str, Any], timeout_s: float
+) -> tuple[dict[str, Any], str] | urllib.error.HTTPError:
+    """POST ``body`` to the router's ``/generate``: the answer and the id of the worker that served it.
+
+    A refusal comes back as the router's ``HTTPError`` (body unread) instead of being raised, because what
+    it means is the caller's to say: the LoRA demo waits out a 404 while a new adapter reaches the router's
+    data planes, a full-weight rollout fails on any. No answer at all raises :class:`DemoError`.
+    """
     req = urllib.request.Request(
         router_url + "/generate",
         data=json.dumps(body).encode(),
@@ -60,11 +64,23 @@ def generate(router_url: str, prompt: str, max_new_tokens: int, timeout_s: float
     )
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as resp:
-            answer, worker = json.loads(resp.read()), resp.headers.get(WORKER_HEADER, "?")
+            return json.loads(resp.read()), resp.headers.get(WORKER_HEADER, "?")
     except urllib.error.HTTPError as err:
-        raise DemoError(f"/generate through the router answered {err.code}: {err.read()[:500]!r}") from err
+        return err
     except (urllib.error.URLError, OSError) as exc:
         raise DemoError(f"/generate through the router failed: {exc!r}") from exc
+
+
+def generate(router_url: str, prompt: str, max_new_tokens: int, timeout_s: float) -> Rollout:
+    """One greedy rollout through the router, with the id of the worker that served it."""
+    body = {
+        "text": prompt,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
+    }
+    served = post_generate(router_url, body, timeout_s)
+    if isinstance(served, urllib.error.HTTPError):
+        raise DemoError(f"/generate through the router answered {served.code}: {served.read()[:500]!r}") from served
+    answer, worker = served
     version = str(answer["meta_info"]["weight_version"])
     return Rollout(text=answer["text"], output_ids=list(answer["output_ids"]), weight_version=version, worker=worker)
 
