@@ -323,13 +323,13 @@ def _exited(pid: int) -> bool:
     have finished exiting, and the socket stays open until the last one has."""
     try:
         tasks = list(Path(f"/proc/{pid}/task").iterdir())
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):  # /proc answers ESRCH for a process going away
         return True
     for task in tasks:
         try:
             state = (task / "stat").read_text().rsplit(")", 1)[1].split()[0]
-        except FileNotFoundError:
-            continue  # that thread is gone
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # that thread is gone (or going: its stat then reads ESRCH)
         if state not in ("Z", "X"):
             return False
     return True
