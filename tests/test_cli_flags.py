@@ -74,6 +74,7 @@ ROUTER_FLAGS: list[Row] = [
     ("--service-discovery-port", "service_discovery_port", None, "int", None, None, None, False, None),
     ("--event-loop", "event_loop", "auto", None, ("auto", "uvloop", "asyncio"), None, None, False, None),
     ("--data-plane-processes", "data_plane_processes", "auto", None, None, None, None, False, "N|auto"),
+    ("--generation-server", "generation_server", "lean", None, ("lean", "aiohttp"), None, None, False, None),
     ("--data-plane-ack-timeout-s", "data_plane_ack_timeout_s", 5.0, "float", None, None, None, False, None),
     ("--state-store", "state_store", None, None, ("dir", "k8s"), None, None, False, None),
     ("--state-configmap-prefix", "state_configmap_prefix", "omni-router-state", None, None, None, None, False, None),

@@ -1,5 +1,8 @@
 """The /generate proxy in-process, against two scripted loopback workers (pytest-aiohttp).
 
+Every test runs twice: behind aiohttp's server (the single process, the control process) and behind a
+data plane's lean server (:mod:`router.gateway.frontend`).
+
 What the real-worker tests cannot provoke on demand: a worker that answers 503, one whose process
 changed since its last probe (``X-Omni-Instance``), a stream that breaks halfway, and the exact
 bytes each worker received. End-to-end behaviour with real workers is in test_router_routing.py.
@@ -13,15 +16,20 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.contract.generate import INSTANCE_HEADER
+from router.contract.web.auth import TokenCheck, token_check
 from router.gateway import keys
-from router.gateway.app import create_app
+from router.gateway.app import create_app, routes
 from router.gateway.config import RouterConfig
+from router.gateway.frontend.site import FRONTEND, Frontend, LeanSite
+from router.gateway.shutdown import DRAIN, RequestDrain
 from tests._polling import until
+from tests.procs import free_port
 
 REPLY = b'{"text": " ok", "output_ids": [1], "meta_info": {"id": "x", "weight_version": "default"}}'
 
@@ -118,8 +126,41 @@ class StandIn:
         return app
 
 
-@pytest.fixture
-async def fleet(aiohttp_client: Any, tmp_path: Path) -> AsyncIterator[tuple[TestClient, list[StandIn]]]:
+class LeanClient:
+    """What these tests use of aiohttp's ``TestClient``, against the app served by a lean site."""
+
+    def __init__(self, app: web.Application, runner: web.AppRunner, base: str):
+        self.app = app
+        self._runner = runner
+        self.base = base
+        self._session = aiohttp.ClientSession()
+
+    def post(self, path: str, **kwargs: Any) -> Any:
+        return self._session.post(self.base + path, **kwargs)
+
+    def get(self, path: str, **kwargs: Any) -> Any:
+        return self._session.get(self.base + path, **kwargs)
+
+    async def close(self) -> None:
+        await self._session.close()
+        await self._runner.cleanup()
+
+
+async def serve_lean(app: web.Application, check: TokenCheck | None = None) -> LeanClient:
+    """``app`` behind a lean site, its generation routes served as a data plane's are."""
+    if check is None:
+        check = token_check(admin_key=None, api_key=None, open_paths=(), generation_paths=())
+    app[DRAIN] = RequestDrain(1.0)
+    app[FRONTEND] = Frontend.of(routes(), check)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    port = free_port()
+    await LeanSite(runner, "127.0.0.1", port).start()
+    return LeanClient(app, runner, f"http://127.0.0.1:{port}")
+
+
+@pytest.fixture(params=["aiohttp", "lean"])
+async def fleet(request: Any, aiohttp_client: Any, tmp_path: Path) -> AsyncIterator[tuple[TestClient, list[StandIn]]]:
     standins = [StandIn("a"), StandIn("b")]
     servers = [TestServer(s.app(), host="127.0.0.1") for s in standins]
     for server in servers:
@@ -133,7 +174,8 @@ async def fleet(aiohttp_client: Any, tmp_path: Path) -> AsyncIterator[tuple[Test
         retry_initial_backoff_s=0.01,
         retry_max_backoff_s=0.02,
     )
-    client = await aiohttp_client(create_app(config))
+    app = create_app(config)
+    client = await aiohttp_client(app) if request.param == "aiohttp" else await serve_lean(app)
     registry = client.app[keys.REGISTRY]
     await until(lambda: len(registry.routable()) == 2, 4, "the first probes to find both workers")
     yield client, standins

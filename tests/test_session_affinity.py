@@ -231,13 +231,13 @@ def test_rid_lineage(rid: object, lineage: str | None) -> None:
 
 def test_session_key_order() -> None:
     body = {"rid": "conv_t4", "user": "trainer"}
-    assert session_key({SESSION_ID_HEADER: "sid", ROUTING_KEY_HEADER: "rk"}, body) == "sid"
-    assert session_key({ROUTING_KEY_HEADER: "rk"}, body) == "rk"
-    assert session_key({SESSION_ID_HEADER: ""}, body) == "conv"
-    assert session_key({}, body) == "conv"
-    assert session_key({}, {"user": "trainer"}) is None  # ``user`` names an end user, not a session
-    assert session_key({}, {"rid": ["a_t1", "b_t1"]}) is None
-    assert session_key({}, None) is None
+    assert session_key({SESSION_ID_HEADER: "sid", ROUTING_KEY_HEADER: "rk"}.get, body) == "sid"
+    assert session_key({ROUTING_KEY_HEADER: "rk"}.get, body) == "rk"
+    assert session_key({SESSION_ID_HEADER: ""}.get, body) == "conv"
+    assert session_key({}.get, body) == "conv"
+    assert session_key({}.get, {"user": "trainer"}) is None  # ``user`` names an end user, not a session
+    assert session_key({}.get, {"rid": ["a_t1", "b_t1"]}) is None
+    assert session_key({}.get, None) is None
 
 
 @pytest.mark.parametrize(

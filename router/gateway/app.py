@@ -39,6 +39,7 @@ from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal, keep_fence
 from router.gateway.admin.locked import AdminContext
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.api import adapters, admin, dashboard, fleet, fleet_status, fleet_versions, openai, rl, tokens
+from router.gateway.api.proxied import proxied
 from router.gateway.catch_up.adapters import adapter_catch_up_ctx
 from router.gateway.catch_up.fleet_state import control_sync_ctx
 from router.gateway.catch_up.joiners import catch_up_ctx
@@ -72,16 +73,12 @@ API_DESCRIPTION = (
 )
 
 
-async def generate(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.PROXY].handle(request)
-
-
 def routes() -> list[Route]:
     """Every route the router serves (``/openapi.json`` is added by :func:`create_app`)."""
     gen = "Generate on one routable worker (SGLang's /generate; streams when asked)"
     return [
-        Route("POST", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
-        Route("PUT", "/generate", generate, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
+        Route("POST", "/generate", proxied, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
+        Route("PUT", "/generate", proxied, gen, access="generation", body=GenerateRequest, answer=GenerateResponse),
         *openai.routes(),
         *tokens.routes(),
         *fleet_versions.routes(),

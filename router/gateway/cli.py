@@ -87,6 +87,13 @@ class ProcessSettings:
             metavar="N|auto",
         ),
     ] = "auto"
+    generation_server: Annotated[
+        Literal["lean", "aiohttp"],
+        Flag(
+            "what serves the generation routes in each data-plane process: lean (the router's own HTTP/1.1 server: "
+            "llhttp, one write per answer; other routes' connections go to aiohttp) or aiohttp's server for every route"
+        ),
+    ] = "lean"
     data_plane_ack_timeout_s: Annotated[
         float,
         Flag(
@@ -147,7 +154,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(
                 run_data_plane(
-                    config, socket_path=args.data_plane_of, index=args.data_plane_index, host=host, port=port
+                    config,
+                    socket_path=args.data_plane_of,
+                    index=args.data_plane_index,
+                    host=host,
+                    port=port,
+                    lean=process.generation_server == "lean",
                 )
             )
         return 0

@@ -11,6 +11,7 @@ then the sites stop listening, the requests in flight get the grace
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import logging
 import signal
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from router.gateway.shutdown import RequestDrain
+from router.gateway.shutdown import DRAIN, RequestDrain
 
 log = logging.getLogger("router")
 
@@ -51,6 +52,7 @@ async def serve(app: web.Application, listen: Listen, grace_s: float, hooks: Hoo
     cancelled request on its worker), close the app's cleanup context, log what was drained."""
     drain = RequestDrain(grace_s)
     app.middlewares.insert(0, drain.middleware)
+    app[DRAIN] = drain
     # handler_cancellation: a caller that disconnects cancels its handler, which is how the proxy
     # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop is the drain.
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain.grace_s)
@@ -79,6 +81,10 @@ async def serve(app: web.Application, listen: Listen, grace_s: float, hooks: Hoo
             drain.grace_s,
         )
         cutter = loop.create_task(drain.cancel_at_grace(), name="shutdown-grace")
+        # Requests a site other than aiohttp's serves are the drain's alone to wait for (the cutter bounds it).
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(drain.grace_s + 5.0):
+                await drain.settled()
     finally:
         # Waits for the busy handlers (at most the grace: the cutter cancels the rest), then closes the
         # cleanup context: the health task, the owned tasks (aborts sent for cancelled requests, an

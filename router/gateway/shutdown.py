@@ -29,6 +29,8 @@ class RequestDrain:
         self._hurry = asyncio.Event()
         self._running: set[asyncio.Task[object]] = set()
         self._cut: set[asyncio.Task[object]] = set()
+        self._settled = asyncio.Event()
+        self._settled.set()
         self.finished = 0
 
     @property
@@ -41,15 +43,31 @@ class RequestDrain:
 
     @web.middleware
     async def middleware(self, request: web.Request, handler: Handler) -> web.StreamResponse:
-        task = asyncio.current_task()
-        assert task is not None
-        self._running.add(task)
+        task = self.enter()
         try:
             return await handler(request)
         finally:
-            self._running.discard(task)
-            if self.stopping.is_set() and task not in self._cut:
-                self.finished += 1
+            self.leave(task)
+
+    def enter(self) -> asyncio.Task[object]:
+        """The running task serves a request (aiohttp's through :meth:`middleware`, a data plane's lean server's
+        directly); :meth:`leave` it when the answer is done."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._running.add(task)
+        self._settled.clear()
+        return task
+
+    def leave(self, task: asyncio.Task[object]) -> None:
+        self._running.discard(task)
+        if not self._running:
+            self._settled.set()
+        if self.stopping.is_set() and task not in self._cut:
+            self.finished += 1
+
+    async def settled(self) -> None:
+        """Wait until no request is in flight (bounded once :meth:`cancel_at_grace` runs)."""
+        await self._settled.wait()
 
     def signal(self, name: str) -> None:
         """The first signal starts the stop; a second one cuts the drain short."""
@@ -69,3 +87,7 @@ class RequestDrain:
         self._cut.update(self._running)
         for task in list(self._cut):
             task.cancel()
+
+
+#: The process's drain, for a server beside aiohttp's that serves requests too (a data plane's lean server).
+DRAIN = web.AppKey("request_drain", RequestDrain)

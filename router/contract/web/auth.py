@@ -24,9 +24,9 @@ def resolve_admin_key(cli_value: str | None) -> str | None:
     return env if env else None
 
 
-def bearer_token(request: web.Request) -> str | None:
-    header = request.headers.get("Authorization", "")
-    scheme, _, token = header.partition(" ")
+def bearer_of(authorization: str | None) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header's value, or ``None``."""
+    scheme, _, token = (authorization or "").partition(" ")
     if scheme.lower() != "bearer" or not token:
         return None
     return token.strip()
@@ -38,15 +38,44 @@ def token_matches(presented: str | None, expected: str) -> bool:
     return hmac.compare_digest(presented.encode(), expected.encode())
 
 
-def require_bearer(request: web.Request, expected: str | None, what: str) -> None:
-    """Raise 401 unless ``expected`` is unset or the request carries it."""
-    if expected is None:
-        return
-    if not token_matches(bearer_token(request), expected):
-        raise ApiError(401, f"{what} requires 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"})
-
-
 AccessCheck = Callable[[web.Request], None]
+#: The same check from a request's path and ``Authorization`` header (a server other than aiohttp's).
+TokenCheck = Callable[[str, str | None], None]
+
+
+def token_check(
+    *,
+    admin_key: str | None,
+    api_key: str | None,
+    open_paths: Iterable[str],
+    generation_paths: Iterable[str],
+) -> TokenCheck:
+    """Build the check every request passes before its handler: open paths pass, generation paths
+    need ``api_key`` (the admin key is accepted too), every other route needs ``admin_key``.
+    It raises :class:`~router.contract.errors.ApiError` (401) and returns nothing otherwise."""
+    open_set = frozenset(open_paths)
+    gen_set = frozenset(generation_paths)
+
+    def check(path: str, authorization: str | None) -> None:
+        if path in open_set:
+            return
+        token = bearer_of(authorization)
+        if path in gen_set:
+            if (
+                api_key is None
+                or token_matches(token, api_key)
+                or (admin_key is not None and token_matches(token, admin_key))
+            ):
+                return
+            raise ApiError(
+                401, "generation requires 'Authorization: Bearer <api key>'", headers={"WWW-Authenticate": "Bearer"}
+            )
+        if admin_key is not None and not token_matches(token, admin_key):
+            raise ApiError(
+                401, "admin route requires 'Authorization: Bearer <key>'", headers={"WWW-Authenticate": "Bearer"}
+            )
+
+    return check
 
 
 def access_check(
@@ -56,29 +85,15 @@ def access_check(
     open_paths: Iterable[str],
     generation_paths: Iterable[str],
 ) -> AccessCheck:
-    """Build the check every request passes before its handler: open paths pass, generation paths
-    need ``api_key`` (the admin key is accepted too), every other route needs ``admin_key``.
-    It raises :class:`~router.contract.errors.ApiError` (401) and returns nothing otherwise."""
-    open_set = frozenset(open_paths)
-    gen_set = frozenset(generation_paths)
+    """:func:`token_check` of an aiohttp request."""
+    return of_requests(
+        token_check(admin_key=admin_key, api_key=api_key, open_paths=open_paths, generation_paths=generation_paths)
+    )
 
-    def check(request: web.Request) -> None:
-        path = request.path
-        if path in open_set:
-            return
-        if path in gen_set:
-            if api_key is not None:
-                token = bearer_token(request)
-                if not (token_matches(token, api_key) or (admin_key is not None and token_matches(token, admin_key))):
-                    raise ApiError(
-                        401,
-                        "generation requires 'Authorization: Bearer <api key>'",
-                        headers={"WWW-Authenticate": "Bearer"},
-                    )
-            return
-        require_bearer(request, admin_key, "admin route")
 
-    return check
+def of_requests(check: TokenCheck) -> AccessCheck:
+    """``check`` of an aiohttp request."""
+    return lambda request: check(request.path, request.headers.get("Authorization"))
 
 
 def auth_middleware(

@@ -29,6 +29,11 @@ def json_error(status: int, message: str, *, headers: dict[str, str] | None = No
 def error_response(request: web.Request, exc: Exception) -> web.Response:
     """The answer for an exception a handler raised (see the module docstring); re-raises a
     redirect or other non-error ``HTTPException``."""
+    return error_answer(exc, request.method, request.path)
+
+
+def error_answer(exc: Exception, method: str, path: str) -> web.Response:
+    """:func:`error_response` for a request to ``method path``, whichever server took it."""
     if isinstance(exc, ApiError):
         return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
     if isinstance(exc, web.HTTPException):
@@ -37,7 +42,7 @@ def error_response(request: web.Request, exc: Exception) -> web.Response:
         # Router-level errors (404 unknown route, 405 wrong method) get the same body shape.
         allow = {k: v for k, v in exc.headers.items() if k.lower() == "allow"}
         return json_error(exc.status, exc.reason or "error", headers=allow)
-    log.error("unhandled error on %s %s", request.method, request.path, exc_info=exc)
+    log.error("unhandled error on %s %s", method, path, exc_info=exc)
     return json_error(500, f"internal error: {type(exc).__name__}")
 
 

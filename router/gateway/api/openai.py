@@ -32,23 +32,14 @@ from router.contract.openai import (
 )
 from router.contract.web.openapi import Route
 from router.gateway import keys
+from router.gateway.api.proxied import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, proxied
 from router.gateway.fleet.registry import Worker
 from router.gateway.routing.proxy import describe_fleet
 from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
 
-COMPLETIONS_PATH = "/v1/completions"
-CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
 MODELS_PATH = "/v1/models"
-
-
-async def completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.PROXY].handle(request, COMPLETIONS_PATH)
-
-
-async def chat_completions(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.PROXY].handle(request, CHAT_COMPLETIONS_PATH)
 
 
 async def _models_of(workers: WorkerClient, worker: Worker, headers: dict[str, str]) -> ModelList | None:
@@ -92,7 +83,7 @@ def routes() -> list[Route]:
         Route(
             "POST",
             COMPLETIONS_PATH,
-            completions,
+            proxied,
             "Complete prompts on one routable worker (OpenAI's /v1/completions; streams when asked)",
             access="generation",
             body=CompletionRequest,
@@ -101,7 +92,7 @@ def routes() -> list[Route]:
         Route(
             "POST",
             CHAT_COMPLETIONS_PATH,
-            chat_completions,
+            proxied,
             "Answer a chat on one routable worker (OpenAI's /v1/chat/completions; streams when asked)",
             access="generation",
             body=ChatCompletionRequest,

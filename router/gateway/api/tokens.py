@@ -11,8 +11,6 @@ with no routable worker it is a 503.
 
 from __future__ import annotations
 
-from aiohttp import web
-
 from router.contract.vllm_tokens import (
     DETOKENIZE_PATH,
     GENERATE_PATH,
@@ -25,20 +23,7 @@ from router.contract.vllm_tokens import (
     TokensGenerateResponse,
 )
 from router.contract.web.openapi import Route
-from router.gateway import keys
-from router.gateway.routing.prepare import passthrough, tokens_prepare
-
-
-async def generate_tokens(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.PROXY].handle(request, GENERATE_PATH, tokens_prepare)
-
-
-async def tokenize(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.PROXY].handle(request, TOKENIZE_PATH, passthrough)
-
-
-async def detokenize(request: web.Request) -> web.StreamResponse:
-    return await request.app[keys.PROXY].handle(request, DETOKENIZE_PATH, passthrough)
+from router.gateway.api.proxied import proxied
 
 
 def routes() -> list[Route]:
@@ -46,7 +31,7 @@ def routes() -> list[Route]:
         Route(
             "POST",
             GENERATE_PATH,
-            generate_tokens,
+            proxied,
             "Generate from token ids on one routable worker (vLLM's token-in/token-out route; streams when asked)",
             access="generation",
             body=TokensGenerateRequest,
@@ -55,7 +40,7 @@ def routes() -> list[Route]:
         Route(
             "POST",
             TOKENIZE_PATH,
-            tokenize,
+            proxied,
             "Tokenize a prompt or chat messages on one routable worker (vLLM)",
             access="generation",
             body=TokenizeRequest,
@@ -64,7 +49,7 @@ def routes() -> list[Route]:
         Route(
             "POST",
             DETOKENIZE_PATH,
-            detokenize,
+            proxied,
             "The text of token ids, from one routable worker (vLLM)",
             access="generation",
             body=DetokenizeRequest,

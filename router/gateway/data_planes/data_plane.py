@@ -27,7 +27,7 @@ import aiohttp
 from aiohttp import web
 from pydantic import ValidationError
 
-from router.contract.web.auth import access_check
+from router.contract.web.auth import of_requests, token_check
 from router.contract.web.openapi import paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
@@ -54,6 +54,7 @@ from router.gateway.data_planes.mirror import apply
 from router.gateway.data_planes.session_pins import SessionPins
 from router.gateway.edge import edge_middleware, route_label
 from router.gateway.fleet.registry import Worker, WorkerRegistry
+from router.gateway.frontend.site import FRONTEND, Frontend
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.policy import make_policy
@@ -217,15 +218,16 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
     table = routes()
     # With leader election a standby's data planes refuse as its control process does (.leader_mirror).
     gate = mirrored_gate() if config.leader_election else None
+    check = token_check(
+        admin_key=config.admin_api_key,
+        api_key=config.api_key,
+        open_paths=paths_with_access(table, "open"),
+        generation_paths=paths_with_access(table, "generation"),
+    )
     app = web.Application(
         middlewares=[
             edge_middleware(
-                access_check(
-                    admin_key=config.admin_api_key,
-                    api_key=config.api_key,
-                    open_paths=paths_with_access(table, "open"),
-                    generation_paths=paths_with_access(table, "generation"),
-                ),
+                of_requests(check),
                 metrics,
                 counted=_served_here,
                 gate=gate[0].answer if gate is not None else None,
@@ -252,6 +254,8 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
     app[CONTROL_LINK] = link
     app[FORWARDER] = forwarder
     served = [r for r in table if r.access == "generation"]
+    # The lean server's share of them, when it serves (run_data_plane).
+    app[FRONTEND] = Frontend.of(served, check, gate[0].answer_path if gate is not None else None)
     app.router.add_routes(route_defs(served))
     app.router.add_get("/liveness", liveness)
     app.router.add_get("/readiness", readiness)

@@ -15,6 +15,7 @@ from router.gateway.data_planes.control import attach_data_planes
 from router.gateway.data_planes.data_plane import create_data_plane_app
 from router.gateway.data_planes.handoff import HandoffSite, handoff_path
 from router.gateway.data_planes.supervisor import DataPlaneSupervisor
+from router.gateway.frontend.site import LeanSite
 from router.gateway.serving import Hooks, serve, tcp, unix
 
 log = logging.getLogger("router")
@@ -78,11 +79,18 @@ async def run_control(
         shutil.rmtree(run_dir, ignore_errors=True)
 
 
-async def run_data_plane(config: RouterConfig, *, socket_path: str, index: int, host: str, port: int) -> None:
-    """One data plane: listen on ``host:port`` beside its siblings once the first snapshot is in."""
+async def run_data_plane(
+    config: RouterConfig, *, socket_path: str, index: int, host: str, port: int, lean: bool = True
+) -> None:
+    """One data plane: listen on ``host:port`` beside its siblings once the first snapshot is in; its generation
+    routes served by the lean server (:mod:`router.gateway.frontend`) unless ``lean`` is off."""
     app = create_data_plane_app(config, socket_path, index)
 
     def started(addresses: list[str]) -> None:
         log.info("data-plane process %d serving on http://%s:%s (pid %d)", index, host, port, os.getpid())
 
-    await serve(app, tcp(host, port, reuse_port=True), config.shutdown_grace_s, Hooks(on_started=started))
+    def listen(runner: web.AppRunner) -> list[web.BaseSite]:
+        return [LeanSite(runner, host, port, reuse_port=True)]
+
+    sites = listen if lean else tcp(host, port, reuse_port=True)
+    await serve(app, sites, config.shutdown_grace_s, Hooks(on_started=started))

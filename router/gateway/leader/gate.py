@@ -89,9 +89,13 @@ class LeaderGate:
     def answer(self, request: web.Request) -> web.Response | None:
         """What a closed gate answers for ``request``; ``None`` lets it through (the gate is open, or the
         route is one a standby serves). Run before the access check: nothing runs on a standby either way."""
-        if request.path in self.passes or self.is_open:
+        return self.answer_path(request.path)
+
+    def answer_path(self, path: str) -> web.Response | None:
+        """:meth:`answer` for a request to ``path``."""
+        if path in self.passes or self.is_open:
             return None
-        if request.path == "/readiness":
+        if path == "/readiness":
             return web.json_response({"status": "not_ready", "reason": self.why_closed()}, status=503)
         headers = {"Retry-After": str(self.retry_after_s()), ROUTER_ROLE_HEADER: STANDBY_ROLE}
         return json_error(503, self.why_closed(), headers=headers)

@@ -62,12 +62,12 @@ def rid_lineage(rid: object) -> str | None:
     return stem or rid  # a rid that is all suffix (``_t1``) is its own session
 
 
-def session_key(headers: Mapping[str, str], body: Mapping[str, Any] | None) -> str | None:
-    """The request's session key, or ``None``. ``body`` is the caller's JSON object as the proxy
+def session_key(header: Callable[[str], str | None], body: Mapping[str, Any] | None) -> str | None:
+    """The request's session key, or ``None``. ``header`` reads a request header; ``body`` is the caller's JSON object as the proxy
     parsed it (``None`` when it parsed none); the OpenAI ``user`` field is deliberately not a key:
     it names an end user, who runs many conversations at once, and RL clients often send one
     fixed value for a whole run, which would put every request on one worker."""
-    key = headers.get(SESSION_ID_HEADER) or headers.get(ROUTING_KEY_HEADER)
+    key = header(SESSION_ID_HEADER) or header(ROUTING_KEY_HEADER)
     if key:
         return key
     return None if body is None else rid_lineage(body.get("rid"))

@@ -17,11 +17,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from aiohttp import web
-
 from router.contract import endpoints as ep
 from router.contract.endpoint import AnyEndpoint
 from router.contract.vllm_tokens import REQUEST_ID_HEADER, REQUEST_ID_PREFIX
+from router.gateway.routing.caller import Caller
 
 #: Router-assigned rids: a random per-process prefix and a fixed-width counter, so no rid is a prefix of
 #: another (workers abort by prefix) and none costs a system call (``uuid4`` reads ``os.urandom``).
@@ -113,19 +112,19 @@ class AbortCall:
 #: How a route's body is made ready to forward: (body, how to abort it, or None when there is nothing to abort,
 #: the caller's JSON object when the route parsed it, for the session key; None otherwise).
 Prepared = tuple[bytes, AbortCall | None, dict[str, Any] | None]
-Prepare = Callable[[bytes, web.Request], Prepared]
+Prepare = Callable[[bytes, Caller[object]], Prepared]
 
 
-def sglang_prepare(raw: bytes, _request: web.Request) -> Prepared:
+def sglang_prepare(raw: bytes, _caller: Caller[object]) -> Prepared:
     """``/generate`` and the OpenAI routes: a ``rid`` (assigned when missing), aborted by prefix."""
     body, rid, _, payload = prepare_generate(raw)
     return body, None if rid is None else AbortCall(ep.ABORT_REQUEST, {"rid": rid}, f"rid {rid}"), payload
 
 
-def tokens_prepare(raw: bytes, request: web.Request) -> Prepared:
+def tokens_prepare(raw: bytes, caller: Caller[object]) -> Prepared:
     """vLLM's ``/inference/v1/generate``: aborted by its id (``/abort_requests``: the call and its choices); routed
     by the LoRA adapter its ``model`` names, as the OpenAI routes are."""
-    body, request_id, payload = prepare_tokens_payload(raw, request.headers.get(REQUEST_ID_HEADER))
+    body, request_id, payload = prepare_tokens_payload(raw, caller.header(REQUEST_ID_HEADER))
     abort = (
         None
         if request_id is None
@@ -134,6 +133,6 @@ def tokens_prepare(raw: bytes, request: web.Request) -> Prepared:
     return body, abort, payload
 
 
-def passthrough(raw: bytes, _request: web.Request) -> Prepared:
+def passthrough(raw: bytes, _caller: Caller[object]) -> Prepared:
     """A route whose answer needs no generation (``/tokenize``): forwarded as it came, nothing to abort."""
     return raw, None, None

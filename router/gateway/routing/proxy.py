@@ -35,8 +35,8 @@ import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from functools import partial
+from typing import TypeVar
 
-from aiohttp import web
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
@@ -49,6 +49,7 @@ from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing import version_policy
 from router.gateway.routing.affinity import SessionAffinity, session_key
+from router.gateway.routing.caller import Caller
 from router.gateway.routing.policy import Policy
 from router.gateway.routing.prepare import AbortCall, Prepare, sglang_prepare
 from router.gateway.routing.stamping import answer_mixes_versions, stamp_headers
@@ -59,6 +60,8 @@ from router.gateway.upstream import NotAdmitted, UpstreamError, UpstreamResponse
 log = logging.getLogger(__name__)
 
 RETRY_STATUSES = frozenset({502, 503, 504})
+#: What the caller's HTTP server takes back from the handler (:mod:`router.gateway.routing.caller`).
+A = TypeVar("A")
 
 #: Where the router's one session table puts a session, when another process owns it: (key, candidates,
 #: retry) → one of the candidates, or ``None`` when it did not answer (:mod:`router.gateway.data_planes.session_pins`).
@@ -142,12 +145,11 @@ class GenerateProxy:
         if self._affinity is None and config.session_affinity:
             self._affinity = SessionAffinity.from_config(config, metrics.affinity)
 
-    def request_policy(self, request: web.Request) -> VersionPolicy:
+    def request_policy(self, caller: Caller[object]) -> VersionPolicy:
         """The request's weight-version policy: its header when it sent one (400 when bad), else the router's."""
-        headers = request.headers
-        value = headers.get(version_policy.POLICY_HEADER)
+        value = caller.header(version_policy.POLICY_HEADER)
         if value is None:
-            value = headers.get(version_policy.SMG_POLICY_HEADER)
+            value = caller.header(version_policy.SMG_POLICY_HEADER)
         return version_policy.policy_from_headers(value, self._version_policy)
 
     def pick(
@@ -191,26 +193,23 @@ class GenerateProxy:
             raise version_policy.refusal(self._registry, policy, describe_fleet(self._registry))
         return candidates
 
-    def _upstream_headers(self, request: web.Request) -> dict[str, str]:
+    def _upstream_headers(self, caller: Caller[object]) -> dict[str, str]:
         """What the caller said about its body; its ``Authorization`` is never forwarded."""
-        incoming = request.headers
-        headers = {"Content-Type": incoming.get("Content-Type") or "application/json"}
-        accept = incoming.get("Accept")
+        headers = {"Content-Type": caller.header("Content-Type") or "application/json"}
+        accept = caller.header("Accept")
         if accept is not None:
             headers["Accept"] = accept
-        request_id = incoming.get(REQUEST_ID_HEADER)
+        request_id = caller.header(REQUEST_ID_HEADER)
         if request_id:
             headers[REQUEST_ID_HEADER] = request_id
         if self._worker_auth is not None:
             headers["Authorization"] = self._worker_auth
         return headers
 
-    async def handle(
-        self, request: web.Request, path: str = "/generate", prepare: Prepare = sglang_prepare
-    ) -> web.StreamResponse:
-        policy = self.request_policy(request)
-        raw = await request.read()
-        body, abort, fields = prepare(raw, request)
+    async def handle(self, caller: Caller[A], path: str = "/generate", prepare: Prepare = sglang_prepare) -> A:
+        policy = self.request_policy(caller)
+        raw = await caller.read()
+        body, abort, fields = prepare(raw, caller)
         adapters = self._registry.adapters.named_by(fields) if fields is not None else frozenset()
         if adapters:
             policy = replace(policy, adapters=adapters)
@@ -218,22 +217,22 @@ class GenerateProxy:
             for name in adapters:
                 self._metrics.adapter_requests.labels(name).inc()
         try:
-            headers = self._upstream_headers(request)
-            session = None if self._affinity is None else session_key(request.headers, fields)
+            headers = self._upstream_headers(caller)
+            session = None if self._affinity is None else session_key(caller.header, fields)
             # The first attempt runs bare (no retry machinery): that is nearly every request.
             worker = await self.pick_for(policy, session=session, path=path)
             try:
-                return await self._attempt(request, worker, path, body, headers, abort, policy)
+                return await self._attempt(caller, worker, path, body, headers, abort, policy)
             except _Retryable as exc:
                 first = exc
-            return await self._retry(request, path, body, headers, abort, first, session, policy)
+            return await self._retry(caller, path, body, headers, abort, first, session, policy)
         finally:
             if adapters:
                 self._registry.adapters.ended(adapters)
 
     async def _retry(
         self,
-        request: web.Request,
+        caller: Caller[A],
         path: str,
         body: bytes,
         headers: dict[str, str],
@@ -241,7 +240,7 @@ class GenerateProxy:
         first: _Retryable,
         session: str | None,
         policy: VersionPolicy = version_policy.LATEST_ONLY,
-    ) -> web.StreamResponse:
+    ) -> A:
         """The first attempt failed before any byte reached the caller: back off, then other workers
         (a session's pin follows the request to the worker that serves it)."""
         tried = {first.worker.id}
@@ -259,33 +258,30 @@ class GenerateProxy:
                         break  # every routable worker was tried
                     tried.add(worker.id)
                     try:
-                        return await self._attempt(request, worker, path, body, headers, abort, policy)
+                        return await self._attempt(caller, worker, path, body, headers, abort, policy)
                     except _Retryable as exc:
                         last = exc
                         raise
         except _Retryable as exc:
             last = exc
-        return self._give_up(last)
+        return self._give_up(caller, last)
 
-    def _give_up(self, last: _Retryable) -> web.Response:
+    def _give_up(self, caller: Caller[A], last: _Retryable) -> A:
         if last.body:
-            resp = web.Response(
-                status=last.status, body=last.body, content_type=last.content_type or "application/json"
-            )
-            resp.headers[WORKER_HEADER] = last.worker.id
-            return resp
+            headers = {"Content-Type": last.content_type or "application/json", WORKER_HEADER: last.worker.id}
+            return caller.answer(last.status, last.body, headers)
         raise ApiError(502, f"worker {last.worker.id} ({last.worker.url}) failed: {last.reason}")
 
     async def _attempt(
         self,
-        request: web.Request,
+        caller: Caller[A],
         worker: Worker,
         path: str,
         body: bytes,
         headers: dict[str, str],
         abort: AbortCall | None,
         policy: VersionPolicy = version_policy.LATEST_ONLY,
-    ) -> web.StreamResponse:
+    ) -> A:
         worker.inflight += 1
         # What the router knows the worker serves, and which process serves it, as it picked it. The answer is
         # checked against this process, not against the worker's state when the answer arrives: a snapshot or a
@@ -331,7 +327,7 @@ class GenerateProxy:
                 await self._read_before_relay(worker, upstream)
                 reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
                 raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())
-            return await self._relay(request, worker, upstream, abort, version, path == "/generate")
+            return await self._relay(caller, worker, upstream, abort, version, path == "/generate")
         except asyncio.CancelledError:
             # The caller disconnected (handler cancelled): stop the work on the worker too.
             self._abort_on_worker(worker, abort)
@@ -350,42 +346,41 @@ class GenerateProxy:
 
     async def _relay(
         self,
-        request: web.Request,
+        caller: Caller[A],
         worker: Worker,
         upstream: UpstreamResponse,
         abort: AbortCall | None,
         version: str | None = None,
         check_mixed: bool = False,
-    ) -> web.StreamResponse:
+    ) -> A:
         ctype = upstream.header("Content-Type") or "application/json"
         if not ctype.startswith("text/event-stream"):
             data = await self._read_before_relay(worker, upstream)
             headers = {"Content-Type": ctype, WORKER_HEADER: worker.id}
             mixed = check_mixed and ctype.startswith("application/json") and answer_mixes_versions(data, version)
             stamp_headers(headers, version, mixed)
-            return web.Response(status=upstream.status, body=data, headers=headers)
+            return caller.answer(upstream.status, data, headers)
         # A stream's headers go before its first token: they say the version of the worker picked.
         headers = {"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker.id}
         stamp_headers(headers, version, False)
-        resp = web.StreamResponse(status=upstream.status, headers=headers)
-        await resp.prepare(request)
+        out = await caller.stream(upstream.status, headers)
         try:
             async for chunk in upstream.chunks():
-                await resp.write(chunk)
+                await out.write(chunk)
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the caller went away
             self._abort_on_worker(worker, abort)
-            return resp
+            return out.answer
         except (TimeoutError, UpstreamError) as exc:
             # Bytes already went out: no retry; end the stream and say why.
             log.warning("stream from %s broke: %r", worker.id, exc)
             error = json.dumps({"error": {"message": f"worker {worker.id} stream broke: {type(exc).__name__}"}})
-            await resp.write(f"data: {error}\n\n".encode())
-            return resp
+            await out.write(f"data: {error}\n\n".encode())
+            return out.answer
         try:
-            await resp.write_eof()
+            await out.end()
         except ConnectionResetError:
             pass  # the caller hung up after the last event: the worker already finished, nothing to abort
-        return resp
+        return out.answer
 
     def _abort_on_worker(self, worker: Worker, abort: AbortCall | None) -> None:
         """Stop the request on its worker: the abort route where its engine serves one (vLLM's OpenAI routes

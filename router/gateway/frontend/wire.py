@@ -1,0 +1,112 @@
+"""A generation request as the lean server read it, and its answer as bytes on the caller's connection.
+
+:class:`LeanCaller` is the :class:`~router.gateway.routing.caller.Caller` the proxy reads and answers:
+a whole answer is one write (head and body), a stream a head and then chunked transfer coding, one
+chunk per piece the worker sent, written as it arrives and held back while the caller reads slower
+(the connection's flow control, :class:`Outlet`).
+"""
+
+from __future__ import annotations
+
+from http import HTTPStatus
+from typing import Protocol
+
+from aiohttp import web
+
+#: Every status's reason phrase, as aiohttp writes them.
+_REASONS = {s.value: s.phrase for s in HTTPStatus}
+
+
+class Outlet(Protocol):
+    """The caller's connection, as an answer writes to it."""
+
+    def write(self, data: bytes) -> None:
+        """Write now; raises ``ConnectionResetError`` when the caller went away."""
+        ...
+
+    async def drain(self) -> None:
+        """Wait while the caller reads slower than the answer is written."""
+        ...
+
+
+def encode_head(status: int, headers: dict[str, str], length: int | None, keep_alive: bool) -> bytes:
+    """The answer's status line and headers; ``length=None``: the body follows in chunks."""
+    parts = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
+    for name, value in headers.items():
+        if "\n" in value or "\r" in value:  # a header never splits into two, whatever a worker or caller sent
+            continue
+        parts.append(f"{name}: {value}\r\n")
+    parts.append("Transfer-Encoding: chunked\r\n" if length is None else f"Content-Length: {length}\r\n")
+    if not keep_alive:
+        parts.append("Connection: close\r\n")
+    parts.append("\r\n")
+    return "".join(parts).encode("latin-1", "replace")
+
+
+class LeanCaller:
+    """One request read by the lean server (see the module docstring); answers return their status."""
+
+    __slots__ = ("_headers", "body", "finished", "keep_alive", "method", "outlet", "path", "started")
+
+    def __init__(self, method: str, path: str, headers: dict[str, str], body: bytes, keep_alive: bool, outlet: Outlet):
+        self.method = method
+        self.path = path
+        self._headers = headers
+        """Names in lower case; a repeated header keeps its last value."""
+        self.body = body
+        self.keep_alive = keep_alive
+        self.outlet = outlet
+        self.started = False
+        """The answer's head has been written: no other answer may be."""
+        self.finished = False
+        """The whole answer has been written: the connection may carry the next request."""
+
+    def header(self, name: str) -> str | None:
+        return self._headers.get(name.lower())
+
+    async def read(self) -> bytes:
+        return self.body
+
+    def answer(self, status: int, body: bytes, headers: dict[str, str]) -> int:
+        self.started = True
+        self.outlet.write(encode_head(status, headers, len(body), self.keep_alive) + body)
+        self.finished = True
+        return status
+
+    async def stream(self, status: int, headers: dict[str, str]) -> LeanStream:
+        self.started = True
+        self.outlet.write(encode_head(status, headers, None, self.keep_alive))
+        return LeanStream(self, status)
+
+    def end_stream(self) -> None:
+        """End a streamed answer (its last, empty chunk), unless it is whole already."""
+        if self.started and not self.finished:
+            self.outlet.write(b"0\r\n\r\n")
+            self.finished = True
+
+    def answer_with(self, response: web.Response) -> int:
+        """An answer aiohttp's objects built (an error shape or a gate's answer, shared with aiohttp's server)."""
+        body = response.body
+        data = body if isinstance(body, bytes) else b""
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "connection")}
+        return self.answer(response.status, data, headers)
+
+
+class LeanStream:
+    """A chunked answer (:class:`~router.gateway.routing.caller.Stream`). One the handler left without
+    :meth:`end` is ended by the server after it (as aiohttp's server ends a prepared response)."""
+
+    __slots__ = ("_caller", "answer")
+
+    def __init__(self, caller: LeanCaller, status: int):
+        self._caller = caller
+        self.answer = status
+
+    async def write(self, chunk: bytes) -> None:
+        if chunk:  # an empty chunk would end the answer
+            outlet = self._caller.outlet
+            outlet.write(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+            await outlet.drain()
+
+    async def end(self) -> None:
+        self._caller.end_stream()
