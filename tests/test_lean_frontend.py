@@ -1,7 +1,7 @@
 """A data plane's lean server on the wire: one connection, raw bytes, scripted loopback workers (in-process).
 
 What its callers may send that aiohttp's server took care of: another route after generation on one
-connection (handed to aiohttp), pipelined requests, a body too large, bytes that are not HTTP,
+connection (handed to aiohttp), pipelined requests, a body or headers too large, bytes that are not HTTP,
 ``Expect: 100-continue``, HTTP/1.0, the API key. The proxy behind it is the one of
 tests/test_router_proxy.py, which runs every proxy test behind both servers.
 """
@@ -22,6 +22,7 @@ from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
 from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
+from router.gateway.frontend.connection import MAX_HEAD_BYTES
 from tests._polling import until
 from tests.test_router_proxy import REPLY, LeanClient, StandIn, serve_lean
 
@@ -128,6 +129,11 @@ async def test_bad_bytes_a_large_body_and_a_missing_key_are_refused_with_an_erro
             % (API_KEY.encode(), MAX_BODY_BYTES + 1),
             413,
             "over the router's bound",
+        ),
+        (
+            b"POST /generate HTTP/1.1\r\nX-Padding: " + b"a" * (MAX_HEAD_BYTES + 1) + b"\r\n\r\n",
+            431,
+            "headers are over",
         ),
     ]
     for raw, want, words in cases:

@@ -161,6 +161,33 @@ def _exchange(conn: http.client.HTTPConnection, method: str, path: str, body: An
     return resp.status, json.loads(resp.read() or b"null"), resp.getheader("X-Omni-Worker")
 
 
+def test_a_data_plane_s_lean_server_streams_and_hands_other_routes_to_aiohttp_on_one_connection(fleet):
+    """Generation through a data plane's lean server (no ``Server`` header: aiohttp names itself), a stream in
+    chunks from a real worker, then a data plane's own route on the same connection, served by aiohttp."""
+    host, port = fleet.url.removeprefix("http://").split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=60)
+    try:
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 3, "temperature": 0.0}}
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        answer = json.loads(resp.read())
+        assert resp.status == 200 and resp.getheader("Server") is None and answer["meta_info"]["weight_version"]
+        conn.request("POST", "/generate", json.dumps({**body, "stream": True}), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.getheader("Transfer-Encoding") == "chunked"
+        events = [e for e in resp.read().decode().split("\n\n") if e.startswith("data: ")]
+        assert len(events) >= 2 and events[-1] == "data: [DONE]", events
+        conn.request("GET", "/liveness")
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read()) == {"status": "alive"}
+        assert "aiohttp" in (resp.getheader("Server") or "")
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["text"] == answer["text"]  # greedy: the same text
+    finally:
+        conn.close()
+
+
 def test_a_trainer_s_admin_connection_moves_to_the_control_process_and_keeps_serving(fleet):
     """The first admin POST on a keep-alive connection hands the connection to the control process (counted
     once); every later call on the same socket, admin, reads and generation alike, is answered there as

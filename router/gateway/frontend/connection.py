@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 
 #: A connection with nothing in flight is closed after this long without a byte (aiohttp's own keep-alive bound).
 IDLE_S = 3630.0
+#: A request's line and headers, at most (aiohttp's bound is 8190 bytes per line; this one is for them all).
+MAX_HEAD_BYTES = 64 * 1024
 
 
 class Server(Protocol):
@@ -62,6 +64,7 @@ class _Stop(Exception):
 
 _HAND_OVER = "hand over"
 _TOO_LARGE = "too large"
+_HEAD_TOO_LARGE = "head too large"
 
 
 class CallerConnection(asyncio.Protocol):
@@ -124,6 +127,8 @@ class CallerConnection(asyncio.Protocol):
                 raise
             if stop.reason == _TOO_LARGE:
                 self._refuse(413, f"the request body is over the router's bound of {MAX_BODY_BYTES} bytes")
+            elif stop.reason == _HEAD_TOO_LARGE:
+                self._refuse(431, f"the request line and headers are over the router's bound of {MAX_HEAD_BYTES} bytes")
             else:
                 self._hand_over_when_answered()
         except httptools.HttpParserUpgrade:
@@ -144,17 +149,25 @@ class CallerConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        self._count_head(len(url))
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        self._count_head(len(name) + len(value))
+
+    def _count_head(self, size: int) -> None:
+        self._size += size
+        if self._size > MAX_HEAD_BYTES:
+            raise _Stop(_HEAD_TOO_LARGE)
 
     def on_headers_complete(self) -> None:
         method = self._parser.get_method().decode("latin-1")
         path = self._url.decode("latin-1").partition("?")[0]
         route = self._server.routes.get((method, path))
-        if route is None:
+        if route is None or self._parser.should_upgrade():
             raise _Stop(_HAND_OVER)
         self._route, self._method, self._path = route, method, path
+        self._size = 0  # from here: the body's size
         length = self._headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
             raise _Stop(_TOO_LARGE)
@@ -272,8 +285,8 @@ class CallerConnection(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        """Nothing in flight or owed: the connection may be closed without cutting an answer."""
-        return self._task is None and not self._queue and not self._in_message
+        """Nothing in flight or owed (a request half sent is not owed an answer)."""
+        return self._task is None and not self._queue
 
     def close(self) -> None:
         if self.transport is not None:
