@@ -19,8 +19,9 @@ import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import hypothesis
 import hypothesis.errors
@@ -28,6 +29,9 @@ import schemathesis
 import urllib3
 from hypothesis import HealthCheck, Phase, settings
 from schemathesis import GenerationMode
+
+from tests._router_fixtures import auth
+from tests.procs import http_json
 
 #: One case slower than this is a hang.
 HANG_S = 30.0
@@ -282,3 +286,113 @@ def _request_properties(doc: dict[str, Any], doc_op: dict[str, Any]) -> dict[str
     if ref.startswith("#/components/schemas/"):
         schema = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
     return schema.get("properties", {}) if isinstance(schema, dict) else {}
+
+
+# -- a fuzz run over every operation of one server (tests/test_fuzz_api.py, tests/test_fuzz_worker_api.py) ----------
+
+#: Cases per operation and generation mode: enough to reach every field, small enough for CI.
+EXAMPLES = 10
+#: Routes that answer 501 by design (none today: ``/update_weights_from_tensor`` answers 4xx/200).
+NOT_IMPLEMENTED: tuple[str, ...] = ()
+
+
+class FleetChecks(Protocol):
+    """What :func:`run_fuzz` reads of a router's fleet (``_Fleet`` in tests/test_fuzz_api.py)."""
+
+    settled: tuple[Any, ...] | None
+
+    def state(self) -> tuple[Any, ...]: ...
+
+    def fence_state(self) -> tuple[Any, ...]: ...
+
+
+def openapi_doc(url: str) -> dict[str, Any]:
+    status, doc = http_json("GET", url + "/openapi.json", timeout=10)  # open: no key
+    assert status == 200 and doc["openapi"].startswith("3.1"), doc
+    return doc
+
+
+def allowed_5xx(path: str, *, via_router: bool) -> Callable[[int, Any], bool]:
+    def allowed(status: int, body: Any) -> bool:
+        if status == 501:
+            return path in NOT_IMPLEMENTED
+        if not (isinstance(body, dict) and ("error" in body or "results" in body or "message" in body)):
+            return False  # a 5xx must say why
+        if via_router and status == 502:
+            # The router blames a worker only with that worker's answer (or its silence) attached.
+            return isinstance(body.get("results"), list)
+        return status in (502, 503, 504)
+
+    return allowed
+
+
+def restore_worker(client: Client, url: str, model: str | None = None) -> None:
+    for path in (
+        "/finish_weight_update",
+        "/destroy_weights_update_group",
+        "/resume_memory_occupation",
+        "/continue_generation",
+    ):
+        client.call("POST", url + path, {}, headers=auth(), timeout=30)
+    if model is not None and client.call("GET", url + "/health", headers=auth())[1].get("weight_state") == "partial":
+        client.call("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)
+
+
+def run_fuzz(client: Client, base: str, *, restore: Callable[[], None], fleet: FleetChecks | None) -> Tally:
+    """Fuzz every operation of ``base``; ``fleet`` when ``base`` is its router (fences checked)."""
+    doc = openapi_doc(base)
+    rng = random.Random(0)
+    tally = Tally()
+    headers = {**auth(), "Content-Type": "application/json"}
+    via_router = fleet is not None
+    baseline = fleet.fence_state() if fleet is not None else None
+
+    def execute(label: str, method: str, url: str, data: bytes | None, detail: str, path: str) -> None:
+        try:
+            answer = client.send(method, url, data=data, headers=headers)
+        except TimeoutError:
+            # A hang: name the case, so a failure says which request never got its answer.
+            raise AssertionError(f"no answer within {HANG_S + 30:.0f}s: {label} {detail[:500]}") from None
+        tally.record(label, answer, detail, allowed_5xx=allowed_5xx(path, via_router=via_router))
+        # A failure, or a call other than a read that succeeded, may have changed anything: restore.
+        # Through the router, a refusal or a read is restored too unless the state shows it changed
+        # nothing a restore undoes (see _Fleet); a refusal that moved the fence is a problem besides.
+        acted = answer.status >= 500 or (answer.status < 400 and method != "GET")
+        if fleet is None:
+            if acted:
+                restore()
+            return
+        state = fleet.state() if not acted else None
+        if state is not None and 400 <= answer.status < 500 and state[0] != baseline:
+            tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {state[0]}")
+        if acted or state != fleet.settled:
+            restore()
+
+    ops = operations(doc)
+    # The next operation's cases are drawn on a thread while this one's are sent: the same cases in
+    # the same order (drawing never depends on the answers), with the drawing's CPU time spent while
+    # the server works instead of between its answers.
+    with ThreadPoolExecutor(max_workers=1) as drawing:
+        drawn = drawing.submit(draw_cases, ops[0]) if ops else None
+        for index, op in enumerate(ops):
+            assert drawn is not None
+            cases = drawn.result()
+            drawn = drawing.submit(draw_cases, ops[index + 1]) if index + 1 < len(ops) else None
+            path, method = op.path, op.method.upper()
+            label = f"{method} {path}"
+            doc_op = doc["paths"][path][op.method.lower()]
+            for mode, case in cases:
+                m, url, data, detail = case_request(case, base, rng)
+                execute(f"{label} [{mode.value}]", m, url, data, detail, path)
+            if method in ("POST", "PUT") and "{" not in path:
+                for what, raw in garbage_bodies(doc, doc_op):
+                    execute(f"{label} [garbage]", method, base + path, raw, what, path)
+    return tally
+
+
+def draw_cases(op: Any, examples: int = EXAMPLES) -> list[tuple[GenerationMode, Any]]:
+    """``op``'s cases, positive then negative, as :func:`run_generated` draws them."""
+    cases: list[tuple[GenerationMode, Any]] = []
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+        run_generated(op, mode, examples, lambda case, mode=mode: cases.append((mode, case)))
+    return cases

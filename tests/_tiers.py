@@ -13,7 +13,10 @@ enforced: a test not marked ``process`` that starts a process fails, naming the 
 
 Test files are spread over the pytest processes one file at a time (``--dist loadfile``) in
 collection order; the files with the most process tests go first, so no long file starts last while
-the other pytest process idles.
+the other pytest process idles. A file whose few tests run long (a fuzz run, the demo) says how many
+process tests it weighs with ``pytestmark = pytest.mark.schedule_weight(n)``. xdist would otherwise
+hand files out by their number of tests (``--loadscope-reorder``, its default), which puts such a
+file late: that reordering is turned off here, so the order set here is the one the workers get.
 """
 
 from __future__ import annotations
@@ -68,6 +71,11 @@ def pytest_configure(config: pytest.Config) -> None:
         ("process", "starts real processes (set from process fixtures, or marked on tests that start them)"),
     ):
         config.addinivalue_line("markers", f"{tier}: {what}")
+    config.addinivalue_line(
+        "markers", "schedule_weight(n): the file weighs n process tests when files are ordered heaviest first"
+    )
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order set below
+        config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -76,7 +84,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         tier = tier_of(item)
         if not item.get_closest_marker(tier):
             item.add_marker(tier)
-        weight[item.nodeid.split("::")[0]] += tier == "process"
+        declared = item.get_closest_marker("schedule_weight")
+        if declared is not None:
+            weight[item.nodeid.split("::")[0]] = declared.args[0]
+        else:
+            weight[item.nodeid.split("::")[0]] += tier == "process"
     first_seen = {}
     for index, item in enumerate(items):
         first_seen.setdefault(item.nodeid.split("::")[0], index)

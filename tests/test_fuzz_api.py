@@ -1,10 +1,10 @@
-"""Fuzz every route of a live router and a live worker from their own ``/openapi.json``.
+"""Fuzz every route of a live router from its own ``/openapi.json``; the worker's routes, fuzzed
+directly, are in tests/test_fuzz_worker_api.py (its own file, so the two runs share the xdist workers).
 
-Real processes: one worker behind a router, a second worker fuzzed directly (so a
-case that relabels or pauses it cannot starve the router's run). Each operation gets
-schemathesis cases (valid and schema-breaking) and structural garbage; every case must
-answer within the hang bound, never 500, 5xx only where a worker really failed or the
-route is documented as not implemented, and a 4xx must carry ``error.message``.
+Real processes: one worker behind a router. Each operation gets schemathesis cases (valid and
+schema-breaking) and structural garbage; every case must answer within the hang bound, never 500,
+5xx only where a worker really failed or the route is documented as not implemented, and a 4xx
+must carry ``error.message``.
 
 Fences: after every refused (4xx) call through the router, no worker is disabled that
 was not before, no worker is pending, and the update journal is empty: a caller's
@@ -17,7 +17,6 @@ are partial is never routable.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -26,51 +25,20 @@ from schemathesis import GenerationMode
 from router.gateway.admin.operations import OPERATIONS
 from tests import _fuzz
 from tests._router_fixtures import ADMIN_KEY, auth, start_router, workers
-from tests.procs import http_json
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.schedule_weight(40)]
 
-#: Cases per operation and generation mode: enough to reach every field, small enough for CI.
-EXAMPLES = 10
 #: Cases per fenced route and generation mode while the router's worker holds partial weights.
 PARTIAL_EXAMPLES = 3
-#: Routes that answer 501 by design (none today: ``/update_weights_from_tensor`` answers 4xx/200).
-NOT_IMPLEMENTED: tuple[str, ...] = ()
 
 
 @pytest.fixture(scope="module")
 def servers(worker_fleet, checkpoints, tmp_path_factory):
-    fleet = worker_fleet(2, extra_args=["--admin-api-key", ADMIN_KEY], model=checkpoints["llama"])
-    behind, direct = fleet.urls
+    fleet = worker_fleet(1, extra_args=["--admin-api-key", ADMIN_KEY], model=checkpoints["llama"])
+    (behind,) = fleet.urls
     router, url = start_router([behind], admin_key=ADMIN_KEY, state_dir=tmp_path_factory.mktemp("fuzz-state"))
-    yield {
-        "router": url,
-        "behind": behind,
-        "worker": direct,
-        "model": str(checkpoints["llama"]),
-        "procs": [router, *fleet.procs],
-    }
+    yield {"router": url, "behind": behind, "model": str(checkpoints["llama"]), "procs": [router, *fleet.procs]}
     router.stop()
-
-
-def _doc(url: str) -> dict[str, Any]:
-    status, doc = http_json("GET", url + "/openapi.json", timeout=10)  # open: no key
-    assert status == 200 and doc["openapi"].startswith("3.1"), doc
-    return doc
-
-
-def _allowed_5xx(path: str, *, via_router: bool) -> Any:
-    def allowed(status: int, body: Any) -> bool:
-        if status == 501:
-            return path in NOT_IMPLEMENTED
-        if not (isinstance(body, dict) and ("error" in body or "results" in body or "message" in body)):
-            return False  # a 5xx must say why
-        if via_router and status == 502:
-            # The router blames a worker only with that worker's answer (or its silence) attached.
-            return isinstance(body.get("results"), list)
-        return status in (502, 503, 504)
-
-    return allowed
 
 
 class _Fleet:
@@ -120,7 +88,7 @@ class _Fleet:
             elif w["disabled"]:
                 self.call("PUT", f"{self.url}/workers/{w['id']}", {"disabled": False})
         self.call("POST", self.url + "/weight_update_journal/resolve", {"acknowledge": True})
-        _restore_worker(self.client, self.url)
+        _fuzz.restore_worker(self.client, self.url)
         if self.weights_partial():  # through the router, so its record of the fleet's weights follows
             self.call("POST", self.url + "/update_weights_from_disk", {"model_path": self.model}, timeout=60)
         self.settled = self.state()
@@ -146,65 +114,6 @@ def _fence(fleet: list[dict[str, Any]], journal: dict[str, Any]) -> tuple[Any, .
     )
 
 
-def _restore_worker(client: _fuzz.Client, url: str, model: str | None = None) -> None:
-    for path in (
-        "/finish_weight_update",
-        "/destroy_weights_update_group",
-        "/resume_memory_occupation",
-        "/continue_generation",
-    ):
-        client.call("POST", url + path, {}, headers=auth(), timeout=30)
-    if model is not None and client.call("GET", url + "/health", headers=auth())[1].get("weight_state") == "partial":
-        client.call("POST", url + "/update_weights_from_disk", {"model_path": model}, headers=auth(), timeout=60)
-
-
-def _run_fuzz(client: _fuzz.Client, base: str, *, restore: Callable[[], None], fleet: _Fleet | None) -> _fuzz.Tally:
-    """Fuzz every operation of ``base``; ``fleet`` when ``base`` is its router (fences checked)."""
-    doc = _doc(base)
-    rng = random.Random(0)
-    tally = _fuzz.Tally()
-    headers = {**auth(), "Content-Type": "application/json"}
-    via_router = fleet is not None
-    baseline = fleet.fence_state() if fleet is not None else None
-
-    def execute(label: str, method: str, url: str, data: bytes | None, detail: str, path: str) -> None:
-        try:
-            answer = client.send(method, url, data=data, headers=headers)
-        except TimeoutError:
-            # A hang: name the case, so a failure says which request never got its answer.
-            raise AssertionError(f"no answer within {_fuzz.HANG_S + 30:.0f}s: {label} {detail[:500]}") from None
-        tally.record(label, answer, detail, allowed_5xx=_allowed_5xx(path, via_router=via_router))
-        # A failure, or a call other than a read that succeeded, may have changed anything: restore.
-        # Through the router, a refusal or a read is restored too unless the state shows it changed
-        # nothing a restore undoes (see _Fleet); a refusal that moved the fence is a problem besides.
-        acted = answer.status >= 500 or (answer.status < 400 and method != "GET")
-        if fleet is None:
-            if acted:
-                restore()
-            return
-        state = fleet.state() if not acted else None
-        if state is not None and 400 <= answer.status < 500 and state[0] != baseline:
-            tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {state[0]}")
-        if acted or state != fleet.settled:
-            restore()
-
-    for op in _fuzz.operations(doc):
-        path, method = op.path, op.method.upper()
-        label = f"{method} {path}"
-        doc_op = doc["paths"][path][op.method.lower()]
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-
-            def run_case(case: Any, tag: str = f"{label} [{mode.value}]", path: str = path) -> None:
-                m, url, data, detail = _fuzz.case_request(case, base, rng)
-                execute(tag, m, url, data, detail, path)
-
-            _fuzz.run_generated(op, mode, EXAMPLES, run_case)
-        if method in ("POST", "PUT") and "{" not in path:
-            for what, raw in _fuzz.garbage_bodies(doc, doc_op):
-                execute(f"{label} [garbage]", method, base + path, raw, what, path)
-    return tally
-
-
 def _processes_alive(servers) -> None:
     for proc in servers["procs"]:
         assert proc.alive, proc.log_text()
@@ -226,7 +135,7 @@ def _router_fleet(servers, client: _fuzz.Client) -> _Fleet:
 def test_fuzz_every_router_route(servers, client):
     fleet = _router_fleet(servers, client)
     fleet.settled = fleet.state()
-    tally = _run_fuzz(client, fleet.url, restore=fleet.restore, fleet=fleet)
+    tally = _fuzz.run_fuzz(client, fleet.url, restore=fleet.restore, fleet=fleet)
     print(f"router fuzz: {tally.summary()}")
     assert not tally.problems, "\n".join(tally.problems[:40])
     assert tally.cases >= 300, tally.summary()
@@ -253,7 +162,7 @@ def test_fuzz_fenced_routes_on_partial_weights(servers, client):
             answer = client.send(method, case_url, data=data, headers=headers)
         except TimeoutError:
             raise AssertionError(f"no answer within {_fuzz.HANG_S + 30:.0f}s: {label} {detail[:500]}") from None
-        tally.record(label, answer, detail, allowed_5xx=_allowed_5xx(case.operation.path, via_router=True))
+        tally.record(label, answer, detail, allowed_5xx=_fuzz.allowed_5xx(case.operation.path, via_router=True))
         after = fleet.fence_state()
         if 400 <= answer.status < 500 and after != baseline:
             tally.problems.append(f"a refusal changed the fleet: {label} {detail[:200]}: {baseline} -> {after}")
@@ -267,7 +176,7 @@ def test_fuzz_fenced_routes_on_partial_weights(servers, client):
             if again != baseline:
                 tally.problems.append(f"the harness could not restore partial weights after {label}: {again}")
 
-    for op in _fuzz.operations(_doc(url)):
+    for op in _fuzz.operations(_fuzz.openapi_doc(url)):
         if op.path not in fenced or op.method.upper() != "POST":
             continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
@@ -280,14 +189,3 @@ def test_fuzz_fenced_routes_on_partial_weights(servers, client):
     # Reloaded through the router, the fleet is whole and serves again.
     fleet.restore()
     assert all(not w["disabled"] and not w.get("pending") for w in workers(url, ADMIN_KEY))
-
-
-def test_fuzz_every_worker_route(servers, client):
-    url = servers["worker"]
-    tally = _run_fuzz(client, url, restore=lambda: _restore_worker(client, url, servers["model"]), fleet=None)
-    print(f"worker fuzz: {tally.summary()}")
-    assert not tally.problems, "\n".join(tally.problems[:40])
-    assert tally.cases >= 300, tally.summary()
-    _processes_alive(servers)
-    status, body = http_json("GET", url + "/health", timeout=10)
-    assert status == 200 and body["weight_state"] == "serving", body
