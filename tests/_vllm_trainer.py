@@ -109,9 +109,20 @@ def sync(trainer: Trainer, named: list[tuple[str, torch.Tensor]], version: str) 
     trainer.call("POST", "/finish_weight_update", {"weight_version": version})
 
 
+#: The mismatched send's bound: the workers refuse the first buffer within milliseconds, and the
+#: trainer's broadcast, which nobody takes any more, waits this long before it fails.
+MISMATCH_SEND_TIMEOUT_S = 3.0
+
+
 def mismatch(trainer: Trainer, named: list[tuple[str, torch.Tensor]]) -> None:
     trainer.call("POST", "/start_weight_update", {"timeout_s": 60})
-    trainer.update(named, packed=True, packed_buffer_size_bytes=256 * 1024, send_buffer=32 * 1024, send_timeout_s=10)
+    trainer.update(
+        named,
+        packed=True,
+        packed_buffer_size_bytes=256 * 1024,
+        send_buffer=32 * 1024,
+        send_timeout_s=MISMATCH_SEND_TIMEOUT_S,
+    )
     trainer.call("POST", "/finish_weight_update", {"weight_version": "never"})
 
 

@@ -11,19 +11,16 @@ two-phase sync.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
 from tests._weight_sync_fixtures import WORKER_ARGS
-from tests.procs import free_port, http_json
+from tests.procs import ManagedProcess, free_port, http_json
 
 pytestmark = pytest.mark.process
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 #: The router's admin-lock wait: a pause arriving while a prepared update still
 #: holds the lock is answered 503 after this long (rather than queued).
 LOCK_TIMEOUT_S = 3
@@ -58,14 +55,9 @@ def test_failed_broadcast_ends_the_session_and_the_next_sync_rebuilds_the_group(
         before = http_json("POST", url + "/weights_checker", {"action": "checksum"}, headers=auth())[1][
             "rank_checksums"
         ]
-        done = subprocess.run(
-            [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)],
-            cwd=REPO_ROOT,
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        # Forked from the suite's fork server (torch already imported), as the other trainers are.
+        trainer = ManagedProcess("trainer", [sys.executable, "-m", "tests._router_trainer", json.dumps(cfg)]).start()
+        assert trainer.wait_exit(120) == 0, trainer.log_text(3000)
         report = json.loads(out.read_text())
         assert report["num_buckets"] > 2 and report["steps"], json.dumps(report, indent=1)[:3000]
         failed = report["steps"][0]

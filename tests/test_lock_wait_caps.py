@@ -100,13 +100,13 @@ def test_a_calls_timeout_caps_its_wait_for_the_call_lock(
         complete = {"group_name": GROUP, "return_checksum": True, "timeout_s": COMPLETE_TIMEOUT_S}
         completed = pool.submit(worker.post, "/complete_weights_update", complete, timeout=60)
 
-        # A prepare with timeout_s 3 behind the complete: its 503 names the 3 s it waited.
+        # A prepare with timeout_s 2 behind the complete: its 503 names the 2 s it waited.
         busy_behind_complete(
-            worker, "/prepare_weights_update", plan.prepare_request(GROUP, weight_version="never", timeout_s=3), 3
+            worker, "/prepare_weights_update", plan.prepare_request(GROUP, weight_version="never", timeout_s=2), 2
         )
-        # SGLang's single-phase call, with its own 2 s.
-        single = {**plan.metadata()[0].model_dump(), "group_name": GROUP, "weight_version": "never", "timeout_s": 2}
-        busy_behind_complete(worker, "/update_weights_from_distributed", single, 2)
+        # SGLang's single-phase call, with its own 1 s.
+        single = {**plan.metadata()[0].model_dump(), "group_name": GROUP, "weight_version": "never", "timeout_s": 1}
+        busy_behind_complete(worker, "/update_weights_from_distributed", single, 1)
         assert not completed.done()  # the complete still waits for the trainer: the refusals were in its shadow
 
         info = worker.info()

@@ -35,6 +35,9 @@ from tests._router_fixtures import (
 from tests.procs import ManagedProcess, http_json
 
 ACK_TIMEOUT_S = 2.0
+#: While a data plane is stopped, the live one answers an admin call once the fence's acknowledgement
+#: has timed out (ACK_TIMEOUT_S); a call still unanswered this long after landed on the stopped one.
+STOPPED_PLANE_CALL_S = 2 * ACK_TIMEOUT_S + 1
 DATA_PLANES = ["--data-plane-processes", "2", "--data-plane-ack-timeout-s", str(ACK_TIMEOUT_S)]
 
 
@@ -300,7 +303,7 @@ def test_an_unacknowledged_fence_fails_closed_and_the_process_is_restarted(fleet
     stopped = pids[0]
     os.kill(stopped, signal.SIGSTOP)
     try:
-        status, body = admin_call(fleet.url, "/pause_generation", {"mode": "abort"})
+        status, body = admin_call(fleet.url, "/pause_generation", {"mode": "abort"}, timeout=STOPPED_PLANE_CALL_S)
         assert status == 503, body
         assert "did not acknowledge" in body["error"]["message"] and "nothing was sent" in body["error"]["message"]
         # Nothing reached the workers, nothing stays fenced or journaled.

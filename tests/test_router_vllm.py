@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import subprocess
 import sys
 import uuid
 from collections.abc import Awaitable, Callable, Iterator
@@ -34,7 +33,7 @@ from tests._polling import until
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
 from tests._router_fixtures import Fleet as WorkerFleet
 from tests._weight_sync_fixtures import WORKER_ARGS
-from tests.procs import free_port, http_json
+from tests.procs import ManagedProcess, free_port, http_json
 
 KEY = "vllm-policy-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -476,16 +475,14 @@ def run_vllm_trainer(router_url: str, model: Path, out_dir: Path, scenario: str,
     """The trainer process (bounded); its report, call by call."""
     out = out_dir / f"vllm-trainer-{scenario}.json"
     cfg = {"router": router_url, "model": str(model), "port": free_port(), "out": str(out), "scenario": scenario}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests._vllm_trainer", json.dumps({**cfg, **extra})],
-        cwd=Path(__file__).resolve().parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    # Forked from the suite's fork server (torch already imported), as the other trainers are.
+    trainer = ManagedProcess(
+        f"vllm-trainer-{scenario}", [sys.executable, "-m", "tests._vllm_trainer", json.dumps({**cfg, **extra})]
     )
-    assert out.exists(), f"the trainer wrote no report (exit {done.returncode}):\n{done.stderr[-3000:]}"
+    code = trainer.start().wait_exit(300)
+    assert out.exists(), f"the trainer wrote no report (exit {code}):\n{trainer.log_text(3000)}"
     report: dict[str, Any] = json.loads(out.read_text())
-    report["returncode"], report["stderr"] = done.returncode, done.stderr[-3000:]
+    report["returncode"], report["stderr"] = code, trainer.log_text(3000)
     return report
 
 

@@ -323,7 +323,8 @@ class TestBufferSizeMismatch:
             packed=True,
             packed_buffer_size_bytes=256 * 1024,
             send_buffer=32 * 1024,
-            send_timeout_s=10.0,
+            # The worker refuses the first buffer within milliseconds; the send nobody takes fails at this bound.
+            send_timeout_s=3.0,
         )
         assert status == 400, body
         assert "receive failed" in body["error"]["message"] and "bytes" in body["error"]["message"], body
