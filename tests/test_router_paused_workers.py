@@ -43,6 +43,8 @@ def test_a_worker_paused_behind_the_router_is_continued_by_it(
         assert _paused(b.url)
         # Nobody but the router continues it; it took no traffic meanwhile (the probe took it out at once).
         wait_for(lambda: not _paused(b.url), 30, proc, "the router to continue the worker it found paused")
+        # The router logs "continued" once it has read the worker again after the continue: a moment later.
+        wait_for(lambda: "continued" in proc.log_text(), 10, proc, "the router to log the continue")
         log = proc.log_text()
         assert "is paused although the router did not pause it" in log and "continued" in log, log[-3000:]
         row = by_url(url, ADMIN_KEY)[b.url]
