@@ -29,7 +29,7 @@ from router.contract.fleet import (
     WorkerUrlQuery,
 )
 from router.contract.generate import GenerateRequest, GenerateResponse
-from router.contract.web.auth import access_check
+from router.contract.web.auth import of_requests, token_check
 from router.contract.web.openapi import Route, openapi_route, paths_with_access, route_defs
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway import keys
@@ -52,6 +52,7 @@ from router.gateway.fleet.groups import GROUPS_FILE, WeightGroups
 from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
+from router.gateway.frontend.site import FRONTEND, Frontend
 from router.gateway.leader.takeover import Leadership
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.affinity import SessionAffinity
@@ -285,7 +286,7 @@ def create_app(config: RouterConfig) -> web.Application:
     table = routes()
     table.append(openapi_route("omni-router", __version__, table, description=API_DESCRIPTION))
 
-    check = access_check(
+    check = token_check(
         admin_key=config.admin_api_key,
         api_key=config.api_key,
         open_paths=paths_with_access(table, "open"),
@@ -293,7 +294,11 @@ def create_app(config: RouterConfig) -> web.Application:
     )
     # A standby's gate answers before the key is checked: nothing runs there either way.
     gate = leader.gate.answer if leader is not None else None
-    app = web.Application(middlewares=[edge_middleware(check, metrics, gate=gate)], client_max_size=MAX_BODY_BYTES)
+    app = web.Application(
+        middlewares=[edge_middleware(of_requests(check), metrics, gate=gate)], client_max_size=MAX_BODY_BYTES
+    )
+    # The generation routes' share of the table, for a lean server when the process serves one (cli.py).
+    app[FRONTEND] = Frontend.of(table, check, leader.gate.answer_path if leader is not None else None)
     app[keys.CONFIG] = config
     app[keys.REGISTRY] = registry
     app[keys.JOURNAL] = journal

@@ -23,6 +23,7 @@ from router.gateway.config import RouterConfig
 from router.gateway.data_planes.control import DEFAULT_ACK_TIMEOUT_S
 from router.gateway.data_planes.launch import data_plane_count, run_control, run_data_plane
 from router.gateway.discovery.k8s import require_client
+from router.gateway.frontend.site import lean_tcp
 from router.gateway.serving import Hooks, serve, tcp
 
 log = logging.getLogger("router")
@@ -90,8 +91,9 @@ class ProcessSettings:
     generation_server: Annotated[
         Literal["lean", "aiohttp"],
         Flag(
-            "what serves the generation routes in each data-plane process: lean (the router's own HTTP/1.1 server: "
-            "llhttp, one write per answer; other routes' connections go to aiohttp) or aiohttp's server for every route"
+            "what serves the generation routes on --port (in each data-plane process, or the one process): lean (the "
+            "router's own HTTP/1.1 server: llhttp, one write per answer; other routes' connections go to aiohttp) or "
+            "aiohttp's server for every route"
         ),
     ] = "lean"
     data_plane_ack_timeout_s: Annotated[
@@ -206,7 +208,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
             )
         else:
-            runner.run(serve(app, tcp(host, port), config.shutdown_grace_s, Hooks(on_started=_ready(config))))
+            listen = (lean_tcp if process.generation_server == "lean" else tcp)(host, port)
+            runner.run(serve(app, listen, config.shutdown_grace_s, Hooks(on_started=_ready(config))))
     log.info("omni-router stopped after %.0fs", time.monotonic() - started)
     return 0
 

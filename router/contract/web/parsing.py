@@ -55,7 +55,9 @@ def decode_json(raw: bytes) -> Any:
         raise ApiError(400, str(exc)) from None
 
 
-_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+#: A JSON string, written as runs between escapes: one step per run, not one alternation per byte (a
+#: 64 MiB string field scans in a fraction of a second instead of seconds).
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
 _INNERMOST = re.compile(rb"\[\]|\{\}")
 _NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
 

@@ -15,7 +15,7 @@ from router.gateway.data_planes.control import attach_data_planes
 from router.gateway.data_planes.data_plane import create_data_plane_app
 from router.gateway.data_planes.handoff import HandoffSite, handoff_path
 from router.gateway.data_planes.supervisor import DataPlaneSupervisor
-from router.gateway.frontend.site import LeanSite
+from router.gateway.frontend.site import lean_tcp
 from router.gateway.serving import Hooks, serve, tcp, unix
 
 log = logging.getLogger("router")
@@ -89,8 +89,5 @@ async def run_data_plane(
     def started(addresses: list[str]) -> None:
         log.info("data-plane process %d serving on http://%s:%s (pid %d)", index, host, port, os.getpid())
 
-    def listen(runner: web.AppRunner) -> list[web.BaseSite]:
-        return [LeanSite(runner, host, port, reuse_port=True)]
-
-    sites = listen if lean else tcp(host, port, reuse_port=True)
-    await serve(app, sites, config.shutdown_grace_s, Hooks(on_started=started))
+    listen = (lean_tcp if lean else tcp)(host, port, reuse_port=True)
+    await serve(app, listen, config.shutdown_grace_s, Hooks(on_started=started))

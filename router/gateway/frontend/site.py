@@ -33,6 +33,7 @@ from router.gateway.frontend.connection import IDLE_S, CallerConnection
 from router.gateway.frontend.wire import LeanCaller
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.serving import Listen
 from router.gateway.shutdown import DRAIN, RequestDrain
 
 log = logging.getLogger(__name__)
@@ -124,6 +125,11 @@ class LeanServer:
         for conn in list(self.connections):
             if conn.idle and now - conn.last_read >= idle_for_s:
                 conn.close()
+
+
+def lean_tcp(host: str, port: int, *, reuse_port: bool = False) -> Listen:
+    """:func:`router.gateway.serving.tcp`, with the generation routes served by a lean server."""
+    return lambda runner: [LeanSite(runner, host, port, reuse_port=reuse_port)]
 
 
 class LeanSite(web.BaseSite):
