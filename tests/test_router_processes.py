@@ -191,6 +191,24 @@ def test_a_data_plane_s_lean_server_streams_and_hands_other_routes_to_aiohttp_on
         conn.close()
 
 
+@pytest.mark.parametrize("server", ["lean", "aiohttp"])
+def test_the_one_process_serves_generation_from_the_server_its_flag_names(fleet, server):
+    router, url = start_router(
+        fleet.worker_urls, admin_key=ADMIN_KEY, extra_args=["--generation-server", server], wait_healthy=2
+    )
+    try:
+        host, port = url.removeprefix("http://").split(":")
+        conn = http.client.HTTPConnection(host, int(port), timeout=60)
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 2, "temperature": 0.0}}
+        conn.request("POST", "/generate", json.dumps(body), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and json.loads(resp.read())["meta_info"]["weight_version"]
+        assert ("aiohttp" in (resp.getheader("Server") or "")) == (server == "aiohttp")
+        conn.close()
+    finally:
+        router.stop()
+
+
 def test_a_trainer_s_admin_connection_moves_to_the_control_process_and_keeps_serving(fleet):
     """The first admin POST on a keep-alive connection hands the connection to the control process (counted
     once); every later call on the same socket, admin, reads and generation alike, is answered there as
