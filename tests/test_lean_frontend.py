@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from email.utils import parsedate_to_datetime
 from pathlib import Path
 from typing import Any
 
@@ -90,6 +91,7 @@ async def test_generation_is_served_lean_and_another_route_moves_the_connection_
         writer.write(generate_request())
         status, headers, body = await read_answer(reader)
         assert status == 200 and body == REPLY and "server" not in headers  # aiohttp names itself; lean does not
+        assert parsedate_to_datetime(headers["date"]).tzinfo is not None  # HTTP's Date, in GMT
         assert headers["x-omni-worker"] and headers["content-type"].startswith("application/json")
     writer.write(HEALTH)
     status, headers, body = await read_answer(reader)

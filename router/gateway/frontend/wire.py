@@ -8,6 +8,8 @@ chunk per piece the worker sent, written as it arrives and held back while the c
 
 from __future__ import annotations
 
+import time
+from email.utils import formatdate
 from http import HTTPStatus
 from typing import Protocol
 
@@ -29,9 +31,22 @@ class Outlet(Protocol):
         ...
 
 
+_date_second = 0
+_date_line = ""
+
+
+def _date() -> str:
+    """The ``Date`` header line (HTTP requires it of a server with a clock), formatted once a second."""
+    global _date_second, _date_line
+    now = int(time.time())
+    if now != _date_second:
+        _date_second, _date_line = now, f"Date: {formatdate(now, usegmt=True)}\r\n"
+    return _date_line
+
+
 def encode_head(status: int, headers: dict[str, str], length: int | None, keep_alive: bool) -> bytes:
     """The answer's status line and headers; ``length=None``: the body follows in chunks."""
-    parts = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
+    parts = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n", _date()]
     for name, value in headers.items():
         if "\n" in value or "\r" in value:  # a header never splits into two, whatever a worker or caller sent
             continue
