@@ -49,8 +49,15 @@ def test_router_killed_mid_update_restarts_with_targets_disabled(trio, tmp_path)
     port = int(url.rsplit(":", 1)[1])
     answer: dict = {}
     thread = hanging_init(url, answer)
+
+    def mid_update() -> bool:
+        # The fence shows in the registry before its journal entry is on disk; until both hold nothing is
+        # sent, and a router killed then rightly comes back with nothing fenced. Killed once the entry is
+        # written (atomically: the file exists whole or not at all), the update may have reached the workers.
+        return (state / "update_journal.json").exists() and all(w["disabled"] for w in workers(url, ADMIN_KEY))
+
     try:
-        wait_for(lambda: all(w["disabled"] for w in workers(url, ADMIN_KEY)), 10, proc, "targets disabled")
+        wait_for(mid_update, 10, proc, "targets disabled and the update journaled")
         proc.kill()  # SIGKILL: no cleanup runs
     finally:
         thread.join(30)
