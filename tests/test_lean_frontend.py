@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiohttp.test_utils import TestServer
 
 from router.contract.web.auth import token_check
 from router.contract.web.parsing import MAX_BODY_BYTES
@@ -25,7 +24,7 @@ from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
 from router.gateway.frontend.connection import MAX_HEAD_BYTES
 from tests._polling import until
-from tests.test_router_proxy import REPLY, LeanClient, StandIn, serve_lean
+from tests.test_router_proxy import REPLY, LeanClient, StandIn, serve_lean, serve_standins
 
 API_KEY = "generation-key"
 BODY = b'{"text": "hi"}'
@@ -60,9 +59,7 @@ async def read_answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]
 @pytest.fixture
 async def lean(tmp_path: Path) -> AsyncIterator[tuple[LeanClient, str, int]]:
     standins = [StandIn("a"), StandIn("b")]
-    servers = [TestServer(s.app(), host="127.0.0.1") for s in standins]
-    for server in servers:
-        await server.start_server()
+    servers = await serve_standins(standins)
     config = RouterConfig(
         worker_urls=[f"http://127.0.0.1:{server.port}" for server in servers],
         state_dir=tmp_path / "state",

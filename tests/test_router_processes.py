@@ -193,6 +193,7 @@ def test_a_data_plane_s_lean_server_streams_and_hands_other_routes_to_aiohttp_on
 
 @pytest.mark.parametrize("server", ["lean", "aiohttp"])
 def test_the_one_process_serves_generation_from_the_server_its_flag_names(fleet, server):
+    """A process of its own: the flag is read by the CLI, which picks the site the process listens on."""
     router, url = start_router(
         fleet.worker_urls, admin_key=ADMIN_KEY, extra_args=["--generation-server", server], wait_healthy=2
     )

@@ -126,6 +126,14 @@ class StandIn:
         return app
 
 
+async def serve_standins(standins: list[StandIn]) -> list[TestServer]:
+    """Each stand-in on a loopback port of its own."""
+    servers = [TestServer(s.app(), host="127.0.0.1") for s in standins]
+    for server in servers:
+        await server.start_server()
+    return servers
+
+
 class LeanClient:
     """What these tests use of aiohttp's ``TestClient``, against the app served by a lean site."""
 
@@ -162,9 +170,7 @@ async def serve_lean(app: web.Application, check: TokenCheck | None = None) -> L
 @pytest.fixture(params=["aiohttp", "lean"])
 async def fleet(request: Any, aiohttp_client: Any, tmp_path: Path) -> AsyncIterator[tuple[TestClient, list[StandIn]]]:
     standins = [StandIn("a"), StandIn("b")]
-    servers = [TestServer(s.app(), host="127.0.0.1") for s in standins]
-    for server in servers:
-        await server.start_server()
+    servers = await serve_standins(standins)
     urls = [f"http://127.0.0.1:{server.port}" for server in servers]
     config = RouterConfig(
         worker_urls=urls,
@@ -310,9 +316,7 @@ async def test_a_worker_that_does_not_answer_its_probe_does_not_delay_noticing_a
     the dead one is dead within a few intervals, not after the stopped one's timeouts, one per round."""
     dying, stopped = StandIn("dying"), StandIn("stopped")
     stopped.answers_probes.clear()
-    servers = [TestServer(dying.app(), host="127.0.0.1"), TestServer(stopped.app(), host="127.0.0.1")]
-    for server in servers:
-        await server.start_server()
+    servers = await serve_standins([dying, stopped])
     config = RouterConfig(
         worker_urls=[f"http://127.0.0.1:{server.port}" for server in servers],
         state_dir=tmp_path / "state",
