@@ -119,7 +119,7 @@ async def test_pipelined_requests_are_answered_in_order_and_another_route_behind
     writer.close()
 
 
-async def test_bad_bytes_a_large_body_and_a_missing_key_are_refused_with_an_error_body(lean) -> None:
+async def test_bad_bytes_a_large_body_and_a_missing_key_are_refused_with_an_error_body_and_a_close(lean) -> None:
     cases = [
         (b"NOT HTTP AT ALL\r\n\r\n", 400, "could not be parsed"),
         (generate_request(extra=f"Content-Length: {MAX_BODY_BYTES + 1}\r\n")[: -len(BODY)], 400, None),
@@ -145,12 +145,16 @@ async def test_bad_bytes_a_large_body_and_a_missing_key_are_refused_with_an_erro
         assert await asyncio.wait_for(reader.read(), 10) == b""
         writer.close()
     reader, writer = await connect(lean)
+    writer.write(generate_request())
+    assert (await read_answer(reader))[0] == 200
     for key in (None, "wrong"):
         writer.write(generate_request(key=key))
         status, headers, body = await read_answer(reader)
         assert status == 401 and headers["www-authenticate"] == "Bearer" and json.loads(body)["error"]["message"]
-    writer.write(generate_request())  # a refusal keeps the connection
-    assert (await read_answer(reader))[0] == 200
+        assert headers["connection"] == "close"  # refused at its head: its body is never read
+        assert await asyncio.wait_for(reader.read(), 10) == b""
+        writer.close()
+        reader, writer = await connect(lean)
     writer.close()
 
 

@@ -231,10 +231,11 @@ def test_a_trainer_s_admin_connection_moves_to_the_control_process_and_keeps_ser
         )
         assert status == 200 and worker in fleet.ids and body["meta_info"]["completion_tokens"] == 2
         assert _exchange(conn, "GET", "/workers")[0] == 200
+        assert conn.sock.getsockname() == local  # one socket throughout: nothing was dropped or reopened
         conn.request("POST", "/flush_cache", "{}", {"Content-Type": "application/json"})  # no key: refused there
         refused = conn.getresponse()
         assert refused.status == 401 and b"error" in refused.read()
-        assert conn.sock.getsockname() == local  # one socket throughout: nothing was dropped or reopened
+        assert refused.getheader("Connection") == "close"  # refused at its head: its body is never read
     finally:
         conn.close()
     assert _handed_count(fleet.url) - before == 1

@@ -22,6 +22,7 @@ from router.contract.admin import (
 from router.contract.budget import HOP_MARGIN_S
 from router.contract.errors import BadRequest, Conflict, NotFound, Unavailable
 from router.contract.fleet_answers import CompleteFleetAnswer, WorkerResult
+from router.contract.web.parsing import MAX_BODY_BYTES
 from router.contract.weight_sync import (
     CompleteWeightsUpdateResponse,
     InitWeightsUpdateGroupRequest,
@@ -34,7 +35,9 @@ from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import OPERATIONS
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
+from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
+from router.gateway.frontend.budget import BodyBudget, process_share
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
 from router.gateway.routing.prepare import prepare_payload, prepare_tokens_payload
 from router.gateway.sync.ranks import plan_ranks
@@ -438,3 +441,18 @@ class TestWire:
         assert prepare_tokens_payload(b'{"request_id": 5}', None)[:2] == (b'{"request_id": 5}', None)
         assert prepare_tokens_payload(b"[1]", None) == (b"[1]", None, None)
         assert prepare_tokens_payload(b"not json", None) == (b"not json", None, None)
+
+
+def test_the_body_budget_is_shared_by_the_serving_processes_and_never_below_two_bodies() -> None:
+    assert process_share(None, 1) == 16 * MAX_BODY_BYTES
+    assert process_share(None, 2) == 8 * MAX_BODY_BYTES
+    assert process_share(None, 8) == process_share(None, 16) == 2 * MAX_BODY_BYTES  # the floor
+    assert process_share(1 << 20, 1) == 2 * MAX_BODY_BYTES
+    assert RouterConfig(body_budget_mb=3072, generation_processes=3).body_budget_bytes() == 1024 << 20
+    budget = BodyBudget(100)
+    assert budget.admits(100) and not budget.admits(101) and budget.refused == 1
+    assert budget.take(60) and not budget.take(41) and budget.held == 60 and budget.refused == 2
+    budget.give(60)
+    assert budget.held == 0 and budget.take(100)
+    with pytest.raises(ValueError, match="body_budget_mb"):
+        RouterConfig(body_budget_mb=0).validate()

@@ -152,6 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.error("cannot start: %s", exc)
         return 2
     host, port = process.host, process.port
+    config.generation_processes = processes  # they share the body budget
     if args.data_plane_of is not None:  # started by a control process: serve its generation routes
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             runner.run(
@@ -174,7 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
     if processes > 1 and port == 0:
         if process.data_plane_processes == "auto":  # an OS-chosen port cannot be shared: one process
-            processes = 1
+            processes = config.generation_processes = 1
         else:
             log.error(
                 "cannot start: --data-plane-processes %d needs a fixed --port (every process binds it)", processes

@@ -11,6 +11,7 @@ from router.contract.budget import DEFAULT_LOCK_WAIT_S
 from router.contract.fleet import EngineName
 from router.contract.settings import Flag, key_value
 from router.contract.web.auth import ADMIN_KEY_ENV
+from router.gateway.frontend.budget import process_share
 from router.gateway.routing.version_policy import parse_version_policy
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
@@ -93,6 +94,23 @@ class RouterConfig:
         float, Flag("seconds an admin update waits for the update lock before answering 503")
     ] = DEFAULT_LOCK_WAIT_S
     request_timeout_s: Annotated[float, Flag("seconds one proxied /generate may take, streaming included")] = 1800.0
+    stream_stall_timeout_s: Annotated[
+        float,
+        Flag(
+            "seconds an answer may wait on a caller that reads none of it; then its connection is cut and a "
+            "streamed request aborted on its worker (omni_router_stalled_callers_total)"
+        ),
+    ] = 60.0
+    body_budget_mb: Annotated[
+        int | None,
+        Flag(
+            "MiB of generation request bodies the router holds in memory at once, shared equally by its serving "
+            "processes (each at least two bodies of the 64 MiB bound); past it a request is answered 503 with "
+            "Retry-After; default: 16 bodies (1024)"
+        ),
+    ] = None
+    generation_processes: int = 1
+    """Processes serving the generation routes, which share the body budget (set from --data-plane-processes)."""
     connect_timeout_s: Annotated[
         float, Flag("seconds to open a connection to a worker (also ends a dead worker's retry quickly)")
     ] = 5.0
@@ -260,6 +278,11 @@ class RouterConfig:
             return max(self.health_dead_threshold, self.health_failure_threshold)
         return 2 * self.health_failure_threshold
 
+    def body_budget_bytes(self) -> int:
+        """This process's share of the router's body budget (:mod:`router.gateway.frontend.budget`)."""
+        total = None if self.body_budget_mb is None else self.body_budget_mb * 1024 * 1024
+        return process_share(total, self.generation_processes)
+
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad setting."""
         if not self.shutdown_grace_s >= 0:
@@ -267,6 +290,7 @@ class RouterConfig:
         positive = {
             "admin_lock_timeout_s": self.admin_lock_timeout_s,
             "request_timeout_s": self.request_timeout_s,
+            "stream_stall_timeout_s": self.stream_stall_timeout_s,
             "connect_timeout_s": self.connect_timeout_s,
             "health_check_interval_s": self.health_check_interval_s,
             "health_check_timeout_s": self.health_check_timeout_s,
@@ -279,6 +303,8 @@ class RouterConfig:
         for name in ("health_failure_threshold", "health_success_threshold", "max_connections"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.body_budget_mb is not None and self.body_budget_mb < 1:
+            raise ValueError(f"body_budget_mb must be >= 1, got {self.body_budget_mb}")
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if not self.session_affinity_ttl_s > 0:

@@ -7,6 +7,12 @@ proxy path each middleware layer is a coroutine frame and an await per request, 
 fusing them saves about a tenth of the CPU a proxied request costs (docs/benchmarks.md).
 The order is the one three layers had: the metrics see the status of the error answer,
 and a 401 is counted like any other answer.
+
+What is refused at the head (:mod:`router.gateway.frontend.rules`, the same rules as the lean
+server's) is refused before the handler reads a body byte, and the answer closes the connection.
+aiohttp's parser already refuses a repeated ``Host`` or ``Content-Length``; a repeated
+``Authorization`` is refused here, and a declared length over the bound too (aiohttp's own bound,
+``client_max_size``, is applied only as the body is read).
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ from aiohttp.typedefs import Middleware
 
 from router.contract.web.auth import AccessCheck
 from router.contract.web.middleware import Handler, error_response
+from router.contract.web.parsing import MAX_BODY_BYTES
+from router.gateway.frontend.rules import repeated, too_large
 from router.gateway.metrics import RouterMetrics
 
 #: The route label of a request that matched no route.
@@ -51,11 +59,11 @@ def edge_middleware(
         status = 500
         try:
             try:
-                gated = gate(request) if gate is not None else None
-                if gated is not None:
-                    response = gated
+                refused = _refused_at_head(request, check, gate)
+                if refused is not None:
+                    refused.force_close()  # the body, if any, is never read
+                    response = refused
                 else:
-                    check(request)
                     response = await handler(request)
             except asyncio.CancelledError:
                 status = 499  # the caller went away
@@ -74,3 +82,20 @@ def edge_middleware(
                 metrics.observe_request(route_label(request), request.method, status, time.perf_counter() - start)
 
     return edge
+
+
+def _refused_at_head(request: web.Request, check: AccessCheck, gate: Gate | None) -> web.StreamResponse | None:
+    """The answer refusing ``request`` from its head alone, or ``None`` to run its handler."""
+    if len(request.headers.getall("Authorization", ())) > 1:
+        return error_response(request, repeated("authorization"))
+    gated = gate(request) if gate is not None else None
+    if gated is not None:
+        return gated
+    try:
+        check(request)
+    except Exception as exc:  # the access check's 401
+        return error_response(request, exc)
+    length = request.content_length
+    if length is not None and length > MAX_BODY_BYTES:
+        return error_response(request, too_large())
+    return None

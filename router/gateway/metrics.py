@@ -22,7 +22,7 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Protocol, get_args
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -344,6 +344,17 @@ class RouterMetrics:
         )
         self.client_aborts = Counter(
             "omni_router_client_disconnects_total", "Requests whose caller went away; aborted on the worker", registry=r
+        )
+        self.body_bytes_held = Gauge(
+            "omni_router_request_body_bytes_held",
+            "Bytes of generation request bodies the lean server holds (bounded by --body-budget-mb)",
+            registry=r,
+        )
+        self.stream_stalls = Counter(
+            "omni_router_stalled_callers_total",
+            "Callers cut off because they read nothing of their answer for --stream-stall-timeout-s (a stream's "
+            "request aborted on its worker)",
+            registry=r,
         )
         self.handed_connections = Counter(
             "omni_router_admin_connections_handed_total",

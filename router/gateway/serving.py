@@ -55,7 +55,12 @@ async def serve(app: web.Application, listen: Listen, grace_s: float, hooks: Hoo
     app[DRAIN] = drain
     # handler_cancellation: a caller that disconnects cancels its handler, which is how the proxy
     # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop is the drain.
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=drain.grace_s)
+    # lingering_time=0: a request answered without its body being read (refused at its head: no key, a
+    # declared length over the bound) closes its connection at once, rather than aiohttp reading and
+    # dropping what the caller still sends for up to 10 s (router/gateway/edge.py).
+    runner = web.AppRunner(
+        app, handler_cancellation=True, access_log=None, shutdown_timeout=drain.grace_s, lingering_time=0
+    )
     await runner.setup()
     loop = asyncio.get_running_loop()
     cutter: asyncio.Task[None] | None = None

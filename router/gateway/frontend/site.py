@@ -3,7 +3,8 @@
 It listens on the data plane's port in place of aiohttp's TCP site. Generation requests are served
 by :class:`LeanServer` with the same proxy as aiohttp's handlers, behind the same edge: the leader
 gate (a standby's data planes refuse what its control process does), the access check, the error
-shape, the request metrics and the graceful stop's drain. Every other request's connection goes to
+shape, the request metrics and the graceful stop's drain. The gate and the key are checked when a
+request's head is complete, before its body is read (:mod:`.connection`, :mod:`.rules`). Every other request's connection goes to
 the runner's aiohttp server (:mod:`.connection`), so liveness, readiness and the relay to the control
 process are served as before.
 
@@ -24,11 +25,13 @@ from typing import cast
 
 from aiohttp import web
 
+from router.contract.errors import ApiError
 from router.contract.web.auth import TokenCheck
 from router.contract.web.middleware import error_answer
 from router.contract.web.openapi import Route
 from router.gateway import keys
 from router.gateway.api.proxied import PROXIED, Proxied
+from router.gateway.frontend.budget import BodyBudget
 from router.gateway.frontend.connection import IDLE_S, CallerConnection
 from router.gateway.frontend.wire import LeanCaller
 from router.gateway.metrics import RouterMetrics
@@ -72,8 +75,13 @@ class LeanServer:
         metrics: RouterMetrics,
         drain: RequestDrain,
         fallback: Callable[[], asyncio.Protocol | None],
+        *,
+        budget: BodyBudget,
+        stall_s: float,
     ):
         self.routes = frontend.routes
+        self.budget = budget
+        self.stall_s = stall_s
         self._check = frontend.check
         self._gate = frontend.gate
         self._proxy = proxy
@@ -87,6 +95,24 @@ class LeanServer:
         """aiohttp's protocol for a connection handed over, or ``None`` once it stopped."""
         return self._fallback()
 
+    def admit(self, path: str, headers: dict[str, str]) -> web.Response | None:
+        """The leader gate's answer, or the key check's refusal, of a request whose head is complete."""
+        if self._gate is not None:
+            gated = self._gate(path)
+            if gated is not None:
+                return gated
+        try:
+            self._check(path, headers.get("authorization"))
+        except ApiError as exc:
+            return error_answer(exc, "", path)
+        return None
+
+    def refused(self, method: str, path: str, status: int) -> None:
+        self._metrics.observe_request(path, method, status, 0.0)
+
+    def stalled(self) -> None:
+        self._metrics.stream_stalls.inc()
+
     async def serve(self, caller: LeanCaller, route: Proxied) -> None:
         """One request, answered on its connection; counted as aiohttp's edge counts its requests."""
         start = time.perf_counter()
@@ -96,13 +122,8 @@ class LeanServer:
             caller.keep_alive = False
         try:
             try:
-                gated = self._gate(caller.path) if self._gate is not None else None
-                if gated is not None:
-                    status = caller.answer_with(gated)
-                else:
-                    self._check(caller.path, caller.header("Authorization"))
-                    status = await self._proxy.handle(caller, route.worker_path, route.prepare)
-                    caller.end_stream()
+                status = await self._proxy.handle(caller, route.worker_path, route.prepare)
+                caller.end_stream()
             except asyncio.CancelledError:
                 status = 499  # the caller went away (or the drain's grace ran out)
                 raise
@@ -152,7 +173,19 @@ class LeanSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         app = cast(web.AppRunner, self._runner).app
-        lean = LeanServer(app[FRONTEND], app[keys.PROXY], app[keys.METRICS], app[DRAIN], self._fallback)
+        config = app[keys.CONFIG]
+        metrics = app[keys.METRICS]
+        budget = BodyBudget(config.body_budget_bytes())
+        metrics.body_bytes_held.set_function(lambda: budget.held)
+        lean = LeanServer(
+            app[FRONTEND],
+            app[keys.PROXY],
+            metrics,
+            app[DRAIN],
+            self._fallback,
+            budget=budget,
+            stall_s=config.stream_stall_timeout_s,
+        )
         self._lean = lean
         loop = asyncio.get_running_loop()
         self._server = await loop.create_server(

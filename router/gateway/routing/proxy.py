@@ -49,7 +49,7 @@ from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing import version_policy
 from router.gateway.routing.affinity import SessionAffinity, session_key
-from router.gateway.routing.caller import Caller
+from router.gateway.routing.caller import Caller, StreamStalled
 from router.gateway.routing.policy import Policy
 from router.gateway.routing.prepare import AbortCall, Prepare, sglang_prepare
 from router.gateway.routing.stamping import answer_mixes_versions, stamp_headers
@@ -136,6 +136,7 @@ class GenerateProxy:
         self._service_headers = service_headers
         self._worker_auth = service_headers.get("Authorization")  # the router's own worker key
         # The retry policy, built once: these strategies keep no state between calls.
+        self._stall_s = config.stream_stall_timeout_s
         self._stop = stop_after_attempt(1 + config.max_retries)
         self._wait = wait_exponential_jitter(initial=config.retry_initial_backoff_s, max=config.retry_max_backoff_s)
         self._retry_on = retry_if_exception_type(_Retryable)
@@ -363,11 +364,14 @@ class GenerateProxy:
         # A stream's headers go before its first token: they say the version of the worker picked.
         headers = {"Content-Type": ctype, "Cache-Control": "no-cache", WORKER_HEADER: worker.id}
         stamp_headers(headers, version, False)
-        out = await caller.stream(upstream.status, headers)
+        out = await caller.stream(upstream.status, headers, self._stall_s)
         try:
             async for chunk in upstream.chunks():
                 await out.write(chunk)
-        except ConnectionResetError:  # aiohttp's ClientConnectionResetError too: the caller went away
+        except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError too: the caller went away
+            if isinstance(exc, StreamStalled):  # or stopped reading: cut off by the stall bound
+                log.info("stream to a caller that stopped reading cut after %gs (worker %s)", self._stall_s, worker.id)
+                self._metrics.stream_stalls.inc()
             self._abort_on_worker(worker, abort)
             return out.answer
         except (TimeoutError, UpstreamError) as exc:
