@@ -27,6 +27,7 @@ from router.gateway import keys
 from router.gateway.app import create_app, routes
 from router.gateway.config import RouterConfig
 from router.gateway.frontend.site import FRONTEND, Frontend, LeanSite
+from router.gateway.serving import app_runner
 from router.gateway.shutdown import DRAIN, RequestDrain
 from tests._polling import until
 from tests.procs import free_port
@@ -160,7 +161,7 @@ async def serve_lean(app: web.Application, check: TokenCheck | None = None) -> L
         check = token_check(admin_key=None, api_key=None, open_paths=(), generation_paths=())
     app[DRAIN] = RequestDrain(1.0)
     app[FRONTEND] = Frontend.of(routes(), check)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = app_runner(app, 1.0)
     await runner.setup()
     port = free_port()
     await LeanSite(runner, "127.0.0.1", port).start()

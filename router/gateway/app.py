@@ -46,7 +46,7 @@ from router.gateway.catch_up.joiners import catch_up_ctx
 from router.gateway.config import RouterConfig
 from router.gateway.discovery.k8s import KubernetesPods
 from router.gateway.discovery.reconcile import DiscoveredFleet
-from router.gateway.edge import edge_middleware
+from router.gateway.edge import edge_middleware, expect_after_head
 from router.gateway.fleet.adapters import ADAPTERS_FILE
 from router.gateway.fleet.groups import GROUPS_FILE, WeightGroups
 from router.gateway.fleet.health import HealthChecker, WorkerProber
@@ -294,9 +294,8 @@ def create_app(config: RouterConfig) -> web.Application:
     )
     # A standby's gate answers before the key is checked: nothing runs there either way.
     gate = leader.gate.answer if leader is not None else None
-    app = web.Application(
-        middlewares=[edge_middleware(of_requests(check), metrics, gate=gate)], client_max_size=MAX_BODY_BYTES
-    )
+    access = of_requests(check)
+    app = web.Application(middlewares=[edge_middleware(access, metrics, gate=gate)], client_max_size=MAX_BODY_BYTES)
     # The generation routes' share of the table, for a lean server when the process serves one (cli.py).
     app[FRONTEND] = Frontend.of(table, check, leader.gate.answer_path if leader is not None else None)
     app[keys.CONFIG] = config
@@ -309,7 +308,7 @@ def create_app(config: RouterConfig) -> web.Application:
     app[keys.GATE] = UpdateGate(config.admin_lock_timeout_s, on_wait=metrics.observe_lock_wait)
     app[keys.TASKS] = TaskSet()
     app[keys.SERVICE_HEADERS] = service_headers(config)
-    app.router.add_routes(route_defs(table))
+    app.router.add_routes(route_defs(table, expect_after_head(access, gate)))
     app.cleanup_ctx.append(state.retry_ctx)
     app.cleanup_ctx.append(upstream_ctx)
     app.cleanup_ctx.append(discovery_ctx)

@@ -21,11 +21,13 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.typedefs import Middleware
 
 from router.contract.web.auth import AccessCheck
 from router.contract.web.middleware import Handler, error_response
+from router.contract.web.openapi import ExpectHandler
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway.frontend.rules import repeated, too_large
 from router.gateway.metrics import RouterMetrics
@@ -82,6 +84,25 @@ def edge_middleware(
                 metrics.observe_request(route_label(request), request.method, status, time.perf_counter() - start)
 
     return edge
+
+
+def expect_after_head(check: AccessCheck, gate: Gate | None = None) -> ExpectHandler:
+    """aiohttp's ``Expect`` handler for every route: aiohttp runs it before any middleware, so it sends
+    ``100 Continue`` only to a request the edge will admit (the others are refused by the edge without
+    their body being sent); otherwise as aiohttp's default (HTTP/1.1 only; 417 for another expectation)."""
+
+    async def expect(request: web.Request) -> None:
+        if _refused_at_head(request, check, gate) is not None:
+            return
+        if request.version != HttpVersion11:
+            return  # an HTTP/1.0 expectation is ignored (RFC 9110 section 10.1.1)
+        expectation = request.headers.get(hdrs.EXPECT, "")
+        if expectation.lower() != "100-continue":
+            raise web.HTTPExpectationFailed(text=f"Unknown Expect: {expectation}")
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        request.writer.output_size = 0  # the answer's own bytes are counted from here
+
+    return expect
 
 
 def _refused_at_head(request: web.Request, check: AccessCheck, gate: Gate | None) -> web.StreamResponse | None:

@@ -46,6 +46,16 @@ class Hooks:
     """Awaited on the signal, before the sites stop listening."""
 
 
+def app_runner(app: web.Application, grace_s: float) -> web.AppRunner:
+    """The runner every router process serves ``app`` with (tests serve theirs with it too)."""
+    # handler_cancellation: a caller that disconnects cancels its handler, which is how the proxy
+    # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop is the drain.
+    # lingering_time=0: a request answered without its body being read (refused at its head: no key, a
+    # declared length over the bound) closes its connection at once, rather than aiohttp reading and
+    # dropping what the caller still sends for up to 10 s (router/gateway/edge.py).
+    return web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=grace_s, lingering_time=0)
+
+
 async def serve(app: web.Application, listen: Listen, grace_s: float, hooks: Hooks = Hooks()) -> None:
     """Serve until SIGTERM or SIGINT, then stop gracefully: stop listening at once, let the requests in
     flight (streams included) finish for up to ``grace_s``, cancel what is left (the proxy aborts a
@@ -53,14 +63,7 @@ async def serve(app: web.Application, listen: Listen, grace_s: float, hooks: Hoo
     drain = RequestDrain(grace_s)
     app.middlewares.insert(0, drain.middleware)
     app[DRAIN] = drain
-    # handler_cancellation: a caller that disconnects cancels its handler, which is how the proxy
-    # learns to abort the request on the worker. shutdown_timeout: aiohttp's graceful stop is the drain.
-    # lingering_time=0: a request answered without its body being read (refused at its head: no key, a
-    # declared length over the bound) closes its connection at once, rather than aiohttp reading and
-    # dropping what the caller still sends for up to 10 s (router/gateway/edge.py).
-    runner = web.AppRunner(
-        app, handler_cancellation=True, access_log=None, shutdown_timeout=drain.grace_s, lingering_time=0
-    )
+    runner = app_runner(app, drain.grace_s)
     await runner.setup()
     loop = asyncio.get_running_loop()
     cutter: asyncio.Task[None] | None = None

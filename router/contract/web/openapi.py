@@ -56,8 +56,10 @@ class Route:
     media_type: str = "application/json"
     """The answer's media type (the Prometheus text format for ``/metrics``)."""
 
-    def route_def(self) -> web.RouteDef:
-        return web.route(self.method, self.path, self.handler)
+    def route_def(self, expect_handler: ExpectHandler | None = None) -> web.RouteDef:
+        if expect_handler is None:
+            return web.route(self.method, self.path, self.handler)
+        return web.route(self.method, self.path, self.handler, expect_handler=expect_handler)
 
     @property
     def operation_id(self) -> str:
@@ -65,8 +67,12 @@ class Route:
         return f"{self.method.lower()}_{name}"
 
 
-def route_defs(table: Iterable[Route]) -> list[web.RouteDef]:
-    return [route.route_def() for route in table]
+#: aiohttp's handler of a request's ``Expect`` header, run before any middleware.
+ExpectHandler = Callable[[web.Request], Awaitable[web.StreamResponse | None]]
+
+
+def route_defs(table: Iterable[Route], expect_handler: ExpectHandler | None = None) -> list[web.RouteDef]:
+    return [route.route_def(expect_handler) for route in table]
 
 
 def paths_with_access(table: Iterable[Route], access: Access) -> list[str]:

@@ -52,7 +52,7 @@ from router.gateway.data_planes.messages import (
 )
 from router.gateway.data_planes.mirror import apply
 from router.gateway.data_planes.session_pins import SessionPins
-from router.gateway.edge import edge_middleware, route_label
+from router.gateway.edge import edge_middleware, expect_after_head, route_label
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.frontend.site import FRONTEND, Frontend
 from router.gateway.leader.gate import LeaderGate
@@ -224,15 +224,10 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
         open_paths=paths_with_access(table, "open"),
         generation_paths=paths_with_access(table, "generation"),
     )
+    access = of_requests(check)
+    answer_gate = gate[0].answer if gate is not None else None
     app = web.Application(
-        middlewares=[
-            edge_middleware(
-                of_requests(check),
-                metrics,
-                counted=_served_here,
-                gate=gate[0].answer if gate is not None else None,
-            )
-        ],
+        middlewares=[edge_middleware(access, metrics, counted=_served_here, gate=answer_gate)],
         client_max_size=MAX_BODY_BYTES,
     )
     link = ControlLink(socket_path, index, registry, metrics, config.admin_api_key, gate)
@@ -256,10 +251,11 @@ def create_data_plane_app(config: RouterConfig, socket_path: str, index: int) ->
     served = [r for r in table if r.access == "generation"]
     # The lean server's share of them, when it serves (run_data_plane).
     app[FRONTEND] = Frontend.of(served, check, gate[0].answer_path if gate is not None else None)
-    app.router.add_routes(route_defs(served))
+    expect = expect_after_head(access, answer_gate)
+    app.router.add_routes(route_defs(served, expect))
     app.router.add_get("/liveness", liveness)
     app.router.add_get("/readiness", readiness)
-    app.router.add_route("*", RELAYED, forwarder.handle)
+    app.router.add_route("*", RELAYED, forwarder.handle, expect_handler=expect)
     app.cleanup_ctx.append(_data_plane_ctx)
     return app
 

@@ -47,7 +47,7 @@ from router.gateway.api.proxied import Proxied
 from router.gateway.edge import UNMATCHED
 from router.gateway.frontend.budget import BodyBudget
 from router.gateway.frontend.rules import SINGLE_HEADERS, over_budget, repeated, too_large
-from router.gateway.frontend.wire import LeanCaller, encode_head
+from router.gateway.frontend.wire import LeanCaller, encode_response
 from router.gateway.routing.caller import StreamStalled
 
 log = logging.getLogger(__name__)
@@ -233,7 +233,8 @@ class CallerConnection(asyncio.Protocol):
                     refusal = error_answer(over_budget(), method, path)
         if refusal is not None:
             raise _Stop(refusal)
-        expects = headers.get("expect", "").lower() == "100-continue"
+        # An HTTP/1.0 expectation is ignored (RFC 9110 section 10.1.1).
+        expects = headers.get("expect", "").lower() == "100-continue" and self._parser.get_http_version() == "1.1"
         if expects and self.transport is not None and self._task is None and not self._queue:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -386,7 +387,7 @@ class CallerConnection(asyncio.Protocol):
             self._server.refused(self._method, self._path, refusal.status)
         else:  # not known to be a generation request: counted as aiohttp counts a route it has not
             self._server.refused("unknown", UNMATCHED, refusal.status)
-        answer = _encode(refusal)
+        answer = encode_response(refusal, keep_alive=False)
         if self._task is None and not self._queue:
             self._send_and_close(answer)
         else:
@@ -420,11 +421,3 @@ class CallerConnection(asyncio.Protocol):
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
-
-
-def _encode(response: web.Response) -> bytes:
-    """A refusal's bytes: its status, headers and body, and ``Connection: close``."""
-    body = response.body if isinstance(response.body, bytes) else b""
-    skip = ("content-length", "connection")
-    headers = {k: v for k, v in response.headers.items() if k.lower() not in skip}
-    return encode_head(response.status, headers, len(body), False) + body

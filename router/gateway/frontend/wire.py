@@ -76,6 +76,13 @@ def encode_head(
     return "".join(parts).encode("latin-1", "replace")
 
 
+def encode_response(response: web.Response, keep_alive: bool, *, chunked: bool = True) -> bytes:
+    """A whole answer aiohttp's objects built (an error shape, a gate's answer), as bytes."""
+    body = response.body if isinstance(response.body, bytes) else b""
+    headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "connection")}
+    return encode_head(response.status, headers, len(body), keep_alive, chunked=chunked) + body
+
+
 class LeanCaller:
     """One request read by the lean server (see the module docstring); answers return their status."""
 
@@ -126,10 +133,10 @@ class LeanCaller:
 
     def answer_with(self, response: web.Response) -> int:
         """An answer aiohttp's objects built (an error shape or a gate's answer, shared with aiohttp's server)."""
-        body = response.body
-        data = body if isinstance(body, bytes) else b""
-        headers = {k: v for k, v in response.headers.items() if k.lower() not in ("content-length", "connection")}
-        return self.answer(response.status, data, headers)
+        self.started = True
+        self.outlet.write(encode_response(response, self.keep_alive, chunked=self.chunked))
+        self.finished = True
+        return response.status
 
 
 class LeanStream:
