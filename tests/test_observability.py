@@ -77,7 +77,7 @@ def _recorded_router_metrics() -> RouterMetrics:
     metrics.control.leader_transitions += 1
     metrics.control.data_planes = DataPlaneSupervisor([], 1, "/nonexistent/control.sock", grace_s=1.0)
     metrics.observe_request("/generate", "POST", 200, 0.01)
-    metrics.observe_admin("update_weights_from_disk", "success", 1.0)
+    metrics.observe_admin("update_weights_from_disk", "success", 1.0, {"lock_wait": 0.1, "fan_out": 0.8})
     metrics.observe_lock_wait("update_weights_from_disk", 0.1, True)
     metrics.observe_catch_up("success", 1.0)
     metrics.refused_by_policy("latest-only")

@@ -119,6 +119,13 @@ def test_an_update_through_the_router_shows_its_version(router, fleet, capsys):
     assert "weight_version status-v1" in out
     (row,) = [line for line in out.split("Fleet versions:")[1].splitlines() if str(other) in line]
     assert row.split()[:2] == [str(latest.sequence), "status-v1"]
+    # The update's phases, as its answer said them.
+    last = report.last_update
+    assert last is not None and last.operation == "update_weights_from_disk" and last.outcome == "success"
+    assert last.timings == answer["timings"]
+    head, phases = out.split("Last update: ")[1].splitlines()[:2]
+    assert head.startswith("update_weights_from_disk success") and last.operation_id in head
+    assert phases.strip().startswith("phases (ms): lock_wait ") and "verification" in phases and "total" in phases
 
 
 def test_a_disabled_worker_is_exit_1_with_the_reason(router, capsys):

@@ -73,6 +73,9 @@ class FleetAnswer(WireResponse, Generic[R]):
     path: str
     worker_count: int
     results: list[WorkerResult[R]]
+    timings: dict[str, float] | None = Field(default=None, exclude_if=lambda v: v is None)
+    """Milliseconds per phase of the operation (lock_wait, fence_barrier, journal_write, fan_out,
+    slowest_worker, settle, verification, total; the router's ``router/gateway/admin/timings.py``)."""
 
     @property
     def ok(self) -> bool:

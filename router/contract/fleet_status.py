@@ -31,6 +31,21 @@ class WorkerStatus(WorkerRecord):
     """Why it takes no generation traffic; ``None`` while it does."""
 
 
+class LastUpdate(WireResponse):
+    """The last operation that changed the fleet's weights through this router, and where it spent its time."""
+
+    operation: str
+    """The operation's name (``update_weights_from_disk``, ``complete_weights_update``, ...)."""
+    operation_id: str
+    """Its id in the router's log and on every call it sent (``X-Omni-Operation-Id``)."""
+    outcome: str
+    """``success``, ``refused`` (nothing changed), ``failure`` or ``error``."""
+    ended_at: float
+    """When it ended (Unix time, the router's clock)."""
+    timings: dict[str, float]
+    """Milliseconds per phase, as its answer's ``timings`` said them."""
+
+
 class FleetStatus(WireResponse):
     """Every worker judged, with the journal and the fleet's versions they were judged with.
 
@@ -52,3 +67,5 @@ class FleetStatus(WireResponse):
     """The verdict on the whole fleet, in words."""
     read_at: float
     """When the router read it (Unix time, the router's clock): ages are shown against it."""
+    last_update: LastUpdate | None = None
+    """The last weight change through this router since it started (``None``: none yet)."""

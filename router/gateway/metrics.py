@@ -329,6 +329,14 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        self.admin_phases = Histogram(
+            "omni_router_admin_phase_seconds",
+            "Where admin operations spend their time, by phase: lock_wait, fence_barrier, journal_write, fan_out, "
+            "slowest_worker, settle, verification (router/gateway/admin/timings.py)",
+            ["operation", "phase"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.lock_wait = Histogram(
             "omni_router_update_lock_wait_seconds",
             "Time spent waiting for the admin update lock",
@@ -404,9 +412,14 @@ class RouterMetrics:
     def observe_lock_wait(self, operation: str, waited_s: float, acquired: bool) -> None:
         self.lock_wait.labels(operation, "true" if acquired else "false").observe(waited_s)
 
-    def observe_admin(self, operation: str, outcome: str, duration_s: float) -> None:
+    def observe_admin(
+        self, operation: str, outcome: str, duration_s: float, phases: dict[str, float] | None = None
+    ) -> None:
         self.admin_ops.labels(operation, outcome).inc()
         self.admin_duration.labels(operation, outcome).observe(duration_s)
+        for phase, seconds in (phases or {}).items():
+            if phase != "total":  # the whole is the duration above
+                self.admin_phases.labels(operation, phase).observe(seconds)
 
     def observe_catch_up(self, outcome: str, duration_s: float) -> None:
         self.catch_ups.labels(outcome).inc()

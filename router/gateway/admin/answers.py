@@ -14,16 +14,19 @@ from typing import Any, Generic, TypeVar
 from router.contract.base import WireRequest, WireResponse
 from router.contract.fleet_answers import FleetAnswer, WorkerResult, agreed_fields
 from router.gateway.admin.operations import Operation
+from router.gateway.admin.timings import PhaseTimes
 
 Resp = TypeVar("Resp", bound=WireResponse)
 
 
 @dataclass(slots=True)
 class Outcome(Generic[Resp]):
-    """A finished fleet operation: the HTTP status and the answer for the caller (each worker's a ``Resp``)."""
+    """A finished fleet operation: the HTTP status and the answer for the caller (each worker's a ``Resp``),
+    and where the operation spent its time (complete once the operation has ended)."""
 
     status: int
     answer: FleetAnswer[Resp]
+    timings: PhaseTimes | None = None
 
     @property
     def ok(self) -> bool:

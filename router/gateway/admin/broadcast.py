@@ -63,7 +63,7 @@ async def broadcast(ctx: AdminContext, op: Operation[Req, Resp], call: AdminCall
             await fleet.discarded(freed)
         if op.changes_weights:
             source = checkpoint_of(op.path, call.request, ctx.registry.fleet.record)
-            await ctx.record_weight_change(targets, results, source_path=source, relabel_of=vouched)
+            await run.record_weight_change(targets, results, source_path=source, relabel_of=vouched)
         return outcome
 
 

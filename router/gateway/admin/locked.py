@@ -9,6 +9,9 @@
       → settle: restore the fence when every target succeeded, else fail closed
       → end: release the lock, record the metrics
 
+Each step's time is kept (:class:`~router.gateway.admin.timings.PhaseTimes`): the answer says it
+(``timings``, ``Server-Timing``), and so do the log line and the metrics.
+
 :class:`AdminRun` is that shape; :meth:`AdminRun.open` runs it as a context, and
 :meth:`AdminRun.end` is the only place an operation releases the update lock. A ready
 prepare (and vLLM's ``/start_weight_update``) keeps the lock past its own HTTP call
@@ -36,11 +39,13 @@ from router.contract.admin import OPERATION_HEADER
 from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import Unavailable
 from router.contract.fleet_answers import WorkerResult
+from router.contract.fleet_status import LastUpdate
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.fanout import AdminCall, FanOut
 from router.gateway.admin.fence import RESOLVE_HINT, Fence
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import Operation
+from router.gateway.admin.timings import PhaseTimes
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
 from router.gateway.engines import refuse_unserved
@@ -93,6 +98,8 @@ class AdminContext:
     groups: WeightGroups
     barrier: FenceBarrier = field(default_factory=lambda: ONE_PROCESS)
     """Every process that routes has applied a fence (the data planes' acknowledgement)."""
+    last_update: LastUpdate | None = None
+    """The last weight change's operation and phases (``omni-router status``)."""
 
     def live_targets(self, only: Collection[str] | None = None, *, serving: str | None = None) -> list[Worker]:
         """Every live worker, or those of ``only`` (a targeted call's ids) still live: 503 when there are none.
@@ -167,7 +174,13 @@ class AdminRun(Generic[Req, Resp]):
     send a ``Req`` and each worker answers a ``Resp``."""
 
     def __init__(
-        self, op: Operation[Req, Resp], ctx: AdminContext, *, name: str | None = None, lock: LockHold | None = None
+        self,
+        op: Operation[Req, Resp],
+        ctx: AdminContext,
+        *,
+        name: str | None = None,
+        lock: LockHold | None = None,
+        timings: PhaseTimes | None = None,
     ) -> None:
         self.op = op
         self.ctx = ctx
@@ -179,7 +192,8 @@ class AdminRun(Generic[Req, Resp]):
         self._lock = lock
         self._kept = False
         self._ended = False
-        self._started = time.perf_counter()
+        self.timings = timings if timings is not None else PhaseTimes()
+        """Where the operation spent its time (from before its lock was requested)."""
         self.id = uuid.uuid4().hex[:12]
         """The operation's id in the router's log and on every call to a worker (:data:`OPERATION_HEADER`);
         the caller's ``X-Request-Id`` when it sent one."""
@@ -196,9 +210,11 @@ class AdminRun(Generic[Req, Resp]):
         already have started applying the call.
         """
         lock = adopt
+        timings = PhaseTimes()
         if lock is None and op.locked:
-            lock = await LockHold.take(ctx.gate, name or op.name)
-        run = cls(op, ctx, name=name, lock=lock)
+            with timings.phase("lock_wait"):
+                lock = await LockHold.take(ctx.gate, name or op.name)
+        run = cls(op, ctx, name=name, lock=lock, timings=timings)
         try:
             yield run
         except BaseException:
@@ -220,10 +236,13 @@ class AdminRun(Generic[Req, Resp]):
         # Both must hold before anything is sent, and neither needs the other: they run at once. The journal's
         # write goes to its thread first (one turn of the loop), so its file system calls run while the
         # barrier builds and sends the routing snapshot.
+        started = time.perf_counter()
         written = asyncio.ensure_future(fence.write_journal())
+        written.add_done_callback(lambda _: self.timings.add("journal_write", time.perf_counter() - started))
         try:
             await asyncio.sleep(0)
             await self.ctx.barrier.confirm(f"{self.op.path} refused")
+            self.timings.add("fence_barrier", time.perf_counter() - started)
         except BaseException:
             await _undo(fence, written)
             raise
@@ -244,7 +263,11 @@ class AdminRun(Generic[Req, Resp]):
         if not self._sent:
             self._sent = True
             log.info("admin %s %s: to %d worker(s)", self.id, self.name, len(targets))
-        return await self.ctx.fanout.to_all(targets, call)
+        with self.timings.phase("fan_out"):
+            results = await self.ctx.fanout.to_all(targets, call)
+        if results:
+            self.timings.add("slowest_worker", max(r.elapsed_ms for r in results) / 1000.0)
+        return results
 
     async def settle(
         self, results: Sequence[WorkerResult[Resp]], *, uncertain: Collection[str] = (), **fields: Any
@@ -269,29 +292,43 @@ class AdminRun(Generic[Req, Resp]):
         # paused must not look paused behind its back.
         self.ctx.registry.observe_control(self.op.path, (r.worker for r in results if r.success))
         if self.fence is not None:
-            await self.fence.settle(
-                kept, summarize([r for r in failed if r.worker in kept]), announce=self.ctx.barrier.announce
-            )
+            with self.timings.phase("settle"):
+                await self.fence.settle(
+                    kept, summarize([r for r in failed if r.worker in kept]), announce=self.ctx.barrier.announce
+                )
         self.outcome = "success" if not failed else "refused" if all_refused else "failure"
         if not failed:
-            return Outcome(200, fleet_answer(self.op, results, "ok", **fields))
+            return Outcome(200, fleet_answer(self.op, results, "ok", **fields), self.timings)
         if not_implemented:
             message = f"{self.op.path} is not implemented by the workers"
-            return Outcome(501, fleet_answer(self.op, results, message, error={"message": message}, **fields))
+            answer = fleet_answer(self.op, results, message, error={"message": message}, **fields)
+            return Outcome(501, answer, self.timings)
         if all_refused:
             reasons = {r.reason() for r in results}
             message = (
                 reasons.pop() if len(reasons) == 1 else f"every worker refused {self.op.path}: {summarize(failed)}"
             )
             answer = fleet_answer(self.op, results, message, error={"message": message}, **fields)
-            return Outcome(verdict.refusal_status, answer)
+            return Outcome(verdict.refusal_status, answer, self.timings)
         message = f"{len(failed)} of {len(results)} worker(s) failed {self.op.path}: {summarize(failed)}"
         if kept:
             message += (
                 f". {len(kept)} target(s) whose weights may differ from the fleet's stay disabled (fail closed): "
                 f"{', '.join(kept)}; {RESOLVE_HINT}"
             )
-        return Outcome(502, fleet_answer(self.op, results, message, **fields))
+        return Outcome(502, fleet_answer(self.op, results, message, **fields), self.timings)
+
+    async def record_weight_change(
+        self,
+        targets: Sequence[Worker],
+        results: Sequence[WorkerResult[WireResponse]],
+        *,
+        source_path: str | None = None,
+        relabel_of: Collection[str] | None = None,
+    ) -> None:
+        """:meth:`AdminContext.record_weight_change`, timed as this operation's ``verification``."""
+        with self.timings.phase("verification"):
+            await self.ctx.record_weight_change(targets, results, source_path=source_path, relabel_of=relabel_of)
 
     def _fail_departed(self, results: Sequence[WorkerResult[WireResponse]]) -> None:
         """A target whose pod left the fleet during the update did not succeed, whatever it answered."""
@@ -315,10 +352,27 @@ class AdminRun(Generic[Req, Resp]):
         self._ended = True
         if self._lock is not None and not self._kept:
             self._lock.release()
-        elapsed = time.perf_counter() - self._started
-        self.ctx.metrics.observe_admin(self.name, self.outcome, elapsed)
+        timings = self.timings
+        timings.finish()
+        seconds = timings.seconds()
+        self.ctx.metrics.observe_admin(self.name, self.outcome, seconds["total"], seconds)
+        if self.op.changes_weights and self._sent:
+            self.ctx.last_update = LastUpdate(
+                operation=self.name,
+                operation_id=self.id,
+                outcome=self.outcome,
+                ended_at=time.time(),
+                timings=timings.milliseconds(),
+            )
         if self._sent:
-            log.info("admin %s %s: %s in %.0f ms", self.id, self.name, self.outcome, elapsed * 1000.0)
+            log.info(
+                "admin %s %s: %s in %.0f ms (%s)",
+                self.id,
+                self.name,
+                self.outcome,
+                seconds["total"] * 1000.0,
+                timings.log_fields(),
+            )
 
 
 async def _undo(fence: Fence, written: asyncio.Future[None]) -> None:

@@ -25,7 +25,7 @@ from router.gateway.admin import operations as ops
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.targets import TARGET_PARAMS
-from router.gateway.api.answers import answer_when_done, json_answer
+from router.gateway.api.answers import answer_when_done, json_answer, outcome_answer
 from router.gateway.api.headers import forward_headers
 from router.gateway.sync.adapters import LoadRequest, LoraAnswer, UnloadRequest, load_adapter, unload_adapter
 
@@ -70,7 +70,7 @@ async def skyrl_load(request: web.Request) -> web.Response:
     outcome = await request.app[keys.TASKS].run_detached(load_adapter(request.app[keys.ADMIN], op, call), name=op.name)
     entry = request.app[keys.REGISTRY].adapters.get(asked.lora_name)
     if outcome.status != 200 or entry is None:
-        return json_answer(outcome.status, outcome.answer)
+        return outcome_answer(outcome)
     # The fleet's version of the adapter stands for vLLM's per-server id: the same on every worker, new per load.
     return json_answer(200, SkyrlLoraLoaded(lora_name=asked.lora_name, lora_int_id=entry.version))
 

@@ -42,7 +42,7 @@ from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
 from router.gateway.api import adapters
-from router.gateway.api.answers import answer_when_done, json_answer
+from router.gateway.api.answers import answer_when_done, json_answer, outcome_answer
 from router.gateway.api.headers import forward_headers
 from router.gateway.sync.ranks import GroupJoin
 
@@ -133,7 +133,7 @@ async def weight_info(request: web.Request) -> web.Response:
 async def vllm_weight_checker(request: web.Request) -> web.Response:
     call = await _targeted(request, ops.WEIGHT_CHECKER)
     outcome = await request.app[keys.VIEWS].vllm_weight_checker(call.request, call)
-    return json_answer(outcome.status, outcome.answer)
+    return outcome_answer(outcome)
 
 
 async def collective_rpc(request: web.Request) -> web.Response:
@@ -156,25 +156,25 @@ async def shutdown_weight_transfer_engine(request: web.Request) -> web.Response:
     group = admin.groups.latest("vllm")
     if group is not None and any(r.success for r in outcome.answer.results):
         await admin.groups.dropped(group)
-    return json_answer(outcome.status, outcome.answer)
+    return outcome_answer(outcome)
 
 
 async def server_info(request: web.Request) -> web.Response:
     req = await _parse(request, ops.SERVER_INFO)
     outcome = await request.app[keys.VIEWS].server_info(req, _call(request, ops.SERVER_INFO, req))
-    return json_answer(outcome.status, outcome.answer)
+    return outcome_answer(outcome)
 
 
 async def reset_prefix_cache(request: web.Request) -> web.Response:
     req = await _parse(request, ops.RESET_PREFIX_CACHE)
     outcome = await request.app[keys.VIEWS].reset_prefix_cache(_call(request, ops.RESET_PREFIX_CACHE, req))
-    return json_answer(outcome.status, outcome.answer)
+    return outcome_answer(outcome)
 
 
 async def weights_checker(request: web.Request) -> web.Response:
     req = await _parse(request, ops.WEIGHTS_CHECKER)
     outcome = await request.app[keys.VIEWS].weights_checker(req, _call(request, ops.WEIGHTS_CHECKER, req))
-    return json_answer(outcome.status, outcome.answer)
+    return outcome_answer(outcome)
 
 
 async def init_weights_update_group(request: web.Request) -> web.Response:

@@ -29,10 +29,13 @@ async def read(request: web.Request) -> FleetStatus:
     read_at = time.time()
     app = request.app
     registry = app[keys.REGISTRY]
-    return fleet_status(
+    status = fleet_status(
         [registry.record(w) for w in registry],
         JournalView(pending=app[keys.JOURNAL].pending, storage=app[keys.STATE].view()),
         fleet_versions_view(app),
         _leader(app),
         read_at=read_at,
     )
+    admin = app.get(keys.ADMIN)
+    status.last_update = admin.last_update if admin is not None else None
+    return status

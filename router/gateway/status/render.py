@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pydantic import BaseModel
 
 from router.contract.fleet import CatchUpStatus, FleetVersionEntry, FleetVersions, JournalView, LeaderView
-from router.contract.fleet_status import ExitCode, FleetStatus, WorkerStatus
+from router.contract.fleet_status import ExitCode, FleetStatus, LastUpdate, WorkerStatus
 
 #: Recorded fleet versions listed in the text (the router keeps a bounded history; ``--json`` has all of it).
 SHOWN_VERSIONS = 5
@@ -34,6 +34,7 @@ class StatusReport(BaseModel):
     resolve_hint: str | None = None
     """How an operator clears the journal's entry, while there is one."""
     fleet_versions: FleetVersions
+    last_update: LastUpdate | None = None
 
 
 def build_report(router: str, status: FleetStatus) -> StatusReport:
@@ -47,6 +48,7 @@ def build_report(router: str, status: FleetStatus) -> StatusReport:
         journal=status.journal,
         resolve_hint=status.resolve_hint,
         fleet_versions=status.versions,
+        last_update=status.last_update,
     )
 
 
@@ -55,7 +57,17 @@ def render_text(report: StatusReport) -> str:
     lines += _workers(report.workers)
     lines += ["", *_journal(report)]
     lines += ["", *_versions(report.fleet_versions, report.taken_at)]
+    lines += ["", *_last_update(report.last_update, report.taken_at)]
     return "\n".join(lines) + "\n"
+
+
+def _last_update(update: LastUpdate | None, now: float) -> list[str]:
+    """The last weight change's phases (milliseconds; total last)."""
+    if update is None:
+        return ["Last update: none since the router started"]
+    phases = ", ".join(f"{name} {ms:.1f}" for name, ms in update.timings.items())
+    head = f"Last update: {update.operation} {update.outcome}, {_when(update.ended_at, now)} (id {update.operation_id})"
+    return [head, f"  phases (ms): {phases}"]
 
 
 def _headline(report: StatusReport) -> str:

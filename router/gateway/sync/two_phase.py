@@ -146,7 +146,7 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             outcome = await run.settle(
                 results, checksums=checksums, checksums_match=None if None in values else len(values) == 1
             )
-            await self._ctx.record_weight_change(prepared.targets, results)
+            await run.record_weight_change(prepared.targets, results)
             return outcome
 
     async def abort(

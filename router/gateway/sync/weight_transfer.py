@@ -173,7 +173,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
             results = [answered[w.id] if w.id in answered else _left_update(w, held.failed[w.id]) for w in held.targets]
             # A worker that took chunks of this update and did not commit them may hold a mix of weights.
             outcome = await run.settle(results, uncertain=held.written | held.failed.keys())
-            await self._ctx.record_weight_change(held.targets, results)
+            await run.record_weight_change(held.targets, results)
             answer = outcome.answer
             assert isinstance(answer, WeightTransferFleetAnswer)
             answer.fenced = list(run.kept)
