@@ -54,6 +54,7 @@ ROUTER_FLAGS: list[Row] = [
     ("--session-affinity-load-factor", "session_affinity_load_factor", 0.25, "float", None, None, None, False, None),
     ("--session-affinity-max-sessions", "session_affinity_max_sessions", 100000, "int", None, None, None, False, None),
     ("--version-policy", "version_policy", "latest-only", None, None, None, None, False, None),
+    ("--verify-updates", "verify_updates", "off", None, ("off", "changed"), None, None, False, None),
     ("--sync-joiners", "sync_joiners", "peer", None, ("peer", "off"), None, None, False, None),
     ("--admin-lock-timeout-s", "admin_lock_timeout_s", 300.0, "float", None, None, None, False, None),
     ("--request-timeout-s", "request_timeout_s", 1800.0, "float", None, None, None, False, None),
@@ -110,6 +111,7 @@ WORKER_FLAGS: list[Row] = [
     ("--snapshot-send-delay-ms", "snapshot_send_delay_ms", 0.0, "float", None, None, None, False, None),
     ("--tp-size", "tp_size", 1, "int", None, None, None, False, None),
     ("--shutdown-grace-s", "shutdown_grace_s", 30.0, "float", None, None, None, False, None),
+    ("--fault-noop-updates", "fault_noop_updates", False, None, None, 0, True, False, None),
     ("--allow-pickled-tensors", "allow_pickled_tensors", False, None, None, 0, True, False, None),
     (
         "--weight-transfer-config",
@@ -161,6 +163,7 @@ ROUTER_EVERY_FLAG = [
     *("--admin-api-key", "adm", "--worker-api-key", "wk", "--api-key", "gen", "--policy", "round_robin"),
     *("--session-affinity", "--session-affinity-ttl-s", "120", "--session-affinity-load-factor", "0.5"),
     *("--session-affinity-max-sessions", "500", "--version-policy", "max-staleness:2", "--sync-joiners", "off"),
+    *("--verify-updates", "changed"),
     *("--admin-lock-timeout-s", "60", "--request-timeout-s", "90.5", "--connect-timeout-s", "1.5"),
     *("--stream-stall-timeout-s", "7.5", "--body-budget-mb", "256"),
     *("--max-retries", "0", "--health-check-interval-s", "2", "--health-check-timeout-s", "1"),
@@ -196,6 +199,7 @@ ROUTER_EVERY_SETTING = RouterConfig(
     session_affinity_load_factor=0.5,
     session_affinity_max_sessions=500,
     version_policy="max-staleness:2",
+    verify_updates="changed",
     sync_joiners="off",
     admin_lock_timeout_s=60.0,
     request_timeout_s=90.5,
@@ -390,7 +394,7 @@ WORKER_EVERY_FLAG = [
     *("--dtype", "bfloat16", "--admin-api-key", "adm", "--api-key", "gen", "--max-running-requests", "4"),
     *("--num-threads", "1", "--served-model-name", "llama-rl", "--log-level", "warning", "--step-delay-ms", "250"),
     *("--snapshot-lease-wait-s", "2.5", "--snapshot-send-delay-ms", "5", "--tp-size", "2", "--shutdown-grace-s", "0"),
-    *("--allow-pickled-tensors", "--weight-transfer-config", '{"backend": "nccl"}'),
+    *("--allow-pickled-tensors", "--weight-transfer-config", '{"backend": "nccl"}', "--fault-noop-updates"),
 ]
 
 WORKER_EVERY_SETTING = WorkerConfig(
@@ -409,6 +413,7 @@ WORKER_EVERY_SETTING = WorkerConfig(
     tp_size=2,
     step_delay_s=0.25,
     shutdown_grace_s=0.0,
+    fault_noop_updates=True,
     allow_pickled_tensors=True,
     snapshot_lease_wait_s=2.5,
     snapshot_send_delay_s=0.005,

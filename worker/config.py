@@ -77,6 +77,14 @@ class WorkerConfig:
             "minus about 15 s (leaving a weight-update group, stopping)"
         ),
     ] = 30.0
+    fault_noop_updates: Annotated[
+        bool,
+        Flag(
+            "testing aid: answer /update_weights_from_disk with success while loading the checkpoint the worker "
+            "already holds instead of the one named (an update that moves nothing, as a weight transfer that "
+            "soft-fails does): the fault a router's digest checks must catch"
+        ),
+    ] = False
     allow_pickled_tensors: Annotated[
         bool,
         Flag(

@@ -73,7 +73,7 @@ _NO_EMPTY = ContinueRequest(torch_empty_cache=False)
 class Coordinator:
     """Generation and admin entry points for one worker process."""
 
-    def __init__(self, stage: Stage, *, health_check_timeout_s: float = 20.0):
+    def __init__(self, stage: Stage, *, health_check_timeout_s: float = 20.0, noop_updates: bool = False):
         self.stage = stage
         self.health_check_timeout_s = health_check_timeout_s
         self._admin_lock = asyncio.Lock()
@@ -81,7 +81,7 @@ class Coordinator:
         """Generation admission: submit, release, abort, drain."""
         self.updates = UpdatePipeline(self)
         """Every weight update of this worker goes through this one pipeline."""
-        self.one_step = OneStepUpdates(stage, self.updates)
+        self.one_step = OneStepUpdates(stage, self.updates, noop=noop_updates)
         """Updates whose weights the call itself brings (a checkpoint on disk, tensors)."""
         self.instance_id = uuid.uuid4().hex
         """Tells a router that this process is new (a restarted worker holds its boot checkpoint)."""

@@ -34,9 +34,11 @@ S = TypeVar("S")
 class OneStepUpdates:
     """``/update_weights_from_disk`` and ``/update_weights_from_tensor`` over one pipeline."""
 
-    def __init__(self, stage: Stage, updates: UpdatePipeline):
+    def __init__(self, stage: Stage, updates: UpdatePipeline, *, noop: bool = False):
         self.stage = stage
         self.updates = updates
+        self.noop = noop
+        """A fault for tests (``--fault-noop-updates``): an update from disk reloads the checkpoint held."""
 
     async def from_disk(self, req: UpdateWeightsFromDiskRequest, timeout_s: float) -> StageResult[Any]:
         """One update transaction: check, read and validate the checkpoint off the scheduler
@@ -164,7 +166,9 @@ class OneStepUpdates:
         system then holds up neither the event loop nor the process's exit. At ``timeout_s`` it
         raises :class:`TimeoutError` and the read is abandoned (told to stop, its result dropped); a
         read abandoned because the worker is shutting down fails the update at once."""
-        stage = partial(self.stage.leader.worker.stage_checkpoint, req.model_path, req.load_format)
+        worker = self.stage.leader.worker
+        path = worker.model_path if self.noop else req.model_path
+        stage = partial(worker.stage_checkpoint, path, req.load_format)
         try:
             return await run_on_daemon_thread(lambda stop: stage(cancel=stop), timeout_s, name="checkpoint-read")
         except Abandoned as exc:

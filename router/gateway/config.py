@@ -11,6 +11,7 @@ from router.contract.budget import DEFAULT_LOCK_WAIT_S
 from router.contract.fleet import EngineName
 from router.contract.settings import Flag, key_value
 from router.contract.web.auth import ADMIN_KEY_ENV
+from router.contract.weight_digest import VerifyUpdates
 from router.gateway.frontend.budget import process_share
 from router.gateway.routing.version_policy import parse_version_policy
 
@@ -82,6 +83,15 @@ class RouterConfig:
             "X-Version-Policy: latest-only, max-staleness:K, min-version:V or any"
         ),
     ] = "latest-only"
+    verify_updates: Annotated[
+        VerifyUpdates,
+        Flag(
+            "changed: read every target's weights' digest before and after each update that brings new tensors "
+            "(from disk, from tensors, over a group, complete, finish, collective_rpc) and fail, fenced, every "
+            "target whose weights did not change (a caller expecting that sends X-Expected-Weights-Change: "
+            "unchanged); it hashes the weights twice per update (docs/weight-sync.md)"
+        ),
+    ] = "off"
     sync_joiners: Annotated[
         SyncJoinersName,
         Flag(
@@ -318,6 +328,8 @@ class RouterConfig:
             raise ValueError(f"unknown policy {self.policy!r}")
         if self.worker_engine not in WORKER_ENGINE_NAMES:
             raise ValueError(f"unknown --worker-engine {self.worker_engine!r}")
+        if self.verify_updates not in get_args(VerifyUpdates):
+            raise ValueError(f"unknown --verify-updates {self.verify_updates!r}")
         if self.sync_joiners not in SYNC_JOINERS_NAMES:
             raise ValueError(f"unknown --sync-joiners {self.sync_joiners!r}")
         if self.service_discovery not in DISCOVERY_NAMES:

@@ -90,7 +90,11 @@ class AsyncRouterClient(RouterCalls):
         timeout = aiohttp.ClientTimeout(total=call.timeout_s)
         try:
             async with self._session.request(
-                call.method, self.url + call.path, data=call.data(), headers=self.headers(), timeout=timeout
+                call.method,
+                self.url + call.path,
+                data=call.data(),
+                headers={**self.headers(), **dict(call.headers)},
+                timeout=timeout,
             ) as resp:
                 status, raw, role = resp.status, await resp.read(), resp.headers.get(ROUTER_ROLE_HEADER)
         except aiohttp.ClientConnectorError as exc:  # no connection was made: nothing was sent

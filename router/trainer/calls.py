@@ -73,6 +73,7 @@ from router.contract.fleet_answers import (
     WeightsCheckerFleetAnswer,
     WorkerResult,
 )
+from router.contract.weight_digest import EXPECTED_CHECKSUM_HEADER
 from router.contract.weight_sync import (
     DEFAULT_GROUP_NAME,
     AbortWeightsUpdateRequest,
@@ -104,6 +105,8 @@ class Call(Generic[A]):
     body: WireRequest | None
     answer: type[A]
     timeout_s: float
+    headers: tuple[tuple[str, str], ...] = ()
+    """Headers of this call only (beside the client's :meth:`RouterCalls.headers`)."""
 
     def data(self) -> bytes | None:
         if self.body is None:
@@ -236,10 +239,13 @@ class RouterCalls(AdapterCalls):
     def _call(self, call: Call[A]) -> A:
         raise NotImplementedError
 
-    def _admin(self, endpoint: Endpoint[Any, Any], req: WireRequest, answer: type[A]) -> A:
+    def _admin(
+        self, endpoint: Endpoint[Any, Any], req: WireRequest, answer: type[A], expected_checksum: str | None = None
+    ) -> A:
         lock = self.lock_wait_s if endpoint.serialized else 0.0
         wait = endpoint.budget.client_wait(endpoint.timeout_of(req), lock_wait_s=lock)
-        return self._call(Call(endpoint.methods[-1], endpoint.path, req, answer, wait))
+        headers = () if expected_checksum is None else ((EXPECTED_CHECKSUM_HEADER, expected_checksum),)
+        return self._call(Call(endpoint.methods[-1], endpoint.path, req, answer, wait, headers))
 
     def _plain(self, method: str, path: str, answer: type[A], body: WireRequest | None = None) -> A:
         return self._call(Call(method, path, body, answer, REGISTRY_TIMEOUT_S))
@@ -261,13 +267,24 @@ class RouterCalls(AdapterCalls):
         return self._admin(ep.FLUSH_CACHE, FlushCacheRequest(), FleetAnswer[FlushCacheResult])
 
     # -- weights
-    def update_weights_from_disk(self, model_path: str, **fields: Any) -> FleetAnswer[UpdateWeightsFromDiskResult]:
+    def update_weights_from_disk(
+        self, model_path: str, *, expected_checksum: str | None = None, **fields: Any
+    ) -> FleetAnswer[UpdateWeightsFromDiskResult]:
+        """``expected_checksum``: the digest every worker must hold afterwards (:mod:`router.trainer.digests`);
+        the router publishes the update only if each does (a 502 names each worker's otherwise)."""
         req = UpdateWeightsFromDiskRequest(model_path=model_path, **fields)
-        return self._admin(ep.UPDATE_WEIGHTS_FROM_DISK, req, FleetAnswer[UpdateWeightsFromDiskResult])
-
-    def update_weights_from_tensor(self, **fields: Any) -> FleetAnswer[AdminResult]:
         return self._admin(
-            ep.UPDATE_WEIGHTS_FROM_TENSOR, UpdateWeightsFromTensorRequest(**fields), FleetAnswer[AdminResult]
+            ep.UPDATE_WEIGHTS_FROM_DISK, req, FleetAnswer[UpdateWeightsFromDiskResult], expected_checksum
+        )
+
+    def update_weights_from_tensor(
+        self, *, expected_checksum: str | None = None, **fields: Any
+    ) -> FleetAnswer[AdminResult]:
+        return self._admin(
+            ep.UPDATE_WEIGHTS_FROM_TENSOR,
+            UpdateWeightsFromTensorRequest(**fields),
+            FleetAnswer[AdminResult],
+            expected_checksum,
         )
 
     def init_weights_update_group(
@@ -307,6 +324,7 @@ class RouterCalls(AdapterCalls):
         flush_cache: bool = True,
         abort_all_requests: bool = False,
         timeout_s: float | None = None,
+        expected_checksum: str | None = None,
     ) -> FleetAnswer[WeightSyncResponse]:
         meta = _buckets([bucket])[0]
         req = UpdateWeightsFromDistributedRequest(
@@ -318,7 +336,7 @@ class RouterCalls(AdapterCalls):
             abort_all_requests=abort_all_requests,
             **_set(load_format=load_format, weight_version=weight_version, timeout_s=timeout_s),
         )
-        return self._admin(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, FleetAnswer[WeightSyncResponse])
+        return self._admin(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, FleetAnswer[WeightSyncResponse], expected_checksum)
 
     def prepare_weights_update(
         self,
@@ -347,13 +365,14 @@ class RouterCalls(AdapterCalls):
         weight_version: str | None = None,
         return_checksum: bool | None = None,
         timeout_s: float | None = None,
+        expected_checksum: str | None = None,
     ) -> CompleteFleetAnswer:
         req = CompleteWeightsUpdateRequest(
             group_name=group_name,
             flush_cache=flush_cache,
             **_set(weight_version=weight_version, return_checksum=return_checksum, timeout_s=timeout_s),
         )
-        return self._admin(ep.COMPLETE_WEIGHTS_UPDATE, req, CompleteFleetAnswer)
+        return self._admin(ep.COMPLETE_WEIGHTS_UPDATE, req, CompleteFleetAnswer, expected_checksum)
 
     def abort_weights_update(self, group_name: str = DEFAULT_GROUP_NAME) -> FleetAnswer[AbortWeightsUpdateResponse]:
         req = AbortWeightsUpdateRequest(group_name=group_name)

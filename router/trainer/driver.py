@@ -305,6 +305,8 @@ class WeightSync:
             weight_version=self.weight_version,
             return_checksum=self.verify or None,
             timeout_s=self.timeout_s,
+            # The router then publishes the update only if every worker holds these weights.
+            expected_checksum=self.expected_checksum,
         )
         answer: CompleteFleetAnswer = self._stage(
             "complete", lambda: self._prepared_call(complete, holds=False), uncertain=True

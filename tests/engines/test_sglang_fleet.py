@@ -18,11 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from router.contract.weight_digest import EXPECTED_CHANGE_HEADER, EXPECTED_CHECKSUM_HEADER
+from router.trainer.digests import expected_checksum
 from tests._polling import wait_for
 from tests.engines._sglang_standin import STOP_TIMEOUT_S, SglangStandin, start_standin
-from tests.engines.conftest import Router
+from tests.engines.conftest import AUTH, Router
 from tests.procs import http_json
+from worker.model.checkpoint import read_checkpoint
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("sglang") is None, reason="SGLang is not installed here"),
@@ -154,3 +158,40 @@ def test_a_restarted_server_loads_the_fleets_checkpoint_before_it_takes_traffic(
     assert model_info(pair[1])["weight_version"] == "b-2"
     assert model_info(pair[1])["model_path"] == str(ckpts["b"])
     assert router.ok("POST", "/weights_checker", {"action": "checksum"})["identical"] is True
+
+
+def test_an_update_is_published_only_on_the_weights_the_trainer_named(
+    pair: list[SglangStandin], router_for: Any, ckpts: dict[str, Path]
+) -> None:
+    """The trainer's digest in SGLang's scheme (:func:`router.trainer.digests.expected_checksum`) is what the
+    servers report; an update that leaves other weights (or, with ``--verify-updates changed``, the same ones) is
+    a 502, fenced, its version not published."""
+    digest = {name: expected_checksum(read_checkpoint(path, torch.float32), "sglang") for name, path in ckpts.items()}
+    router: Router = router_for([s.url for s in pair], "--worker-api-key", WORKER_KEY, "--verify-updates", "changed")
+
+    def update(name: str, version: str, **headers: str) -> tuple[int, Any]:
+        body = {"model_path": str(ckpts[name]), "weight_version": version}
+        return http_json("POST", router.url + "/update_weights_from_disk", body, headers=AUTH | headers, timeout=120)
+
+    def resolve() -> None:
+        router.ok("POST", "/weight_update_journal/resolve", {"acknowledge": True})
+
+    # Onto A, whatever the servers held: A's digest, and no change required.
+    status, answer = update("a", "a-1", **{EXPECTED_CHECKSUM_HEADER: digest["a"], EXPECTED_CHANGE_HEADER: "unchanged"})
+    assert status == 200, answer
+    checked = router.ok("POST", "/weights_checker", {"action": "checksum"})
+    assert [r["body"]["ranks"][0]["per_gpu_checksum"] for r in checked["results"]] == [digest["a"]] * 2
+    # A again, while B's weights are expected: the servers answer 200, the router publishes nothing.
+    status, answer = update("a", "b-wrong", **{EXPECTED_CHECKSUM_HEADER: digest["b"]})
+    assert status == 502 and set(answer["digests"].values()) == {digest["a"]}, answer
+    assert all(w["disabled"] for w in router.workers())
+    assert router.ok("GET", "/fleet/versions")["weight_version"] == "a-1"
+    resolve()
+    # A again with nothing said: under --verify-updates changed, an update that changed nothing is a failure.
+    status, answer = update("a", "a-again")
+    assert status == 502 and all("did not change" in r["error"] for r in answer["results"]), answer
+    resolve()
+    status, answer = update("b", "b-1", **{EXPECTED_CHECKSUM_HEADER: digest["b"]})
+    assert status == 200, answer
+    assert router.ok("GET", "/fleet/versions")["weight_version"] == "b-1"
+    assert [model_info(s)["weight_version"] for s in pair] == ["b-1", "b-1"]

@@ -107,7 +107,11 @@ def build_coordinator(config: WorkerConfig) -> Coordinator:
     if peers is not None:
         # Serving with a rank missing is impossible: stop the whole worker (a supervisor restarts it).
         peers.watch(lambda _lost: os.kill(os.getpid(), signal.SIGTERM))
-    return Coordinator(Stage("llm", scheduler, peers), health_check_timeout_s=config.health_check_timeout_s)
+    return Coordinator(
+        Stage("llm", scheduler, peers),
+        health_check_timeout_s=config.health_check_timeout_s,
+        noop_updates=config.fault_noop_updates,
+    )
 
 
 async def _engine_ctx(app: web.Application) -> AsyncIterator[None]:

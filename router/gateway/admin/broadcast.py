@@ -50,6 +50,8 @@ async def broadcast(ctx: AdminContext, op: Operation[Req, Resp], call: AdminCall
         vouched = (
             [w.id for w in targets if fleet.verified_sequence(w.id, w) is not None] if op.path == RELABEL else None
         )
+        # With --verify-updates changed, what each target held before (read under the lock, before the fence).
+        before = await run.read_digests(targets, call.headers) if run.checks_change(call.expect) else None
         await run.fence_targets(targets)
         try:
             results = await run.fan_out(targets, call)
@@ -57,7 +59,8 @@ async def broadcast(ctx: AdminContext, op: Operation[Req, Resp], call: AdminCall
             if op.ends_group:
                 # Whatever the answers, the group no longer has a known membership.
                 await ctx.groups.dropped(group)
-        outcome = await run.settle(results)
+        checked = await run.verify(results, call.expect, before, call.headers)
+        outcome = await run.settle(results, **checked)
         freed = [r.worker for r in results if r.success and _discards_weights(ctx, r.worker, op.path, call.request)]
         if freed:
             await fleet.discarded(freed)

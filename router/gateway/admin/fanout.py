@@ -22,6 +22,7 @@ from typing import Generic, TypeVar
 
 from router.contract.base import WireRequest, WireResponse
 from router.contract.fleet_answers import WorkerResult
+from router.gateway.admin.expectation import NOTHING_SAID, Expectation
 from router.gateway.admin.operations import Operation, parametrized
 from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
@@ -47,6 +48,8 @@ class AdminCall(Generic[Req, Resp]):
     """A per-worker request (rank assignment gives each worker its own ``rank_offset``)."""
     only: frozenset[str] | None = None
     """The worker ids the caller targeted (:mod:`router.gateway.admin.targets`); ``None``: the whole fleet."""
+    expect: Expectation = NOTHING_SAID
+    """What the caller said the call leaves on the workers (a weight change's digest; :mod:`.verify`)."""
     _body: bytes | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:

@@ -31,7 +31,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -40,7 +40,9 @@ from router.contract.base import WireRequest, WireResponse
 from router.contract.errors import Unavailable
 from router.contract.fleet_answers import WorkerResult
 from router.contract.fleet_status import LastUpdate
+from router.contract.weight_digest import VerifyUpdates
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
+from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall, FanOut
 from router.gateway.admin.fence import RESOLVE_HINT, Fence
 from router.gateway.admin.journal import UpdateJournal
@@ -48,6 +50,8 @@ from router.gateway.admin.operations import Operation
 from router.gateway.admin.timings import PhaseTimes
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
+from router.gateway.admin.verify import Digest, digests_view, read_digests
+from router.gateway.admin.verify import judge as judge_digests
 from router.gateway.engines import refuse_unserved
 from router.gateway.fleet.groups import WeightGroups
 from router.gateway.fleet.health import WorkerProber
@@ -100,6 +104,8 @@ class AdminContext:
     """Every process that routes has applied a fence (the data planes' acknowledgement)."""
     last_update: LastUpdate | None = None
     """The last weight change's operation and phases (``omni-router status``)."""
+    verify_updates: VerifyUpdates = "off"
+    """``changed``: a weight change that left a target's weights as they were fails on it (:mod:`.verify`)."""
 
     def live_targets(self, only: Collection[str] | None = None, *, serving: str | None = None) -> list[Worker]:
         """Every live worker, or those of ``only`` (a targeted call's ids) still live: 503 when there are none.
@@ -317,6 +323,31 @@ class AdminRun(Generic[Req, Resp]):
                 f"{', '.join(kept)}; {RESOLVE_HINT}"
             )
         return Outcome(502, fleet_answer(self.op, results, message, **fields), self.timings)
+
+    def checks_change(self, expect: Expectation) -> bool:
+        """Whether this operation's targets must show changed weights afterwards (``--verify-updates changed``)."""
+        return self.ctx.verify_updates == "changed" and self.op.loads_weights and expect.change == "changed"
+
+    async def read_digests(self, workers: Sequence[Worker], headers: dict[str, str]) -> dict[str, Digest]:
+        """Each worker's weights' digest (:func:`~router.gateway.admin.verify.read_digests`), timed as verification."""
+        with self.timings.phase("verification"):
+            return await read_digests(self.ctx.fanout, workers, headers)
+
+    async def verify(
+        self,
+        results: Sequence[WorkerResult[Resp]],
+        expect: Expectation,
+        before: Mapping[str, Digest] | None,
+        headers: dict[str, str],
+    ) -> dict[str, Any]:
+        """Fail each target that answered the weight change but does not hold what it should (:mod:`.verify`);
+        the answer's fields that say so (each target's ``digests``), or none when nothing was to be checked."""
+        if not self.op.changes_weights or (expect.checksum is None and before is None):
+            return {}
+        answered = [w for w in (self.ctx.registry.find(r.worker) for r in results if r.success) if w is not None]
+        after = await self.read_digests(answered, headers)
+        judge_digests(results, after, expect, before)
+        return {"digests": digests_view(after)}
 
     async def record_weight_change(
         self,

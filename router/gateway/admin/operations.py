@@ -56,6 +56,9 @@ class Operation(Generic[Req, Resp]):
     endpoint: Endpoint[Req, Resp]
     fenced: bool = False
     changes_weights: bool = False
+    loads_weights: bool = False
+    """It brings new tensors (not a relabel or a memory resume): ``--verify-updates changed`` checks that they
+    changed the weights."""
     in_group: bool = False
     ends_group: bool = False
     text_answers: bool = False
@@ -127,14 +130,14 @@ _FLEET_WIDE = frozenset(
 INIT_GROUP = Operation(ep.INIT_WEIGHTS_UPDATE_GROUP, fenced=True, answer=GroupInitFleetAnswer)
 PREPARE = Operation(ep.PREPARE_WEIGHTS_UPDATE, fenced=True, in_group=True, answer=PrepareFleetAnswer)
 # Run inside the update a ready prepare holds the lock for (see two_phase).
-COMPLETE = Operation(ep.COMPLETE_WEIGHTS_UPDATE, changes_weights=True, answer=CompleteFleetAnswer)
+COMPLETE = Operation(ep.COMPLETE_WEIGHTS_UPDATE, changes_weights=True, loads_weights=True, answer=CompleteFleetAnswer)
 ABORT = Operation(ep.ABORT_WEIGHTS_UPDATE)
 # vLLM's weight-transfer API (see weight_transfer): init as /init_weights_update_group; start holds the lock
 # and the fence until the finish; update_weights runs inside that update.
 INIT_WEIGHT_TRANSFER = Operation(ep.INIT_WEIGHT_TRANSFER_ENGINE, fenced=True, answer=WeightTransferInitFleetAnswer)
 START = Operation(ep.START_WEIGHT_UPDATE, fenced=True, in_group=True, answer=WeightTransferFleetAnswer)
 UPDATE = Operation(ep.UPDATE_WEIGHTS, answer=WeightTransferFleetAnswer)
-FINISH = Operation(ep.FINISH_WEIGHT_UPDATE, changes_weights=True, answer=WeightTransferFleetAnswer)
+FINISH = Operation(ep.FINISH_WEIGHT_UPDATE, changes_weights=True, loads_weights=True, answer=WeightTransferFleetAnswer)
 PAUSE = Operation(ep.PAUSE, fenced=True, answer=PauseFleetAnswer)
 RESUME = Operation(ep.RESUME, answer=PauseFleetAnswer)
 IS_PAUSED = Operation(ep.IS_PAUSED, answer=IsPausedFleetAnswer)
@@ -148,7 +151,7 @@ RESET_PREFIX_CACHE = Operation(ep.RESET_PREFIX_CACHE, answer=ResetPrefixCacheFle
 WEIGHT_INFO = Operation(ep.WEIGHT_INFO)
 WEIGHT_CHECKER = Operation(ep.WEIGHT_CHECKER, answer=VllmWeightCheckerFleetAnswer)
 # Any worker method: a weight update unless the method only reads (COLLECTIVE_RPC_READ).
-COLLECTIVE_RPC = Operation(ep.COLLECTIVE_RPC, fenced=True, changes_weights=True)
+COLLECTIVE_RPC = Operation(ep.COLLECTIVE_RPC, fenced=True, changes_weights=True, loads_weights=True)
 SHUTDOWN_WEIGHT_TRANSFER_ENGINE = Operation(ep.SHUTDOWN_WEIGHT_TRANSFER_ENGINE)
 # LoRA adapters, all or nothing across the fleet (router.gateway.sync.adapters): serialized, not fenced (a
 # failure keeps the adapter, not the worker, out of routing).
@@ -163,9 +166,11 @@ OPERATIONS: dict[str, AnyOperation] = {
     for op in (
         # Fleet-changing: one at a time, targets fenced, fail closed.
         Operation(ep.PAUSE_GENERATION, fenced=True),
-        Operation(ep.UPDATE_WEIGHTS_FROM_DISK, fenced=True, changes_weights=True),
-        Operation(ep.UPDATE_WEIGHTS_FROM_TENSOR, fenced=True, changes_weights=True),
-        Operation(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, fenced=True, changes_weights=True, in_group=True),
+        Operation(ep.UPDATE_WEIGHTS_FROM_DISK, fenced=True, changes_weights=True, loads_weights=True),
+        Operation(ep.UPDATE_WEIGHTS_FROM_TENSOR, fenced=True, changes_weights=True, loads_weights=True),
+        Operation(
+            ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, fenced=True, changes_weights=True, loads_weights=True, in_group=True
+        ),
         INIT_GROUP,
         Operation(ep.DESTROY_WEIGHTS_UPDATE_GROUP, fenced=True, ends_group=True),
         PREPARE,

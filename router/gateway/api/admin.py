@@ -38,6 +38,7 @@ from router.contract.web.parsing import parse_model, query_fields, read_json
 from router.gateway import keys
 from router.gateway.admin import operations as ops
 from router.gateway.admin.broadcast import broadcast
+from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
@@ -95,6 +96,7 @@ def _call(
         timeout_s=op.router_wait(req),
         query=forwarded_query(request),
         only=only,
+        expect=Expectation.of_headers(request.headers, changes_weights=op.changes_weights),
     )
 
 
@@ -197,7 +199,11 @@ async def prepare_weights_update(request: web.Request) -> web.Response:
 async def complete_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.COMPLETE)
     return await answer_when_done(
-        request, request.app[keys.TWO_PHASE].complete(req, forward_headers(request)), "complete"
+        request,
+        request.app[keys.TWO_PHASE].complete(
+            req, forward_headers(request), Expectation.of_headers(request.headers, changes_weights=True)
+        ),
+        "complete",
     )
 
 
@@ -229,7 +235,8 @@ async def update_weights(request: web.Request) -> web.Response:
 
 async def finish_weight_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.FINISH)
-    work = request.app[keys.WEIGHT_TRANSFER].finish(req, forward_headers(request))
+    expect = Expectation.of_headers(request.headers, changes_weights=True)
+    work = request.app[keys.WEIGHT_TRANSFER].finish(req, forward_headers(request), expect)
     return await answer_when_done(request, work, "finish_weight_update")
 
 

@@ -39,6 +39,7 @@ from router.contract.rl import (
 from router.contract.web.openapi import Route
 from router.gateway import keys
 from router.gateway.admin.broadcast import broadcast
+from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import OPERATIONS, AnyOperation
 from router.gateway.admin.targets import CAPABILITIES, RL_ENGINE, TargetQuery, WorkerFacts, target_query
@@ -129,6 +130,10 @@ async def _run(
     request: web.Request, op: AnyOperation, req: WireRequest, targets: list[Worker]
 ) -> tuple[list[WorkerResult[WireResponse]], list[str]]:
     """Run ``op`` as the router's own targeted operation; the per-worker results and the targets kept fenced."""
+    try:
+        expect = Expectation.of_headers(request.headers, changes_weights=op.changes_weights)
+    except ApiError as exc:
+        raise RlRefusal(400, "invalid_body", exc.message) from None
     call = AdminCall(
         op,
         request.method,
@@ -137,6 +142,7 @@ async def _run(
         timeout_s=op.router_wait(req),
         query=forwarded_query(request),
         only=frozenset(w.id for w in targets),
+        expect=expect,
     )
     ctx = request.app[keys.ADMIN]
     outcome = await request.app[keys.TASKS].run_detached(broadcast(ctx, op, call), name=f"rl_{op.name}")

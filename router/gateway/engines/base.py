@@ -10,6 +10,8 @@ worker and which of the router's routes the worker serves:
   weight-update group and the memory state come from (:meth:`Engine.describe`);
 - **answers**: how an admin answer is decoded into its contract model (SGLang and vLLM answer some
   routes with an empty body, ``null`` or plain text: :func:`~router.gateway.upstream.answer.decode_plain`);
+- **digest**: the call whose answer says which weights a worker holds (:attr:`Engine.digest_request`,
+  folded into one string by :func:`router.contract.weight_digest.of_checker_answer`);
 - **routes**: the admin and generation routes its servers serve. The router sends a worker only
   routes its engine serves, so a mixed fleet can use exactly the routes every engine in it serves
   (a call that some target's engine lacks is refused before anything is locked, fenced or sent).
@@ -20,13 +22,18 @@ worker is written on the :class:`~router.gateway.fleet.registry.Worker`.
 
 from __future__ import annotations
 
-from router.contract.admin import HealthStatus
+from router.contract import endpoints as ep
+from router.contract.admin import HealthStatus, WeightsCheckerRequest
+from router.contract.base import WireRequest
+from router.contract.endpoint import AnyEndpoint
 from router.contract.fleet import EngineName
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import Decoder, decode_plain
 
 HEALTH_PATH = "/health"
+#: SGLang's and omni-worker's weights checker asked for the checksums of the weights served.
+CHECKSUM_OF_WEIGHTS: tuple[AnyEndpoint, WireRequest] = (ep.WEIGHTS_CHECKER, WeightsCheckerRequest(action="checksum"))
 
 
 class Engine:
@@ -41,6 +48,8 @@ class Engine:
     """Its ``/health`` says whether a prepared receive or an open update is alive (omni-worker's does): a held
     update reads it to end early. For other engines only an unanswered probe or the update's window ends it."""
     decode: Decoder = staticmethod(decode_plain)
+    digest_request: tuple[AnyEndpoint, WireRequest] | None = None
+    """The admin call that reports the weights a worker serves (a checker's ``checksum``); ``None``: none."""
 
     def health_path(self, worker: Worker) -> str:
         """The path a probe reads (SGLang's ``/health`` parks while generation is paused)."""

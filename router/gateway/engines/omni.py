@@ -8,7 +8,7 @@ from router.contract.admin import HealthStatus
 from router.contract.lora_endpoints import LORA_ADMIN
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
 from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
-from router.gateway.engines.base import HEALTH_PATH, Engine
+from router.gateway.engines.base import CHECKSUM_OF_WEIGHTS, HEALTH_PATH, Engine
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import decode_answer
@@ -25,6 +25,7 @@ class OmniEngine(Engine):
     generation_paths = OMNI_GENERATION
     reports_update_state = True
     decode = staticmethod(decode_answer)
+    digest_request = CHECKSUM_OF_WEIGHTS
 
     async def health(
         self, client: WorkerClient, worker: Worker, timeout_s: float, headers: dict[str, str]

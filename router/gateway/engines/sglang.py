@@ -21,7 +21,7 @@ import asyncio
 from router.contract import endpoints as ep
 from router.contract.admin import MemoryOccupationRequest
 from router.contract.sglang_server import SglangServerIdentity
-from router.gateway.engines.base import HEALTH_PATH, Engine
+from router.gateway.engines.base import CHECKSUM_OF_WEIGHTS, HEALTH_PATH, Engine
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 
@@ -56,6 +56,7 @@ class SglangEngine(Engine):
     name = "sglang"
     admin_paths = SGLANG_ADMIN
     generation_paths = SGLANG_GENERATION
+    digest_request = CHECKSUM_OF_WEIGHTS
 
     def health_path(self, worker: Worker) -> str:
         return ep.MODEL_INFO.path if worker.paused else HEALTH_PATH

@@ -29,7 +29,7 @@ import asyncio
 from router.contract import endpoints as ep
 from router.contract.lora_endpoints import V1_LOAD_LORA_ADAPTER, V1_UNLOAD_LORA_ADAPTER
 from router.contract.vllm_dev import SleepQuery
-from router.contract.vllm_rl import VllmServerIdentity
+from router.contract.vllm_rl import VllmServerIdentity, VllmWeightCheckerRequest
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
 from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
 from router.gateway.engines.base import Engine
@@ -89,6 +89,7 @@ class VllmEngine(Engine):
     name = "vllm"
     admin_paths = VLLM_ADMIN
     generation_paths = VLLM_GENERATION
+    digest_request = (ep.WEIGHT_CHECKER, VllmWeightCheckerRequest(action="checksum"))
 
     async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
         version, identity, paused = await asyncio.gather(

@@ -32,6 +32,7 @@ from router.contract.admin import HealthStatus
 from router.contract.budget import HOP_MARGIN_S
 from router.gateway.admin.fence import Fence
 from router.gateway.admin.locked import AdminContext, LockHold
+from router.gateway.admin.verify import Digest
 from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.tasks import TaskSet
@@ -63,6 +64,8 @@ class HeldUpdate:
     expiry: asyncio.Task[None] | None = None
     calls: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Held by a call that works inside the update without ending it; the expiry waits for it."""
+    before: dict[str, Digest] | None = None
+    """Each target's weights' digest when the update began (``--verify-updates changed``)."""
 
     def receive_left_s(self) -> float:
         return max(self.receive_deadline - time.monotonic(), 0.0)

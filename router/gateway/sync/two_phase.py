@@ -45,6 +45,7 @@ from router.contract.weight_sync import (
     PrepareWeightsUpdateResponse,
 )
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
+from router.gateway.admin.expectation import NOTHING_SAID, Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.fence import Fence
 from router.gateway.admin.locked import AdminRun
@@ -76,6 +77,7 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             self._ended.pop(req.group_name, None)
             targets = self._ctx.live_targets(serving=PREPARE.path)
             self._ctx.groups.check(req.group_name, targets)
+            before = await run.read_digests(targets, headers) if self._ctx.verify_updates == "changed" else None
             fence = await run.fence_targets(targets)
             assert fence is not None  # prepare is fenced
             call = AdminCall(PREPARE, "POST", req, headers, timeout_s=PREPARE.router_wait(req))
@@ -92,6 +94,7 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
                 expected_buckets=req.num_buckets,
                 instances={w.id: w.instance_id for w in targets},
                 receive_deadline=time.monotonic() + window,
+                before=before,
             )
             self._hold(prepared, window)
             run.outcome = "success"
@@ -131,7 +134,7 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
         return Outcome(502, fleet_answer(PREPARE, results, message, success=False, status="error", aborts=aborts))
 
     async def complete(
-        self, req: CompleteWeightsUpdateRequest, headers: dict[str, str]
+        self, req: CompleteWeightsUpdateRequest, headers: dict[str, str], expect: Expectation = NOTHING_SAID
     ) -> Outcome[CompleteWeightsUpdateResponse]:
         prepared = self._take(req.group_name, "call /prepare_weights_update first")
         async with AdminRun.open(COMPLETE, self._ctx, adopt=prepared.lock) as run:
@@ -143,8 +146,10 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             _check_counts(results, prepared.expected_buckets)
             checksums = {r.worker: r.body.checksum if r.body is not None else None for r in results}
             values = set(checksums.values())
+            before = prepared.before if run.checks_change(expect) else None
+            checked = await run.verify(results, expect, before, headers)
             outcome = await run.settle(
-                results, checksums=checksums, checksums_match=None if None in values else len(values) == 1
+                results, checksums=checksums, checksums_match=None if None in values else len(values) == 1, **checked
             )
             await run.record_weight_change(prepared.targets, results)
             return outcome

@@ -45,6 +45,7 @@ from router.contract.vllm import (
     VllmResult,
 )
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
+from router.gateway.admin.expectation import NOTHING_SAID, Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.fence import RESOLVE_HINT
 from router.gateway.admin.locked import AdminRun
@@ -84,6 +85,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
             self._ended.pop(group, None)
             targets = self._ctx.live_targets(serving=START.path)
             self._ctx.groups.check(group, targets)
+            before = await run.read_digests(targets, headers) if self._ctx.verify_updates == "changed" else None
             fence = await run.fence_targets(targets)
             assert fence is not None  # start is fenced
             call = AdminCall(START, "POST", req, headers, timeout_s=START.router_wait(req))
@@ -99,6 +101,7 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
                 instances={w.id: w.instance_id for w in targets},
                 receive_deadline=time.monotonic() + window,
                 window_s=window,
+                before=before,
             )
             self._hold(held, window)
             run.outcome = "success"
@@ -161,7 +164,9 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
                 return Outcome(verdict.refusal_status, answer.failed(message))
             return Outcome(502, answer)
 
-    async def finish(self, req: FinishWeightUpdateRequest, headers: dict[str, str]) -> Outcome[VllmResult]:
+    async def finish(
+        self, req: FinishWeightUpdateRequest, headers: dict[str, str], expect: Expectation = NOTHING_SAID
+    ) -> Outcome[VllmResult]:
         held = self._open_update(FINISH.path)
         if held.calls.locked():
             raise Conflict("an /update_weights of this update is still in flight; finish after its answer")
@@ -171,8 +176,9 @@ class WeightTransfer(HeldUpdates[OpenUpdate]):
             call = AdminCall(FINISH, "POST", req, headers, timeout_s=FINISH.router_wait(req))
             answered = {r.worker: r for r in await run.fan_out(held.receiving(), call)}
             results = [answered[w.id] if w.id in answered else _left_update(w, held.failed[w.id]) for w in held.targets]
+            checked = await run.verify(results, expect, held.before if run.checks_change(expect) else None, headers)
             # A worker that took chunks of this update and did not commit them may hold a mix of weights.
-            outcome = await run.settle(results, uncertain=held.written | held.failed.keys())
+            outcome = await run.settle(results, uncertain=held.written | held.failed.keys(), **checked)
             await run.record_weight_change(held.targets, results)
             answer = outcome.answer
             assert isinstance(answer, WeightTransferFleetAnswer)
