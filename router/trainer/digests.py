@@ -17,6 +17,12 @@ header), it lets the router publish the update only once every target reports th
   ``gate_proj`` and ``up_proj`` into ``gate_up_proj`` (weights and biases, concatenated in that order on
   the first dimension), and keeps one tensor for tied embeddings. This covers the Llama and Qwen2
   layouts this project serves, at one tensor-parallel rank and in the dtype the engine serves.
+  vLLM's CPU build repacks every linear layer's weight for oneDNN after loading and leaves the parameter
+  itself empty, so its checker hashes zero bytes for those (the SHA-256 of nothing, ``e3b0c442...``) and
+  covers only the embeddings, the norms and ``lm_head`` there: ``vllm_cpu=True`` computes that digest. A
+  wrong checkpoint still shows (its embeddings differ); a change confined to linear layers does not, on
+  that build. A vLLM server started with ``--enable-lora`` wraps the embeddings and the projections, so
+  their parameters are named ``...base_layer.weight``: ``vllm_lora=True``.
 """
 
 from __future__ import annotations
@@ -37,21 +43,45 @@ VLLM_FUSED: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
     ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
 )
+#: The projections' weights: vLLM's CPU build repacks them (the parameters then hold no bytes), and its LoRA
+#: support wraps them.
+VLLM_CPU_REPACKED = (
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+)
+#: The SHA-256 of zero bytes.
+EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 #: vLLM's key prefix for the only rank of a server without data, pipeline, context or tensor parallelism.
 VLLM_RANK_PREFIX = "dp0:pp0:pcp0:tp0:"
 
 
 def expected_checksum(
-    named: Iterable[tuple[str, torch.Tensor]], engine: DigestEngine = "omni", *, tie_word_embeddings: bool = False
+    named: Iterable[tuple[str, torch.Tensor]],
+    engine: DigestEngine = "omni",
+    *,
+    tie_word_embeddings: bool = False,
+    vllm_cpu: bool = False,
+    vllm_lora: bool = False,
 ) -> str:
     """The digest ``engine`` reports once it serves exactly ``named`` (checkpoint names; see the module).
-    ``tie_word_embeddings``: the model's config ties ``lm_head`` to the embeddings (vLLM then holds one)."""
+    ``tie_word_embeddings``: the model's config ties ``lm_head`` to the embeddings (vLLM then holds one);
+    ``vllm_cpu``: the vLLM server is its CPU build (its linear layers' parameters are empty); ``vllm_lora``: it
+    serves LoRA adapters (its wrapped layers' parameters are named ``base_layer``)."""
     if engine == "omni":
         return sent_checksum(named)
     if engine == "sglang":
         return _sglang_overall({name: _sglang_tensor_hash(t) for name, t in named})
     params = vllm_parameters(named, tie_word_embeddings=tie_word_embeddings)
-    return vllm_digest({VLLM_RANK_PREFIX + name: _sha256(t) for name, t in params})
+    return vllm_digest(
+        {
+            VLLM_RANK_PREFIX + (_base_layer(n) if vllm_lora else n): EMPTY_SHA256
+            if vllm_cpu and _repacked(n)
+            else _sha256(t)
+            for n, t in params
+        }
+    )
 
 
 def vllm_parameters(
@@ -76,6 +106,17 @@ def vllm_parameters(
     if tie_word_embeddings:
         out.pop("lm_head.weight", None)  # one parameter, the embeddings', as vLLM ties them
     return sorted(out.items())
+
+
+def _repacked(name: str) -> bool:
+    return name.endswith(VLLM_CPU_REPACKED)
+
+
+def _base_layer(name: str) -> str:
+    """vLLM's name of a parameter its LoRA support wraps (the embeddings and the projections)."""
+    if name == "model.embed_tokens.weight" or name.endswith(VLLM_CPU_REPACKED):
+        return name.removesuffix("weight") + "base_layer.weight"
+    return name
 
 
 def _split(name: str, part: str) -> tuple[str, bool, str]:

@@ -27,7 +27,9 @@ pytestmark = pytest.mark.timeout(900)
 
 
 def digest_of(checkpoint: Path) -> str:
-    return expected_checksum(read_checkpoint(checkpoint, torch.float32), "vllm")
+    """The trainer's digest for these servers: vLLM's CPU build with LoRA on (router.trainer.digests says what
+    that covers)."""
+    return expected_checksum(read_checkpoint(checkpoint, torch.float32), "vllm", vllm_cpu=True, vllm_lora=True)
 
 
 def reload(router: Router, checkpoint: Path, expected: str) -> tuple[int, Any]:
