@@ -27,7 +27,7 @@ API_KEY = "front-door-key"
 BODY_BYTES = 20_000_000
 PIPELINED = 30
 #: How long the flood is offered: far longer than the router needs to read what it would buffer.
-FLOOD_S = 6.0
+FLOOD_S = 3.0
 
 
 @dataclass
