@@ -27,9 +27,9 @@ import hypothesis
 import hypothesis.errors
 import schemathesis
 import urllib3
-from hypothesis import HealthCheck, Phase, settings
 from schemathesis import GenerationMode
 
+from tests._hypothesis import generate_only
 from tests._router_fixtures import auth
 from tests.procs import http_json
 
@@ -213,15 +213,7 @@ def run_generated(
     one run reports every problem, not the first one shrunk."""
     strategy = op.as_strategy(generation_mode=mode)
 
-    @settings(
-        max_examples=examples,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        verbosity=hypothesis.Verbosity.quiet,
-    )
+    @generate_only(examples)
     @hypothesis.given(case=strategy)
     def drive(case: Any) -> None:
         execute(case)

@@ -38,7 +38,6 @@ from typing import Any, cast
 import hypothesis
 import pytest
 from aiohttp import web
-from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 
 from router.contract.generate import INSTANCE_HEADER
@@ -49,6 +48,7 @@ from router.gateway.config import RouterConfig
 from router.gateway.frontend.connection import MAX_HEAD_BYTES
 from router.gateway.frontend.site import FRONTEND, LeanServer, LeanSite
 from router.gateway.serving import app_runner
+from tests._hypothesis import generate_only
 from tests._polling import until
 from tests.procs import free_port
 from tests.test_lean_frontend import API_KEY, BODY, generate_request
@@ -997,15 +997,7 @@ async def test_fuzzed_request_bytes_are_never_a_5xx_never_overanswered_and_leave
     lean = lean_only(front)
     problems: list[str] = []
 
-    @settings(
-        max_examples=FUZZ_EXAMPLES,
-        deadline=None,
-        database=None,
-        derandomize=True,
-        phases=[Phase.generate],
-        suppress_health_check=list(HealthCheck),
-        verbosity=hypothesis.Verbosity.quiet,
-    )
+    @generate_only(FUZZ_EXAMPLES)
     @hypothesis.given(
         requests=st.lists(st.one_of(_valid_request(), _any_request()), min_size=1, max_size=4), mutations=_MUTATIONS
     )

@@ -127,34 +127,6 @@ class AdminContext:
         """Read each worker's ``weight_version`` and ``tp_size`` again (after a change, or when unknown)."""
         await asyncio.gather(*(self.prober.refresh_metadata(w) for w in workers))
 
-    async def record_weight_change(
-        self,
-        targets: Sequence[Worker],
-        results: Sequence[WorkerResult[WireResponse]],
-        *,
-        source_path: str | None = None,
-        relabel_of: Collection[str] | None = None,
-    ) -> None:
-        """After a weight change: the targets that succeeded now hold a new fleet version (read back
-        from them); targets that failed are pending until an update brings them there, and workers the
-        change did not target keep the version they held (one version staler). ``source_path``: the
-        checkpoint the change loaded (:func:`~router.gateway.fleet.weights.checkpoint_of`); ``relabel_of``: see
-        :meth:`~router.gateway.fleet.weights.FleetWeights.changed`."""
-        succeeded = {r.worker for r in results if r.success}
-        done = [w for w in targets if w.id in succeeded]
-        if done:
-            await self.refresh_versions(done)
-            checksum = agreed_checksum(r.body for r in results if r.success)
-            targeted = {w.id for w in targets}
-            await self.registry.fleet.changed(
-                ((w.id, w.weights) for w in done),
-                targets=targeted,
-                checksum=checksum,
-                bystanders=((w.id, w.weights) for w in self.registry if w.id not in targeted and not w.is_dead),
-                source_path=source_path,
-                relabel_of=relabel_of,
-            )
-
 
 class LockHold:
     """The admin update lock, held by one operation, one held update or one registry change; released once."""
@@ -357,9 +329,26 @@ class AdminRun(Generic[Req, Resp]):
         source_path: str | None = None,
         relabel_of: Collection[str] | None = None,
     ) -> None:
-        """:meth:`AdminContext.record_weight_change`, timed as this operation's ``verification``."""
+        """After a weight change (timed as this operation's ``verification``): the targets that succeeded now
+        hold a new fleet version (read back from them); targets that failed are pending until an update brings
+        them there, and workers the change did not target keep the version they held (one version staler).
+        ``source_path``: the checkpoint the change loaded (:func:`~router.gateway.fleet.weights.checkpoint_of`);
+        ``relabel_of``: see :meth:`~router.gateway.fleet.weights.FleetWeights.changed`."""
         with self.timings.phase("verification"):
-            await self.ctx.record_weight_change(targets, results, source_path=source_path, relabel_of=relabel_of)
+            succeeded = {r.worker for r in results if r.success}
+            done = [w for w in targets if w.id in succeeded]
+            if done:
+                await self.ctx.refresh_versions(done)
+                checksum = agreed_checksum(r.body for r in results if r.success)
+                targeted = {w.id for w in targets}
+                await self.ctx.registry.fleet.changed(
+                    ((w.id, w.weights) for w in done),
+                    targets=targeted,
+                    checksum=checksum,
+                    bystanders=((w.id, w.weights) for w in self.ctx.registry if w.id not in targeted and not w.is_dead),
+                    source_path=source_path,
+                    relabel_of=relabel_of,
+                )
 
     def _fail_departed(self, results: Sequence[WorkerResult[WireResponse]]) -> None:
         """A target whose pod left the fleet during the update did not succeed, whatever it answered."""
