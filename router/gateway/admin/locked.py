@@ -50,7 +50,7 @@ from router.gateway.admin.operations import Operation
 from router.gateway.admin.timings import PhaseTimes
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
-from router.gateway.admin.verify import Digest, digests_view, read_digests
+from router.gateway.admin.verify import Digest, digests_view, judge_change, read_digests
 from router.gateway.admin.verify import judge as judge_digests
 from router.gateway.engines import refuse_unserved
 from router.gateway.fleet.groups import WeightGroups
@@ -311,15 +311,26 @@ class AdminRun(Generic[Req, Resp]):
         expect: Expectation,
         before: Mapping[str, Digest] | None,
         headers: dict[str, str],
+        *,
+        reported: Mapping[str, Digest] | None = None,
     ) -> dict[str, Any]:
         """Fail each target that answered the weight change but does not hold what it should (:mod:`.verify`);
-        the answer's fields that say so (each target's ``digests``), or none when nothing was to be checked."""
+        the answer's fields that say so (each target's ``digests``), or none when nothing was to be checked.
+
+        ``reported``: each target's digest as its answer said it, in the caller's scheme (the two-phase
+        complete's checksum of what it applied); the caller's digest is compared with it instead of the
+        engine checker's, which only shows a change."""
         if not self.op.changes_weights or (expect.checksum is None and before is None):
             return {}
         answered = [w for w in (self.ctx.registry.find(r.worker) for r in results if r.success) if w is not None]
-        after = await self.read_digests(answered, headers)
-        judge_digests(results, after, expect, before)
-        return {"digests": digests_view(after)}
+        if reported is None:
+            read = await self.read_digests(answered, headers)
+            judge_digests(results, read, expect, before)
+            return {"digests": digests_view(read)}
+        judge_digests(results, reported, expect, None)
+        if before is not None and expect.change == "changed":
+            judge_change(results, before, await self.read_digests(answered, headers))
+        return {"digests": digests_view(reported)}
 
     async def record_weight_change(
         self,

@@ -77,28 +77,51 @@ def judge(
     expected: Expectation,
     before: Mapping[str, Digest] | None,
 ) -> None:
-    """Fail every target that succeeded at the engine but does not hold what it should (module docstring)."""
+    """Fail every target that succeeded at the engine but does not hold what it should (module docstring).
+    ``after`` is what each target holds in the scheme of ``expected``; ``before`` (to show a change) and the
+    digest compared with it are both the engine's checker's (``after`` too, unless a digest was reported)."""
     for r in results:
         if not r.success:
             continue
-        digest = after.get(r.worker, Digest(None, "not read"))
-        problem = _problem(digest, expected, before.get(r.worker) if before is not None else None, before is not None)
+        problem = _problem(after.get(r.worker, NOT_READ), expected)
+        if problem is None and before is not None and expected.change == "changed":
+            problem = _unchanged(before.get(r.worker, NOT_READ), after.get(r.worker, NOT_READ))
         if problem is not None:
             r.success = False
             r.error = f"the engine answered {r.status_code} but {problem}"
 
 
-def _problem(digest: Digest, expected: Expectation, before: Digest | None, checking_change: bool) -> str | None:
+def judge_change(
+    results: Iterable[WorkerResult[WireResponse]], before: Mapping[str, Digest], after: Mapping[str, Digest]
+) -> None:
+    """Fail every target that succeeded but whose checker's digest is the one it had before."""
+    for r in results:
+        problem = _unchanged(before.get(r.worker, NOT_READ), after.get(r.worker, NOT_READ)) if r.success else None
+        if problem is not None:
+            r.success = False
+            r.error = f"the engine answered {r.status_code} but {problem}"
+
+
+NOT_READ = Digest(None, "not read")
+
+
+def _problem(digest: Digest, expected: Expectation) -> str | None:
+    if expected.checksum is None:
+        return None
     if digest.value is None:
         return f"its weights' digest could not be read: {digest.error}"
-    if expected.checksum is not None and digest.value != expected.checksum:
+    if digest.value != expected.checksum:
         return f"it holds weights {digest.value}, not the expected {expected.checksum}"
-    if checking_change and expected.change == "changed":
-        if before is None or before.value is None:
-            why = before.error if before is not None else "not read"
-            return f"its digest before the update could not be read ({why}), so a change cannot be shown"
-        if before.value == digest.value:
-            return f"its weights did not change (digest {digest.value} before and after)"
+    return None
+
+
+def _unchanged(before: Digest, after: Digest) -> str | None:
+    if after.value is None:
+        return f"its weights' digest could not be read: {after.error}"
+    if before.value is None:
+        return f"its digest before the update could not be read ({before.error}), so a change cannot be shown"
+    if before.value == after.value:
+        return f"its weights did not change (digest {after.value} before and after)"
     return None
 
 

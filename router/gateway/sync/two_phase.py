@@ -51,6 +51,7 @@ from router.gateway.admin.fence import Fence
 from router.gateway.admin.locked import AdminRun
 from router.gateway.admin.operations import ABORT, COMPLETE, PREPARE
 from router.gateway.admin.verdicts import refused_untouched
+from router.gateway.admin.verify import Digest
 from router.gateway.fleet.registry import Worker
 from router.gateway.sync.held import HeldUpdate, HeldUpdates
 
@@ -141,13 +142,16 @@ class TwoPhaseCoordinator(HeldUpdates[PreparedUpdate]):
             run.fence = prepared.fence
             # The workers wait for the rest of the receive window unless complete bounds its own wait.
             waits = req.timeout_s if req.timeout_s is not None else prepared.receive_left_s()
+            if expect.checksum is not None and not req.return_checksum:
+                # The caller's digest is compared with what each worker applied: have them say it.
+                req = req.model_copy(update={"return_checksum": True})
             call = AdminCall(COMPLETE, "POST", req, headers, timeout_s=COMPLETE.endpoint.budget.router_wait(waits))
             results = await run.fan_out(prepared.targets, call)
             _check_counts(results, prepared.expected_buckets)
             checksums = {r.worker: r.body.checksum if r.body is not None else None for r in results}
             values = set(checksums.values())
             before = prepared.before if run.checks_change(expect) else None
-            checked = await run.verify(results, expect, before, headers)
+            checked = await run.verify(results, expect, before, headers, reported=_reported(results))
             outcome = await run.settle(
                 results, checksums=checksums, checksums_match=None if None in values else len(values) == 1, **checked
             )
@@ -211,3 +215,19 @@ def _check_counts(results: list[WorkerResult[CompleteWeightsUpdateResponse]], ex
         if r.success and body is not None and body.num_buckets_received != expected:
             r.success = False
             r.error = f"received {body.num_buckets_received} bucket(s), expected {expected}"
+
+
+def _reported(results: list[WorkerResult[CompleteWeightsUpdateResponse]]) -> dict[str, Digest] | None:
+    """Each worker's checksum of what it applied, as its complete reported it (the trainer's ``sent_checksum``
+    scheme, whatever the engine); ``None`` when some worker reported none (then its engine's checker is read)."""
+    reported: dict[str, Digest] = {}
+    for r in results:
+        body = r.body
+        if body is None or not r.success:
+            continue
+        ranks = {c.checksum for c in body.rank_checksums} if body.rank_checksums else {body.checksum}
+        if len(ranks) != 1 or None in ranks:
+            return None
+        (value,) = ranks
+        reported[r.worker] = Digest(str(value).lower())
+    return reported
