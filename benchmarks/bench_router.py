@@ -94,8 +94,9 @@ def standin_app() -> web.Application:
     return app
 
 
-async def serve_standins(ports: list[int]) -> None:
-    runner = web.AppRunner(standin_app(), access_log=None)
+async def serve_standins(ports: list[int], app: web.Application | None = None) -> None:
+    """``app`` (by default :func:`standin_app`) on every port, until SIGTERM."""
+    runner = web.AppRunner(app if app is not None else standin_app(), access_log=None)
     await runner.setup()
     for port in ports:
         await web.TCPSite(runner, "127.0.0.1", port, backlog=1024).start()

@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import platform
-import signal
 import statistics
 import sys
 import tempfile
@@ -38,7 +37,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from benchmarks.bench_router import free_ports, pct, start_router
+from benchmarks.bench_router import free_ports, pct, serve_standins, start_router
 from demo.launch import ManagedProcess
 
 #: One step's calls, in order.
@@ -82,17 +81,6 @@ def standin_app(worker_s: float) -> web.Application:
     for path in ("/pause_generation", "/update_weights_from_disk", "/continue_generation"):
         app.router.add_post(path, admin)
     return app
-
-
-async def serve_standins(ports: list[int], worker_s: float) -> None:
-    runner = web.AppRunner(standin_app(worker_s), access_log=None)
-    await runner.setup()
-    for port in ports:
-        await web.TCPSite(runner, "127.0.0.1", port, backlog=2048).start()
-    stop = asyncio.Event()
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
-    await stop.wait()
-    await runner.cleanup()
 
 
 def router_ms(timings: dict[str, float]) -> float:
@@ -232,7 +220,7 @@ def main() -> None:
     p.add_argument("--serve-standins", type=int, nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.serve_standins:
-        asyncio.run(serve_standins(args.serve_standins, args.worker_ms / 1000.0))
+        asyncio.run(serve_standins(args.serve_standins, standin_app(args.worker_ms / 1000.0)))
     else:
         asyncio.run(bench(args))
 

@@ -6,6 +6,8 @@ default, and aiohttp's). One connection parks a request on the paused fleet and 
 with 20 MB bodies behind it without reading an answer; another, without a key, declares a 50 MB body.
 The router's memory (control process and data planes together) may grow by two bodies at most, and the
 caller without a key is refused at once, before its body. Every send is bounded in bytes and time.
+Real processes because what is measured is a router process's resident memory (with its data planes),
+and the kernel's socket buffers between it and the caller; in-process, the test's own memory would blur it.
 """
 
 from __future__ import annotations

@@ -392,6 +392,13 @@ async def nothing_held(front: Front) -> None:
         await until(lambda: not lean.connections, 5, "every caller's connection to be closed")
 
 
+async def recovered(front: Front) -> None:
+    """The workers back to answering at once; then the router serves others and holds nothing."""
+    front.set_mode("ok")
+    await served_normally(front)
+    await nothing_held(front)
+
+
 # -- refused at the head -----------------------------------------------------------------------------------------------
 
 
@@ -475,8 +482,7 @@ async def test_a_request_refused_at_its_head_is_answered_at_once_and_its_connect
         problems += [f"{case.name}: {p}  <- sent {case.raw[:300]!r}" for p in head_problems(front, case, reply)]
     assert front.served() == 0
     assert not problems, "\n".join(problems)
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
 
 
 async def test_a_repeated_header_that_may_come_twice_is_read_as_its_first_value(front: Front) -> None:
@@ -572,8 +578,7 @@ async def test_smuggling_shapes_are_refused_and_never_served(front: Front) -> No
                 wrong.append("not a JSON error body")
         problems += [f"{name}: {w}\n  sent {raw[:300]!r}\n  got {reply.show()}" for w in wrong]
     assert not problems, "\n".join(problems)
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
 
 
 # -- HTTP/1.0 ----------------------------------------------------------------------------------------------------------
@@ -675,8 +680,7 @@ async def test_callers_that_vanish_leave_nothing_held_and_others_are_served(fron
             lean = front.lean
             await until(lambda: lean.budget.held == 500, 5, "the half body to be held")
             assert gauge(front.metrics.body_bytes_held) == 500
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
     # Half a head, then gone.
     async with dial(front) as sock:
         await send(sock, _declared(14)[:30])
@@ -688,9 +692,7 @@ async def test_callers_that_vanish_leave_nothing_held_and_others_are_served(fron
     await until(lambda: any("vanished-1" in w.aborts for w in front.workers), 5, "the request to be aborted")
     for worker in front.workers:
         worker.release.set()
-    front.set_mode("ok")
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
 
 
 async def test_slowloris_heads_do_not_delay_other_callers(front: Front) -> None:
@@ -720,8 +722,7 @@ async def test_slowloris_heads_do_not_delay_other_callers(front: Front) -> None:
         finally:
             slow.cancel()
         assert answered >= 5, f"only {answered} requests answered beside the slow heads"
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
 
 
 # -- the pipelining flood ----------------------------------------------------------------------------------------------
@@ -765,9 +766,7 @@ async def test_a_pipelining_flood_is_not_read_while_the_first_request_is_served(
             assert held <= len(first) + MIB, f"the lean server holds {held} bytes"
         for worker in front.workers:
             worker.release.set()
-    front.set_mode("ok")
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
 
 
 # -- the stall bound ---------------------------------------------------------------------------------------------------
@@ -783,9 +782,7 @@ async def test_a_stream_whose_caller_stops_reading_is_cut_and_aborted_on_its_wor
         # Nothing is read: the router's buffers fill, and STALL_S later the stream is cut.
         await until(lambda: any("stalled-1" in w.aborts for w in front.workers), 8, "the stalled stream to be aborted")
     assert gauge(front.metrics.stream_stalls) == stalls + 1
-    front.set_mode("ok")
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
 
 
 # -- the body budget (lean) --------------------------------------------------------------------------------------------
@@ -1009,6 +1006,5 @@ async def test_fuzzed_request_bytes_are_never_a_5xx_never_overanswered_and_leave
 
     await asyncio.wait_for(asyncio.to_thread(drive), 90)
     assert not problems, "\n".join(problems)
-    await served_normally(front)
-    await nothing_held(front)
+    await recovered(front)
     assert lean.budget.held == 0

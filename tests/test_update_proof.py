@@ -4,7 +4,8 @@ Real omni-workers and a real router. One worker runs with ``--fault-noop-updates
 from disk with success while reloading the checkpoint it holds, the shape of a transfer that moves
 nothing (every worker so broken agrees with the others, so agreement alone cannot catch it). The
 trainer's digest of the checkpoint it means the fleet to load comes from its tensors
-(:func:`router.trainer.digests.expected_checksum`).
+(:func:`router.trainer.digests.expected_checksum`). Real processes because both sides of the check are the
+worker's own: its update path (and the fault in it) and the checker that hashes the weights it serves.
 """
 
 from __future__ import annotations

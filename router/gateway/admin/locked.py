@@ -42,7 +42,7 @@ from router.contract.fleet_answers import WorkerResult
 from router.contract.fleet_status import LastUpdate
 from router.contract.weight_digest import VerifyUpdates
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
-from router.gateway.admin.expectation import Expectation
+from router.gateway.admin.expectation import NOTHING_SAID, Expectation
 from router.gateway.admin.fanout import AdminCall, FanOut
 from router.gateway.admin.fence import RESOLVE_HINT, Fence
 from router.gateway.admin.journal import UpdateJournal
@@ -50,7 +50,7 @@ from router.gateway.admin.operations import Operation
 from router.gateway.admin.timings import PhaseTimes
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
-from router.gateway.admin.verify import Digest, digests_view, judge_change, read_digests
+from router.gateway.admin.verify import Digest, digests_view, read_digests
 from router.gateway.admin.verify import judge as judge_digests
 from router.gateway.engines import refuse_unserved
 from router.gateway.fleet.groups import WeightGroups
@@ -329,7 +329,8 @@ class AdminRun(Generic[Req, Resp]):
             return {"digests": digests_view(read)}
         judge_digests(results, reported, expect, None)
         if before is not None and expect.change == "changed":
-            judge_change(results, before, await self.read_digests(answered, headers))
+            # The engine's checker, before and after, shows the change (no digest expected of it).
+            judge_digests(results, await self.read_digests(answered, headers), NOTHING_SAID, before)
         return {"digests": digests_view(reported)}
 
     async def record_weight_change(

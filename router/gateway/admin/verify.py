@@ -91,17 +91,6 @@ def judge(
             r.error = f"the engine answered {r.status_code} but {problem}"
 
 
-def judge_change(
-    results: Iterable[WorkerResult[WireResponse]], before: Mapping[str, Digest], after: Mapping[str, Digest]
-) -> None:
-    """Fail every target that succeeded but whose checker's digest is the one it had before."""
-    for r in results:
-        problem = _unchanged(before.get(r.worker, NOT_READ), after.get(r.worker, NOT_READ)) if r.success else None
-        if problem is not None:
-            r.success = False
-            r.error = f"the engine answered {r.status_code} but {problem}"
-
-
 NOT_READ = Digest(None, "not read")
 
 

@@ -41,7 +41,7 @@ from typing import Protocol
 import httptools
 from aiohttp import web
 
-from router.contract.web.middleware import error_answer
+from router.contract.web.middleware import error_answer, json_error
 from router.contract.web.parsing import MAX_BODY_BYTES
 from router.gateway.api.proxied import Proxied
 from router.gateway.edge import UNMATCHED
@@ -176,7 +176,7 @@ class CallerConnection(asyncio.Protocol):
         except httptools.HttpParserUpgrade:
             self._hand_over_when_answered()  # an upgrade is aiohttp's to refuse or serve
         except httptools.HttpParserError as exc:
-            self._refuse(_error(400, f"the request could not be parsed: {exc}"))
+            self._refuse(json_error(400, f"the request could not be parsed: {exc}"))
 
     # -- llhttp's callbacks
     def on_message_begin(self) -> None:
@@ -208,7 +208,7 @@ class CallerConnection(asyncio.Protocol):
         self._size += size
         if self._size > MAX_HEAD_BYTES:
             message = f"the request line and headers are over the router's bound of {MAX_HEAD_BYTES} bytes"
-            raise _Stop(_error(431, message))
+            raise _Stop(json_error(431, message))
 
     def on_headers_complete(self) -> None:
         method = self._parser.get_method().decode("latin-1")
@@ -353,7 +353,7 @@ class CallerConnection(asyncio.Protocol):
                 "a request for this route was pipelined behind a generation request; send it on its own "
                 "(after the answers before it) or on another connection"
             )
-            self._refuse(_error(400, message))
+            self._refuse(json_error(400, message))
             return
         raw = b"".join(reads)
         if self._task is not None or self._queue:
@@ -417,7 +417,3 @@ class CallerConnection(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": {"message": message}}, status=status)

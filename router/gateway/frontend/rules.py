@@ -14,26 +14,15 @@ second ``Authorization`` smuggled past a front proxy, two lengths framing two re
 
 from __future__ import annotations
 
+from aiohttp.http_parser import SINGLETON_HEADERS
+
 from router.contract.errors import ApiError
 from router.contract.web.parsing import MAX_BODY_BYTES
 
 #: Headers a request may carry at most once (names in lower case): those aiohttp's parser refuses twice
-#: (``aiohttp.http_parser.SINGLETON_HEADERS``), and ``Authorization``.
-SINGLE_HEADERS = frozenset(
-    {
-        "authorization",
-        "content-length",
-        "content-location",
-        "content-range",
-        "content-type",
-        "etag",
-        "host",
-        "max-forwards",
-        "server",
-        "transfer-encoding",
-        "user-agent",
-    }
-)
+#: (its ``SINGLETON_HEADERS``: ``Content-Length``, ``Host``, ``Content-Type``, ``Transfer-Encoding``, ...), and
+#: ``Authorization``.
+SINGLE_HEADERS = frozenset(name.lower() for name in SINGLETON_HEADERS) | {"authorization"}
 
 #: Seconds a caller refused for the budget is asked to wait (``Retry-After``).
 RETRY_AFTER_S = 1
