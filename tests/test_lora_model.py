@@ -377,3 +377,20 @@ def test_every_targeted_layer_needs_weights(models):
     with pytest.raises(LoraLoadError, match="non-empty string"):
         registry.load("", adapter)
     assert registry.names() == []
+
+
+def test_a_loaded_adapters_checksum_is_the_one_the_trainer_computes(adapters):
+    """What an omni-worker reports of an adapter it loaded is what a trainer computes from the adapter it saved,
+    PEFT's ``base_model.model.`` prefix on the names or not; another adapter has another."""
+    from router.dataplane.digest import PEFT_PREFIX
+    from router.trainer.digests import expected_adapter_checksum
+
+    path = _dir(adapters, "llama", "rslora")
+    saved = load_file(str(path / "adapter_model.safetensors"))
+    assert all(name.startswith(PEFT_PREFIX) for name in saved)
+    expected = expected_adapter_checksum(saved.items())
+    assert LoraAdapter.from_dir(path).checksum() == expected
+    assert expected_adapter_checksum((n.removeprefix(PEFT_PREFIX), t) for n, t in saved.items()) == expected
+    config = json.loads((path / "adapter_config.json").read_text())
+    assert LoraAdapter.from_tensors(config, saved).checksum() == expected
+    assert LoraAdapter.from_dir(_dir(adapters, "llama", "partial")).checksum() != expected

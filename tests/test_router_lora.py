@@ -37,6 +37,9 @@ def made(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory)
     for label in ("plain", "rslora"):
         path, model = write_adapter(checkpoints["llama"], label, root / label)
         out[label] = (str(path), reference_greedy(model, PROMPT, STEPS))
+    # The rank-4 adapter's shape with other tensors: the digest of an adapter a trainer meant, not the one on disk.
+    other, _ = write_adapter(checkpoints["llama"], "rslora", root / "rslora-other", seed=99)
+    out["other"] = (str(other), None)
     return out
 
 
@@ -135,6 +138,64 @@ def test_an_adapter_no_worker_holds_is_a_404_naming_the_loaded_ones(fleet: Any, 
     url, _, _ = fleet
     status, answer = _generate(url, "nowhere")
     assert status == 404 and "'nowhere'" in answer["error"]["message"] and "loaded:" in answer["error"]["message"]
+
+
+def _adapter_digest(path: str) -> str:
+    from safetensors.torch import load_file
+
+    from router.trainer.digests import expected_adapter_checksum
+
+    return expected_adapter_checksum(load_file(str(Path(path) / "adapter_model.safetensors")).items())
+
+
+def test_a_load_is_published_only_when_every_worker_loaded_the_tensors_the_trainer_named(
+    fleet: Any, made: dict[str, Any]
+) -> None:
+    from router.contract.weight_digest import EXPECTED_CHANGE_HEADER, EXPECTED_CHECKSUM_HEADER
+    from router.trainer import RouterCallError, RouterClient
+
+    url, workers, _ = fleet
+    path, tokens = made["rslora"]
+    digest = _adapter_digest(path)
+    expect = {EXPECTED_CHECKSUM_HEADER: digest}
+    body = {"lora_name": "proven", "lora_path": path}
+    status, answer = http_json("POST", url + "/load_lora_adapter", body, headers=expect, timeout=120)
+    assert status == 200 and {r["body"]["lora_checksum"] for r in answer["results"]} == {digest}, answer
+    _wait_routed(url, "proven", tokens)
+    # The trainer meant another adapter than the one the path holds: every worker loaded it, none is kept.
+    meant = _adapter_digest(made["other"][0])
+    wrong = {EXPECTED_CHECKSUM_HEADER: meant}
+    status, answer = http_json("POST", url + "/load_lora_adapter", body, headers=wrong, timeout=120)
+    message = answer["error"]["message"]
+    assert status == 502 and not answer["success"] and "rolled back on 2 of 2" in message, answer
+    assert f"it holds weights {digest}, not the expected {meant}" in message
+    entry = _table(url)["proven"]
+    assert entry["version"] == 1 and len(entry["holders"]) == 2 and entry["source"] == path, entry
+    for _ in range(4):
+        status, out = _generate(url, "proven")
+        assert status == 200 and out["output_ids"] == tokens
+    # Where no answer could show the adapter's digest, or on a change of base weights' header: 400, nothing sent.
+    v1 = {"lora_name": "proven", "lora_path": path, "load_inplace": True}
+    for route, refused_body, headers in (
+        ("/v1/load_lora_adapter", v1, expect),
+        ("/skyrl/v1/load_lora_adapter", {"lora_name": "proven", "lora_path": path}, expect),
+        ("/load_lora_adapter", body, {EXPECTED_CHANGE_HEADER: "unchanged"}),
+        ("/unload_lora_adapter", {"lora_name": "proven"}, expect),
+    ):
+        status, answer = http_json("POST", url + route, refused_body, headers=headers, timeout=60)
+        assert status == 400 and answer["error"]["message"], (route, answer)
+    assert _table(url)["proven"]["version"] == 1
+    # RouterClient sends the digest: the right one updates the adapter, a wrong one raises and keeps it.
+    client = RouterClient(url)
+    assert client.load_lora_adapter("proven", path, expected_checksum=digest).success
+    assert _table(url)["proven"]["version"] == 2
+    with pytest.raises(RouterCallError) as failed:
+        client.load_lora_adapter("proven", path, expected_checksum=meant)
+    assert failed.value.status == 502 and len(failed.value.failed_workers()) == 2
+    assert _table(url)["proven"]["version"] == 2
+    assert all("proven" in _loaded_on(w) for w in workers)
+    status, _ = _post(url, "/unload_lora_adapter", {"lora_name": "proven"})
+    assert status == 200
 
 
 def test_a_load_one_worker_refuses_is_rolled_back_everywhere(fleet: Any, made: dict[str, Any]) -> None:

@@ -7,7 +7,10 @@ for ``/init_weight_transfer_engine``, the update held from ``/start_weight_updat
 ``/finish_weight_update`` (lock, fence, journal, concurrency of ``/update_weights``, failures,
 expiry), and ``/pause``, ``/resume``, ``/is_paused``.
 
-The end-to-end test at the bottom runs a real router, two real workers and a trainer process.
+:class:`~router.trainer.aio.AsyncRouterClient`'s vLLM calls are checked against the same stand-ins.
+
+The end-to-end tests at the bottom run a real router, two real workers and a trainer process, which
+drives the flow with raw HTTP or, in ``client_sync``, with :class:`~router.trainer.client.RouterClient`.
 """
 
 from __future__ import annotations
@@ -22,18 +25,23 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from router.contract.fleet import JournalView, WorkerList
+from router.contract.fleet_answers import IsPausedFleetAnswer, PauseFleetAnswer, WeightTransferFleetAnswer
 from router.gateway import keys
 from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
+from router.trainer import AsyncRouterClient, RouterCallError
+from router.trainer.digests import expected_checksum
 from tests._polling import until
-from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
+from tests._router_fixtures import ADMIN_KEY, auth, escaped, generate_via, start_router, start_workers, workers
 from tests._router_fixtures import Fleet as WorkerFleet
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import ManagedProcess, free_port, http_json
+from worker.model.checkpoint import read_checkpoint
 
 KEY = "vllm-policy-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -450,6 +458,45 @@ async def test_the_routes_are_described(fleet: Fleet) -> None:
     assert "is_paused" in doc["components"]["schemas"][answer.rsplit("/", 1)[1]]["properties"]
 
 
+# -- the trainer client's vLLM calls
+
+
+async def test_the_router_client_drives_vllms_flow_with_typed_calls(fleet: Fleet) -> None:
+    first, second = fleet.workers
+    url = str(fleet.client.make_url("/"))
+    async with AsyncRouterClient(url, admin_key=KEY, failover_budget_s=0) as client:
+        paused = await client.pause("keep", timeout_s=5)
+        assert isinstance(paused, PauseFleetAnswer) and paused.status == "paused", paused
+        for s in fleet.workers:  # the arguments travel in the query, as vLLM reads them
+            ((query, sent),) = [(q, b) for p, q, b in s.calls if p == "/pause"]
+            assert query == "mode=keep&timeout_s=5.0" and sent == {"mode": "keep", "timeout_s": 5.0}
+        is_paused = await client.is_paused()
+        assert isinstance(is_paused, IsPausedFleetAnswer) and is_paused.is_paused
+
+        init = await client.init_weight_transfer_engine(init_body(1 + 3)["init_info"])
+        assert [(r.rank_offset, r.tp_size) for r in init.ranks] == [(1, 1), (2, 2)]
+        start = await client.start_weight_update(timeout_s=60)
+        assert isinstance(start, WeightTransferFleetAnswer) and start.update_open
+        chunk = await client.update_weights(CHUNK["update_info"])
+        assert chunk.update_open and [s.bodies("/update_weights") for s in fleet.workers] == [[CHUNK]] * 2
+        finish = await client.finish_weight_update("v1")
+        assert finish.weight_version == "v1" and not finish.update_open and finish.fenced == []
+        assert first.bodies("/finish_weight_update") == [{"weight_version": "v1"}]  # the workers' own flush default
+        assert (await client.resume()).status == "resumed" and not second.paused
+
+        # Out of order: the router's 409, typed.
+        with pytest.raises(RouterCallError) as refused:
+            await client.update_weights(CHUNK["update_info"])
+        assert refused.value.status == 409 and "/start_weight_update first" in refused.value.message
+        # The digest travels as the router's header: stand-ins report none, so the finish is not published.
+        await client.start_weight_update()
+        with pytest.raises(RouterCallError) as unproven:
+            await client.finish_weight_update("v2", expected_checksum="ab" * 32)
+        assert unproven.value.status == 502 and isinstance(unproven.value.answer, WeightTransferFleetAnswer)
+        assert all(s.version == "v2" for s in fleet.workers)  # committed by the engines, yet fenced
+        assert await fleet.disabled() == [True, True] and (await fleet.journal()).state == "failed"
+
+
 # -- end to end: a real router, two real workers, a trainer process
 
 
@@ -535,6 +582,59 @@ def test_a_vllm_trainer_syncs_the_fleet_through_the_router(
     assert status == 200 and len(out["output_ids"]) == 4 and served_by, out
     fleet = workers(url, ADMIN_KEY)
     assert all(not w["disabled"] and w["pending"] is None for w in fleet), fleet
+
+
+def fleet_version(url: str) -> str | None:
+    """The version the router published (a failed update's label never reaches it)."""
+    status, body = router_call(url, "GET", "/fleet/versions")
+    assert status == 200, body
+    return body["weight_version"]
+
+
+def test_a_router_client_trainer_syncs_with_its_digest_and_a_wrong_digest_is_not_published(
+    e2e: dict[str, Any], checkpoints: dict[str, Path], tmp_path: Path
+) -> None:
+    url = e2e["router"]
+    ours, other = (sorted(read_checkpoint(checkpoints[n], torch.float32)) for n in ("llama", "llama_b"))
+    digest, other_digest = expected_checksum(ours, "omni"), expected_checksum(other, "omni")
+    report = run_vllm_trainer(
+        url,
+        checkpoints["llama"],
+        tmp_path,
+        "client_sync",
+        version="v-client",
+        wrong_version="v-wrong",
+        other_model=str(checkpoints["llama_b"]),
+    )
+    assert report["returncode"] == 0 and "send_error" not in report, report
+    calls = answers(report)
+    assert calls["/init_weight_transfer_engine"][0][0] == 200, calls
+    assert [(s, b["status"]) for s, b in calls["/pause"]] == [(200, "paused")] * 2
+    assert all(b["is_paused"] for _, b in calls["/is_paused"])
+    assert [s for s, _ in calls["/update_weights"]] == [200] * 4, calls["/update_weights"]
+
+    # The sync whose finish names the digest of the tensors sent: published, every worker proven.
+    (status, finish), (refused_status, refused) = calls["/finish_weight_update"]
+    assert status == 200 and finish["weight_version"] == "v-client" and finish["fenced"] == [], finish
+    assert set(finish["digests"].values()) == {digest}, finish
+    assert calls["/get_weight_version"] == [(200, {"weight_version": "v-client", "worker_count": 2})]
+
+    # The sync whose finish names other tensors' digest: a 502 with the typed answer, the label unpublished.
+    assert refused_status == 502 and refused["answer_type"] == "WeightTransferFleetAnswer", refused
+    assert set(refused["answer"]["digests"].values()) == {other_digest}, refused
+    assert all(f"not the expected {digest}" in r["error"] for r in refused["answer"]["results"]), refused
+    assert fleet_version(url) == "v-client"
+    fleet = workers(url, ADMIN_KEY)
+    assert all(w["disabled"] for w in fleet), fleet
+    status, journal = router_call(url, "GET", "/weight_update_journal")
+    assert journal["pending"]["state"] == "failed", journal
+
+    # An operator vouches for the workers (they serve llama_b whole); the fleet serves again.
+    assert router_call(url, "POST", "/weight_update_journal/resolve", {"acknowledge": True})[0] == 200
+    for w in fleet:
+        assert router_call(url, "PUT", f"/workers/{escaped(w['id'])}", {"disabled": False})[0] == 200
+    assert router_call(url, "POST", "/resume", {})[0] == 200
+    assert all(not w["disabled"] for w in workers(url, ADMIN_KEY))
 
 
 def test_a_buffer_size_mismatch_fails_the_update_and_keeps_the_workers_fenced(

@@ -71,6 +71,8 @@ class AdapterService:
     ):
         self._table = None if model is None else LoraAdapters(model, max_loras=max_loras, max_lora_rank=max_lora_rank)
         self._sources: dict[str, str] = {}
+        self._checksums: dict[str, str] = {}
+        """Each loaded adapter's :meth:`LoraAdapter.checksum`, reported with a load so the router can check it."""
         self._change = asyncio.Lock()
         self._running: set[asyncio.Future[Any]] = set()
         self._allow_pickled = allow_pickled
@@ -95,6 +97,10 @@ class AdapterService:
     def version(self, name: str) -> int | None:
         table = self._table
         return table.get(name).version if table is not None and name in table else None
+
+    def checksum(self, name: str) -> str | None:
+        """The checksum of the tensors ``name`` holds (``None``: not loaded)."""
+        return self._checksums.get(name)
 
     # -- changes --------------------------------------------------------------------
     async def load_path(self, name: str, path: str, *, replace: bool = True) -> LoadedLora:
@@ -146,6 +152,7 @@ class AdapterService:
         async def change() -> LoadedLora:
             unloaded = table.unload(name)
             self._sources.pop(name, None)
+            self._checksums.pop(name, None)
             return unloaded
 
         return await self._changing(change)
@@ -153,15 +160,16 @@ class AdapterService:
     async def _load(self, table: LoraAdapters, name: str, source: str, read: Callable[[], LoraAdapter]) -> LoadedLora:
         """Read and place on this rank (in a thread), then on every follower rank, then serve: all ranks or none."""
 
-        def read_and_prepare() -> tuple[LoraAdapter, LoadedLora]:
+        def read_and_prepare() -> tuple[LoraAdapter, LoadedLora, str]:
             adapter = read()
-            return adapter, table.prepare(name, adapter)
+            return adapter, table.prepare(name, adapter), adapter.checksum()
 
-        adapter, placed = await asyncio.to_thread(read_and_prepare)
+        adapter, placed, checksum = await asyncio.to_thread(read_and_prepare)
         if self._stage is not None:
             await self._on_followers(self._stage, placed, adapter)
         table.commit(placed)
         self._sources[name] = source
+        self._checksums[name] = checksum
         return placed
 
     async def _on_followers(self, stage: Stage, placed: LoadedLora, adapter: LoraAdapter) -> None:

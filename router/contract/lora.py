@@ -74,13 +74,16 @@ class UnloadLoraAdapterRequest(WireRequest):
 
 class LoraUpdateResult(OutcomeResponse):
     """SGLang's ``LoRAUpdateOutput``, the answer of all three SGLang routes, plus ``lora_version``:
-    the version the named adapter is at after the call (``None`` once unloaded or never loaded), and
-    on a failure ``error.message`` beside ``error_message`` (the project's error shape)."""
+    the version the named adapter is at after the call (``None`` once unloaded or never loaded),
+    ``lora_checksum``: an omni-worker's checksum of the tensors it loaded for that version
+    (``router.dataplane.digest.adapter_checksum``), and on a failure ``error.message`` beside
+    ``error_message`` (the project's error shape)."""
 
     success: bool
     error_message: str | None = None
     loaded_adapters: dict[str, str] | None = None
     lora_version: int | None = None
+    lora_checksum: str | None = None
 
     @property
     def ok(self) -> bool:

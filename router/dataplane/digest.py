@@ -32,6 +32,22 @@ def rank_checksum(digests: dict[str, str]) -> str:
     return h.hexdigest()
 
 
+#: PEFT's prefix of an adapter's tensor names (a ``PeftModel`` wrapping the causal LM); optional in a saved adapter.
+PEFT_PREFIX = "base_model.model."
+
+
+def adapter_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The checksum of a LoRA adapter's ``lora_A`` / ``lora_B`` tensors named as PEFT saves them, in the
+    scheme of :func:`rank_checksum`, each name without :data:`PEFT_PREFIX` (saved with it or not, the same
+    adapter has one checksum): what an omni-worker reports of an adapter it loaded, and what a trainer
+    computes from ``get_peft_model_state_dict`` or the saved ``adapter_model.safetensors``."""
+    return rank_checksum({name: tensor_digest(name, t) for name, t in ((_unprefixed(n), t) for n, t in named)})
+
+
+def _unprefixed(name: str) -> str:
+    return name[len(PEFT_PREFIX) :] if name.startswith(PEFT_PREFIX) else name
+
+
 def digest_named_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> tuple[dict[str, str], str]:
     """Per-tensor digests and the rank checksum of ``named``."""
     digests = {name: tensor_digest(name, tensor) for name, tensor in named}

@@ -28,28 +28,41 @@ A = TypeVar("A", bound=WireResponse)
 class AdapterCalls:
     """The LoRA calls; the transport (``_admin``, ``_plain``) is :class:`~router.trainer.calls.RouterCalls`'."""
 
-    def _admin(self, endpoint: Endpoint[Any, Any], req: WireRequest, answer: type[A]) -> A:
+    def _admin(
+        self, endpoint: Endpoint[Any, Any], req: WireRequest, answer: type[A], expected_checksum: str | None = None
+    ) -> A:
         raise NotImplementedError
 
     def _plain(self, method: str, path: str, answer: type[A], body: WireRequest | None = None) -> A:
         raise NotImplementedError
 
-    def load_lora_adapter(self, name: str, path: str) -> FleetAnswer[LoraUpdateResult]:
+    def load_lora_adapter(
+        self, name: str, path: str, *, expected_checksum: str | None = None
+    ) -> FleetAnswer[LoraUpdateResult]:
         """Load the PEFT adapter directory ``path`` (on the workers' disks) as ``name`` on every worker, or on
-        none; a ``name`` the fleet holds already is updated (its fleet version goes up by one)."""
+        none; a ``name`` the fleet holds already is updated (its fleet version goes up by one).
+        ``expected_checksum``: :func:`~router.trainer.digests.expected_adapter_checksum` of the adapter the
+        trainer saved there; the load then succeeds only where every worker loaded exactly those tensors."""
         req = LoadLoraAdapterRequest(lora_name=name, lora_path=path)
-        return self._admin(LOAD_LORA_ADAPTER, req, FleetAnswer[LoraUpdateResult])
+        return self._admin(LOAD_LORA_ADAPTER, req, FleetAnswer[LoraUpdateResult], expected_checksum)
 
     def load_lora_adapter_from_tensors(
-        self, name: str, config: dict[str, Any], serialized_named_tensors: list[str], **fields: Any
+        self,
+        name: str,
+        config: dict[str, Any],
+        serialized_named_tensors: list[str],
+        *,
+        expected_checksum: str | None = None,
+        **fields: Any,
     ) -> FleetAnswer[LoraUpdateResult]:
         """SGLang's ``/load_lora_adapter_from_tensors`` on every worker, or on none: ``config`` is the
         adapter's ``adapter_config.json``, ``serialized_named_tensors`` one serialized tensor list per rank
-        as SGLang's serializer writes it (the workers read it only with ``--allow-pickled-tensors``)."""
+        as SGLang's serializer writes it (the workers read it only with ``--allow-pickled-tensors``);
+        ``expected_checksum`` as for :meth:`load_lora_adapter`."""
         req = LoadLoraAdapterFromTensorsRequest(
             lora_name=name, config_dict=config, serialized_named_tensors=serialized_named_tensors, **fields
         )
-        return self._admin(LOAD_LORA_ADAPTER_FROM_TENSORS, req, FleetAnswer[LoraUpdateResult])
+        return self._admin(LOAD_LORA_ADAPTER_FROM_TENSORS, req, FleetAnswer[LoraUpdateResult], expected_checksum)
 
     def unload_lora_adapter(self, name: str) -> FleetAnswer[LoraUpdateResult]:
         """Stop routing ``name``, let the requests naming it end, unload it from every worker that holds it."""

@@ -91,7 +91,7 @@ class AsyncRouterClient(RouterCalls):
         try:
             async with self._session.request(
                 call.method,
-                self.url + call.path,
+                self.url + call.target,
                 data=call.data(),
                 headers={**self.headers(), **dict(call.headers)},
                 timeout=timeout,

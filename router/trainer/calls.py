@@ -20,7 +20,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
-from urllib.parse import quote
+from urllib.parse import quote, urlencode
 
 from pydantic import BaseModel, ValidationError
 
@@ -88,6 +88,7 @@ from router.contract.weight_sync import (
 )
 from router.trainer.adapter_calls import AdapterCalls
 from router.trainer.failover import DEFAULT_FAILOVER_BUDGET_S
+from router.trainer.vllm_calls import VllmCalls
 
 A = TypeVar("A", bound=WireResponse)
 M = TypeVar("M", bound=BaseModel)
@@ -107,6 +108,13 @@ class Call(Generic[A]):
     timeout_s: float
     headers: tuple[tuple[str, str], ...] = ()
     """Headers of this call only (beside the client's :meth:`RouterCalls.headers`)."""
+    query: str = ""
+    """The query string, for the routes that read their arguments there (vLLM's ``/pause?mode=``)."""
+
+    @property
+    def target(self) -> str:
+        """The path and query the request is sent to."""
+        return f"{self.path}?{self.query}" if self.query else self.path
 
     def data(self) -> bytes | None:
         if self.body is None:
@@ -195,11 +203,22 @@ def _set(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
+def query_string(req: WireRequest) -> str:
+    """The fields of ``req`` the caller set, as query parameters: booleans spelled as in JSON, a list's
+    items each under the field's name (as the router reads a query, :func:`router.contract.web.parsing.query_fields`)."""
+    pairs: list[tuple[str, str]] = []
+    for name, value in req.model_dump(mode="json", exclude_unset=True).items():
+        for item in value if isinstance(value, list) else [value]:
+            if item is not None:
+                pairs.append((name, json.dumps(item) if isinstance(item, bool) else str(item)))
+    return urlencode(pairs)
+
+
 def _buckets(buckets: Sequence[Bucket]) -> list[BucketMetadata]:
     return [b if isinstance(b, BucketMetadata) else BucketMetadata.model_validate(b) for b in buckets]
 
 
-class RouterCalls(AdapterCalls):
+class RouterCalls(AdapterCalls, VllmCalls):
     """The router's HTTP surface as methods; the transport (:meth:`_call`) is the subclass's.
 
     Args:
@@ -245,7 +264,10 @@ class RouterCalls(AdapterCalls):
         lock = self.lock_wait_s if endpoint.serialized else 0.0
         wait = endpoint.budget.client_wait(endpoint.timeout_of(req), lock_wait_s=lock)
         headers = () if expected_checksum is None else ((EXPECTED_CHECKSUM_HEADER, expected_checksum),)
-        return self._call(Call(endpoint.methods[-1], endpoint.path, req, answer, wait, headers))
+        method = endpoint.methods[-1]
+        if endpoint.query_params:  # vLLM reads these routes' arguments from the query only, never the body
+            return self._call(Call(method, endpoint.path, None, answer, wait, headers, query_string(req)))
+        return self._call(Call(method, endpoint.path, req, answer, wait, headers))
 
     def _plain(self, method: str, path: str, answer: type[A], body: WireRequest | None = None) -> A:
         return self._call(Call(method, path, body, answer, REGISTRY_TIMEOUT_S))

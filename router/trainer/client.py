@@ -32,7 +32,10 @@ class RouterClient(RouterCalls):
     def _send(self, call: Call[A]) -> tuple[int, bytes]:
         """One HTTP exchange: (status, body), or :class:`StandbyAnswered` / :class:`TransportFailed`."""
         req = urllib.request.Request(
-            self.url + call.path, data=call.data(), method=call.method, headers={**self.headers(), **dict(call.headers)}
+            self.url + call.target,
+            data=call.data(),
+            method=call.method,
+            headers={**self.headers(), **dict(call.headers)},
         )
         try:
             with urllib.request.urlopen(req, timeout=call.timeout_s) as resp:

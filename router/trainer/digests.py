@@ -23,6 +23,9 @@ header), it lets the router publish the update only once every target reports th
   wrong checkpoint still shows (its embeddings differ); a change confined to linear layers does not, on
   that build. A vLLM server started with ``--enable-lora`` wraps the embeddings and the projections, so
   their parameters are named ``...base_layer.weight``: ``vllm_lora=True``.
+
+A LoRA adapter has its own digest (:func:`expected_adapter_checksum`), which an omni-worker reports
+with each load through SGLang's routes; vLLM reports none of an adapter.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from typing import Literal
 import torch
 
 from router.contract.weight_digest import vllm_digest
+from router.dataplane.digest import adapter_checksum
 from router.trainer.sender import sent_checksum
 
 DigestEngine = Literal["omni", "sglang", "vllm"]
@@ -82,6 +86,14 @@ def expected_checksum(
             for n, t in params
         }
     )
+
+
+def expected_adapter_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """The digest an omni-worker reports (``lora_checksum``) once it loaded the LoRA adapter ``named``: its
+    ``lora_A`` / ``lora_B`` tensors as PEFT names them (``get_peft_model_state_dict``, or the saved
+    ``adapter_model.safetensors``; with or without the ``base_model.model.`` prefix), in the scheme of
+    ``sent_checksum``."""
+    return adapter_checksum(named)
 
 
 def vllm_parameters(

@@ -52,7 +52,11 @@ async def _sglang_change(request: web.Request, name: str, change: Change) -> web
             raise
         return _refused(exc.message, adapters)
     done = LoraUpdateResult(
-        success=True, error_message="", loaded_adapters=adapters.loaded(), lora_version=adapters.version(name)
+        success=True,
+        error_message="",
+        loaded_adapters=adapters.loaded(),
+        lora_version=adapters.version(name),
+        lora_checksum=adapters.checksum(name),
     )
     return web.json_response(done.model_dump(mode="json", exclude_none=True))
 

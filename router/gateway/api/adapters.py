@@ -1,7 +1,11 @@
 """LoRA routes through the router: SGLang's and vLLM's loads and unloads, made fleet-wide
 (:mod:`router.gateway.sync.adapters`), and ``GET /fleet/adapters``, the fleet's adapter table.
 
-They span the whole fleet, so a target set (``?workers=``, ``?selector=``) is refused (400).
+They span the whole fleet, so a target set (``?workers=``, ``?selector=``) is refused (400). A load
+through SGLang's routes may carry the trainer's digest of the adapter (``X-Expected-Weights-Checksum``,
+:func:`router.dataplane.digest.adapter_checksum`): it is checked against what each worker reports it
+loaded. vLLM's load answers text and reports no digest, so there the header is refused (400), as is
+``X-Expected-Weights-Change`` on every adapter route (an adapter leaves the base weights as they are).
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from router.contract.lora import (
 )
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
+from router.contract.weight_digest import EXPECTED_CHANGE_HEADER, EXPECTED_CHECKSUM_HEADER
 from router.gateway import keys
 from router.gateway.admin import operations as ops
+from router.gateway.admin.expectation import NOTHING_SAID, Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.targets import TARGET_PARAMS
@@ -33,9 +39,24 @@ from router.gateway.sync.adapters import LoadRequest, LoraAnswer, UnloadRequest,
 async def _call(request: web.Request, op: Operation[Any, LoraAnswer]) -> AdminCall[Any, LoraAnswer]:
     if not TARGET_PARAMS.isdisjoint(request.query):
         raise BadRequest(f"{op.path} spans the whole fleet: it takes no ?workers= or ?selector=")
+    expect = _expectation(request, op)
     req = await parse_body(request, op.endpoint.request)
     headers = forward_headers(request)
-    return AdminCall(op, "POST", req, headers, timeout_s=op.router_wait(req))
+    return AdminCall(op, "POST", req, headers, timeout_s=op.router_wait(req), expect=expect)
+
+
+def _expectation(request: web.Request, op: Operation[Any, LoraAnswer]) -> Expectation:
+    """The adapter's digest the caller expects every worker to load (400 where no answer could show it)."""
+    if EXPECTED_CHANGE_HEADER in request.headers:
+        raise BadRequest(f"{EXPECTED_CHANGE_HEADER} belongs on a change of the base weights, not on {op.path}")
+    if EXPECTED_CHECKSUM_HEADER not in request.headers:
+        return NOTHING_SAID
+    if op not in (ops.LORA_LOAD, ops.LORA_LOAD_TENSORS):
+        raise BadRequest(
+            f"{EXPECTED_CHECKSUM_HEADER} is checked on SGLang's adapter loads ({ops.LORA_LOAD.path}, "
+            f"{ops.LORA_LOAD_TENSORS.path}), whose answers report the adapter's digest; {op.path} reports none"
+        )
+    return Expectation.of_headers(request.headers, changes_weights=True)
 
 
 async def load(request: web.Request) -> web.Response:
@@ -56,6 +77,7 @@ async def skyrl_load(request: web.Request) -> web.Response:
     inside its vLLM workers, which no other server holds: refused (400), nothing changes."""
     if not TARGET_PARAMS.isdisjoint(request.query):
         raise BadRequest(f"{SKYRL_LOAD_LORA_ADAPTER_PATH} spans the whole fleet: it takes no ?workers= or ?selector=")
+    _expectation(request, ops.V1_LORA_LOAD)
     asked = await parse_body(request, SkyrlLoadLoraAdapterRequest)
     if asked.lora_path is None:
         raise BadRequest(

@@ -10,6 +10,10 @@
   have changed it (no answer) hold no version of the adapter from then on: no request naming it goes
   there until a later load succeeds. That is the fence rule, kept to the one adapter: the worker still
   serves the base model and every other adapter.
+- **A load with the trainer's digest** (``X-Expected-Weights-Checksum``): a worker whose answer reports
+  another checksum of the tensors it loaded (``lora_checksum``), or none, failed the load, and is rolled
+  back with the others that took it: the adapter's version is recorded only when every worker holds the
+  tensors the trainer named.
 - **An unload** first stops routing the adapter (every data plane has applied it before anything is
   sent), then waits, within :data:`UNLOAD_DRAIN_S`, for the requests naming it to end, then unloads it
   from the workers that hold it. Past the bound it unloads anyway: an omni-worker finishes a request with
@@ -29,9 +33,11 @@ from router.contract.fleet_adapters import FleetAdapter
 from router.contract.fleet_answers import FleetAnswer, WorkerResult
 from router.contract.lora import TENSOR_SOURCE
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
+from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import LORA_LOAD, LORA_UNLOAD, V1_LORA_LOAD, V1_LORA_UNLOAD, Operation
+from router.gateway.admin.verify import Digest, judge
 from router.gateway.fleet.registry import Worker
 
 #: How long an unload waits for the requests naming its adapter to end before it unloads anyway.
@@ -95,6 +101,9 @@ async def load_adapter(
         targets = ctx.live_targets(serving=op.path)
         previous = adapters.get(name)
         results = await run.fan_out(targets, call)
+        loaded = {r.worker for r in results if r.success}
+        if call.expect.checksum is not None:
+            _judge(results, call.expect)
         failed = [r for r in results if not r.success]
         if not failed:
             adapters.record_load(name, _source(call.request), targets)
@@ -103,8 +112,8 @@ async def load_adapter(
             run.outcome = "success"
             return Outcome(200, fleet_answer(op, results, "ok"))
         by_id = {w.id: w for w in targets}
-        took = [by_id[r.worker] for r in results if r.success]
-        unknown = [r.worker for r in failed if not _untouched(r)]
+        took = [by_id[r.worker] for r in results if r.worker in loaded]
+        unknown = [r.worker for r in failed if r.worker not in loaded and not _untouched(r)]
         stuck = await _roll_back(run, call, previous, took)
         adapters.forget_holders(name, [*unknown, *stuck])
         ctx.barrier.announce()
@@ -121,6 +130,18 @@ async def load_adapter(
         run.outcome = "refused" if refused else "failure"
         error = {"message": message}
         return Outcome(400 if refused else 502, fleet_answer(op, results, message, success=False, error=error))
+
+
+def _judge(results: Sequence[WorkerResult[LoraAnswer]], expect: Expectation) -> None:
+    """Fail each worker that loaded the adapter but reports other tensors than the caller's digest names
+    (or none): it answered 2xx, so it is rolled back like any worker that took a failed load."""
+    after = {
+        r.worker: Digest(r.body.lora_checksum, None)
+        if isinstance(r.body, lora.LoraUpdateResult) and r.body.lora_checksum is not None
+        else Digest(None, "its engine reports no digest of the adapters it loads")
+        for r in results
+    }
+    judge(results, after, expect, None)
 
 
 async def _roll_back(

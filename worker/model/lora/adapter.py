@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from router.dataplane.digest import adapter_checksum
 from worker.model.lora.config import TARGET_MODULES, LoraConfig, LoraLoadError, raise_problems
 from worker.model.shard_io import read_regular_file, tensors_from_buffer
 from worker.model.weight_map import WeightLoadError
@@ -117,6 +118,15 @@ class LoraAdapter:
             problems.append("no lora_A / lora_B tensors")
         raise_problems(problems, "the adapter")
         return cls(cfg, weights)
+
+    def checksum(self) -> str:
+        """The checksum of the tensors as read, under PEFT's names (:func:`router.dataplane.digest.adapter_checksum`):
+        what a trainer computes from the adapter it saved or sent."""
+        return adapter_checksum(
+            (f"model.layers.{layer}.{TARGET_MODULES[module]}.{module}.lora_{part}.weight", tensor)
+            for (layer, module), pair in self.weights.items()
+            for part, tensor in (("A", pair.a), ("B", pair.b))
+        )
 
     def on_cpu(self) -> LoraAdapter:
         """A copy whose tensors are contiguous, on the CPU and its own (sharing no storage with this one's):
