@@ -266,7 +266,8 @@ def test_a_restarted_worker_is_given_the_fleets_adapters_before_it_serves_them(
     wide_proc.kill()
     wide_proc.start()
     wide_proc.wait_http_ready(wide + "/health", timeout=90)
-    assert "back" not in _loaded_on(wide)  # a new process holds nothing
+    # A new process holds nothing; the router's catch-up may already be loading it, so that is not asserted
+    # here: the new process can only hold the adapter below because the router gave it.
     deadline = time.monotonic() + 30
     while "back" not in _loaded_on(wide) or len(_table(url)["back"]["holders"]) < 2:
         assert time.monotonic() < deadline, (_table(url), _loaded_on(wide))
