@@ -12,7 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from safetensors.torch import load_file
 
+from router.trainer.digests import expected_adapter_checksum
 from tests._lora_helpers import edit_config, hf_model, reference_greedy, write_adapter
 from tests._worker_helpers import Worker, forking_pickle
 
@@ -64,11 +66,13 @@ def lw(lora_worker: Worker) -> Any:
 
 def test_generate_with_an_adapter_equals_peft(lw: Worker, made: dict[str, Any]) -> None:
     answer = _load(lw, "a", made["plain"][0])
+    saved = load_file(str(Path(made["plain"][0]) / "adapter_model.safetensors"))
     assert answer == {
         "success": True,
         "error_message": "",
         "loaded_adapters": {"a": str(made["plain"][0])},
         "lora_version": 1,
+        "lora_checksum": expected_adapter_checksum(saved.items()),  # the trainer's digest of what it saved
     }
     with_adapter = _tokens(lw, "a")
     assert with_adapter["output_ids"] == made["plain"][1]
