@@ -56,6 +56,8 @@ ROUTER_FLAGS: list[Row] = [
     ("--version-policy", "version_policy", "latest-only", None, None, None, None, False, None),
     ("--verify-updates", "verify_updates", "off", None, ("off", "changed"), None, None, False, None),
     ("--sync-joiners", "sync_joiners", "peer", None, ("peer", "off"), None, None, False, None),
+    ("--min-routable-workers", "min_routable_workers", 0, "worker_floor", None, None, None, False, "N|SHARE"),
+    ("--max-rejoin-attempts", "max_rejoin_attempts", None, "int", None, None, None, False, None),
     ("--admin-lock-timeout-s", "admin_lock_timeout_s", 300.0, "float", None, None, None, False, None),
     ("--request-timeout-s", "request_timeout_s", 1800.0, "float", None, None, None, False, None),
     ("--stream-stall-timeout-s", "stream_stall_timeout_s", 60.0, "float", None, None, None, False, None),
@@ -163,7 +165,7 @@ ROUTER_EVERY_FLAG = [
     *("--admin-api-key", "adm", "--worker-api-key", "wk", "--api-key", "gen", "--policy", "round_robin"),
     *("--session-affinity", "--session-affinity-ttl-s", "120", "--session-affinity-load-factor", "0.5"),
     *("--session-affinity-max-sessions", "500", "--version-policy", "max-staleness:2", "--sync-joiners", "off"),
-    *("--verify-updates", "changed"),
+    *("--verify-updates", "changed", "--min-routable-workers", "0.75", "--max-rejoin-attempts", "5"),
     *("--admin-lock-timeout-s", "60", "--request-timeout-s", "90.5", "--connect-timeout-s", "1.5"),
     *("--stream-stall-timeout-s", "7.5", "--body-budget-mb", "256"),
     *("--max-retries", "0", "--health-check-interval-s", "2", "--health-check-timeout-s", "1"),
@@ -201,6 +203,8 @@ ROUTER_EVERY_SETTING = RouterConfig(
     version_policy="max-staleness:2",
     verify_updates="changed",
     sync_joiners="off",
+    min_routable_workers=0.75,
+    max_rejoin_attempts=5,
     admin_lock_timeout_s=60.0,
     request_timeout_s=90.5,
     stream_stall_timeout_s=7.5,
@@ -243,6 +247,8 @@ ROUTER_DEFAULTS = RouterConfig(
     session_affinity_max_sessions=100_000,
     version_policy="latest-only",
     sync_joiners="peer",
+    min_routable_workers=0,
+    max_rejoin_attempts=None,
     admin_lock_timeout_s=300.0,
     request_timeout_s=1800.0,
     connect_timeout_s=5.0,
@@ -326,6 +332,14 @@ def test_router_defaults() -> None:
             {"health_dead_threshold": 1, "state_dir": Path("rel/dir")},
         ),
         (["--state-store", "dir", "--state-dir", "/s"], {"state_store": "dir", "state_dir": Path("/s")}),
+        # A whole number is a count of workers (1 is one worker); below 1, a share of the fleet.
+        (
+            ["--min-routable-workers", "3", "--max-rejoin-attempts", "1"],
+            {"min_routable_workers": 3, "max_rejoin_attempts": 1},
+        ),
+        (["--min-routable-workers", "3.0"], {"min_routable_workers": 3}),
+        (["--min-routable-workers", "1"], {"min_routable_workers": 1}),
+        (["--min-routable-workers", "0.5"], {"min_routable_workers": 0.5}),
     ],
 )
 def test_router_command_lines(argv: list[str], settings: dict[str, Any]) -> None:
@@ -358,6 +372,12 @@ def test_admin_key_falls_back_to_the_environment(
         (["--state-store", "memory"], "argument --state-store: invalid choice: 'memory'"),
         (["--port", "x"], "argument --port: invalid int value: 'x'"),
         (["--request-timeout-s", "soon"], "argument --request-timeout-s: invalid float value: 'soon'"),
+        (
+            ["--min-routable-workers", "2.5"],
+            "argument --min-routable-workers: expected a whole number of workers (3) or a share of them below 1",
+        ),
+        (["--min-routable-workers", "-1"], "argument --min-routable-workers: expected a whole number"),
+        (["--max-rejoin-attempts", "often"], "argument --max-rejoin-attempts: invalid int value: 'often'"),
     ],
 )
 def test_router_refuses_bad_words(capsys: pytest.CaptureFixture[str], argv: list[str], error: str) -> None:
@@ -375,6 +395,7 @@ def test_router_refuses_bad_words(capsys: pytest.CaptureFixture[str], argv: list
         (["--state-store", "dir"], "cannot start: --state-store dir needs --state-dir"),
         (["--service-discovery", "k8s"], "cannot start: --service-discovery k8s needs --selector k=v"),
         (["--version-policy", "newest"], "cannot start: "),
+        (["--max-rejoin-attempts", "0"], "cannot start: --max-rejoin-attempts must be >= 1, got 0"),
         (["--data-plane-processes", "many"], "cannot start: "),
     ],
 )

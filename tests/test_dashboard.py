@@ -395,7 +395,7 @@ def cells(s: WorkerStatus) -> dict[str, str]:
         catch_up = (
             f"copying{source}"
             if s.catch_up.state == "copying"
-            else f"failed{source} ({s.catch_up.attempts} attempt(s))"
+            else f"{s.catch_up.state}{source} ({s.catch_up.attempts} attempt(s))"
         )
     return {
         "id": s.id,

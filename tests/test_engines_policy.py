@@ -23,6 +23,7 @@ from router.contract.admin import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightVersionRequest,
 )
+from router.contract.areal_endpoints import AREAL_CONTINUE_GENERATION, AREAL_PAUSE_GENERATION
 from router.contract.errors import BadRequest, NotFound
 from router.contract.fleet import FleetVersionEntry
 from router.contract.sglang_server import SglangServerIdentity
@@ -32,7 +33,8 @@ from router.contract.weight_sync import PrepareWeightsUpdateRequest
 from router.gateway.catch_up import from_path
 from router.gateway.discovery.k8s import ENGINE_LABEL, PodWorker, pod_engine
 from router.gateway.discovery.reconcile import DiscoveredFleet
-from router.gateway.engines import ENGINES, detect, refuse_unserved, serves
+from router.gateway.engines import ENGINES, detect, engine_of, refuse_unserved, serves
+from router.gateway.engines.vllm import AREAL_SERVER_ADMIN, VLLM_ADMIN
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import checkpoint_of
 from router.gateway.routing import version_policy
@@ -131,6 +133,25 @@ def test_a_call_some_target_cannot_serve_is_refused_naming_them() -> None:
     assert not serves(_worker("vllm", admin_paths=frozenset({ep.PAUSE.path})), ep.PREPARE_WEIGHTS_UPDATE.path)
     assert not serves(vllm, ep.PREPARE_WEIGHTS_UPDATE.path) and serves(omni, ep.PREPARE_WEIGHTS_UPDATE.path)
     assert serves(vllm, ep.COLLECTIVE_RPC.path) and not serves(omni, ep.COLLECTIVE_RPC.path)
+
+
+def test_areals_vllm_pause_and_continue_go_to_each_engine_in_its_own_routes() -> None:
+    """AReaL's ``/areal_pause_generation`` and ``/areal_continue_generation`` (served by the router in
+    ``router/gateway/api/areal.py``) become each engine's own aborting pause and continue; a real AReaL vLLM
+    server, found by its probe, gets AReaL's routes as they came."""
+    areal = _worker("vllm", 5, admin_paths=VLLM_ADMIN | AREAL_SERVER_ADMIN)
+    routes = []
+    for worker in (_worker("omni", 1), _worker("vllm", 2), _worker("sglang", 3), areal):
+        engine = engine_of(worker)
+        assert engine is not None
+        pause, resume = engine.generation_control(worker, pause=True), engine.generation_control(worker, pause=False)
+        routes.append((pause.endpoint.path, pause.query, pause.request.to_json(), resume.endpoint.path))
+    assert routes == [
+        ("/pause", "mode=abort&clear_cache=true", b'{"mode":"abort","clear_cache":true}', "/resume"),
+        ("/pause", "mode=abort&clear_cache=true", b'{"mode":"abort","clear_cache":true}', "/resume"),
+        ("/pause_generation", "", b'{"mode":"abort"}', "/continue_generation"),
+        (AREAL_PAUSE_GENERATION.path, "", b"{}", AREAL_CONTINUE_GENERATION.path),
+    ]
 
 
 def test_a_paused_sglang_worker_is_probed_where_its_scheduler_is_not_needed() -> None:

@@ -21,21 +21,25 @@ ENGINE_NAMES: tuple[EngineName, ...] = ("omni", "vllm", "sglang")
 
 
 WorkerSource = Literal["static", "api", "discovery"]
-CatchUpState = Literal["copying", "failed"]
+CatchUpState = Literal["copying", "failed", "retired"]
 
 
 class CatchUpStatus(WireResponse):
     """Where the router's catch-up of a pending worker from a peer stands (``--sync-joiners peer``)."""
 
     state: CatchUpState
-    """``copying``: a load from ``source`` is in flight; ``failed``: the last one failed, retried at ``next_try_at``."""
+    """``copying``: a load from ``source`` is in flight; ``failed``: the last one failed, retried at
+    ``next_try_at``; ``retired``: ``--max-rejoin-attempts`` loads of this process failed, and the router no
+    longer tries (the worker stays pending until it restarts or an update brings it the fleet's weights)."""
     source: str | None = None
     """The id of the worker the weights are (or were last) copied from."""
     attempts: int = 0
     """Failed attempts since the worker became pending (reset when its process changes)."""
     last_error: str | None = None
     next_try_at: float | None = None
-    """When the next attempt may start (Unix time)."""
+    """When the next attempt may start (Unix time); ``None`` once retired."""
+    detail: str | None = None
+    """The state in words where it needs them: why a retired worker is no longer tried."""
 
 
 class WorkerRecord(WireResponse):

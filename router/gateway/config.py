@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +27,20 @@ SyncJoinersName = Literal["peer", "off"]
 SYNC_JOINERS_NAMES: tuple[str, ...] = get_args(SyncJoinersName)
 WorkerEngineName = Literal["auto", "omni", "vllm", "sglang"]
 WORKER_ENGINE_NAMES: tuple[str, ...] = get_args(WorkerEngineName)
+
+
+def worker_floor(text: str) -> float:
+    """``--min-routable-workers``: a whole number of workers (``3``, also ``3.0``), or a share of the fleet
+    below 1 (``0.75``); ``0`` is off. A share of 1 is not taken: ``1`` is one worker."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0) or (value >= 1 and not value.is_integer()):
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number of workers (3) or a share of them below 1 (0.75), got {text!r}"
+        )
+    return value if 0 < value < 1 else int(value)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -100,6 +116,25 @@ class RouterConfig:
             "traffic; off: it stays pending until the trainer's next sync"
         ),
     ] = "peer"
+    min_routable_workers: Annotated[
+        float,
+        Flag(
+            "refuse (409, before the update lock, changing nothing) a weight sync that would leave fewer workers "
+            "serving the new weights than this: N (a whole number of workers) or a share below 1 of the registered "
+            "workers, rounded up (0.75); only healthy, enabled targets that no catch-up is repairing count; 0: off "
+            "(docs/router.md)",
+            parse=worker_floor,
+            metavar="N|SHARE",
+        ),
+    ] = 0
+    max_rejoin_attempts: Annotated[
+        int | None,
+        Flag(
+            "failed catch-ups (--sync-joiners peer) after which the router stops retrying one worker process: it "
+            "stays pending, out of routing, its catch_up retired until it restarts (a new instance id); default: "
+            "retry without end, with the usual back-off"
+        ),
+    ] = None
     admin_lock_timeout_s: Annotated[
         float, Flag("seconds an admin update waits for the update lock before answering 503")
     ] = DEFAULT_LOCK_WAIT_S
@@ -315,6 +350,12 @@ class RouterConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.body_budget_mb is not None and self.body_budget_mb < 1:
             raise ValueError(f"body_budget_mb must be >= 1, got {self.body_budget_mb}")
+        if self.max_rejoin_attempts is not None and self.max_rejoin_attempts < 1:
+            raise ValueError(f"--max-rejoin-attempts must be >= 1, got {self.max_rejoin_attempts}")
+        try:
+            worker_floor(str(self.min_routable_workers))  # a config built in code meets the flag's rule
+        except argparse.ArgumentTypeError as exc:
+            raise ValueError(f"--min-routable-workers: {exc}") from None
         if self.max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {self.max_retries}")
         if not self.session_affinity_ttl_s > 0:

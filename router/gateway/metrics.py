@@ -99,8 +99,14 @@ class _FleetCollector(Collector):
             "1 while the update journal's unresolved entry names the worker (kept out of routing until resolved)",
             labels=["worker"],
         )
-        count = 0
+        retired = GaugeMetricFamily(
+            "omni_router_retired_workers",
+            "Workers whose catch-up the router gave up after --max-rejoin-attempts failures (pending, out of "
+            "routing, until their process restarts)",
+        )
+        count = retired_count = 0
         for w in self._registry:
+            retired_count += int(w.catch_up is not None and w.catch_up.state == "retired")
             pending.add_metric([w.id], 0.0 if self._registry.pending_reason(w) is None else 1.0)
             if journal is not None:
                 fenced.add_metric([w.id], 1.0 if journal.names(w.id) else 0.0)
@@ -114,7 +120,8 @@ class _FleetCollector(Collector):
             version.add_metric([w.id, w.weight_version or ""], 1.0)
             count += int(self._registry.is_routable(w))
         routable.add_metric([], count)
-        yield from (inflight, health, disabled, version, routable, fleet_sequence, staleness, paused, pending)
+        retired.add_metric([], retired_count)
+        yield from (inflight, health, disabled, version, routable, fleet_sequence, staleness, paused, pending, retired)
         if journal is not None:
             yield fenced
             yield from _journal_families(journal)

@@ -15,9 +15,11 @@ that left its ``lora_keep_versions`` window with ``/unload_lora_adapter``, then 
 ``return_tokens_as_token_ids``. Tokens AReaL parses equal transformers + PEFT's on each version, and
 every worker holds the adapters AReaL left loaded.
 
-The vLLM engine's sync runs without its ``pause_generation``/``continue_generation``: they post
-``/areal_pause_generation`` and ``/areal_continue_generation``, routes of AReaL's own vLLM server
-(``areal/engine/vllm_ext/areal_vllm_server.py``) that neither vLLM nor the router serves.
+Both engines' syncs run with their ``pause_generation``/``continue_generation``: SGLang's post
+``/pause_generation`` and ``/continue_generation``; the vLLM engine's post ``/areal_pause_generation`` and
+``/areal_continue_generation``, routes of AReaL's own vLLM server (``areal/engine/vllm_ext/areal_vllm_server.py``)
+that the router serves as the fleet's pause and continue in each worker's own routes. Every worker says it is
+paused (``GET /is_paused``, read from the worker itself) between the two, and not paused after.
 """
 
 from __future__ import annotations
@@ -61,11 +63,21 @@ def _save_adapter(checkpoint: str, path: Path, seed: int) -> list[int]:
     return tokens
 
 
-def _sync(engine: Any, meta: WeightUpdateMeta, *, pause: bool) -> None:
-    """AReaL's FSDP engine's ``_update_weights_from_disk`` on rank 0, once the adapter is saved
-    (``pause``: with its pause and continue around the load, see the module docstring)."""
-    if pause:
-        engine.pause_generation()
+def _paused(workers: list[str]) -> list[bool]:
+    """Whether each worker's generation is paused, as the worker itself says."""
+    said = []
+    for url in workers:
+        status, answer = http_json("GET", url + "/is_paused", timeout=10)
+        assert status == 200, answer
+        said.append(answer["is_paused"])
+    return said
+
+
+def _sync(engine: Any, meta: WeightUpdateMeta, workers: list[str]) -> None:
+    """AReaL's FSDP engine's ``_update_weights_from_disk`` on rank 0, once the adapter is saved, with the
+    rollout's pause and continue around it (AReaL's ``pause_generation``/``continue_generation``)."""
+    engine.pause_generation()
+    assert _paused(workers) == [True] * len(workers)
     future = engine.update_weights_from_disk(meta)
     name_resolve.add(
         names.update_weights_from_disk(EXPERIMENT, TRIAL, engine.get_version()),
@@ -73,8 +85,9 @@ def _sync(engine: Any, meta: WeightUpdateMeta, *, pause: bool) -> None:
         keepalive_ttl=120,
     )
     future.result(timeout=120)
-    if pause:
-        engine.continue_generation()
+    assert _paused(workers) == [True] * len(workers)
+    engine.continue_generation()
+    assert _paused(workers) == [False] * len(workers)
 
 
 def _adapters(url: str) -> set[str]:
@@ -118,7 +131,7 @@ def test_areal_syncs_versioned_adapters_through_the_router(
         for version in (1, 2):
             meta = base.with_version(version)
             expected = _save_adapter(sync_ckpts["a"], Path(meta.path), seed=20 + version)
-            _sync(engine, meta, pause=backend == "sglang")
+            _sync(engine, meta, workers)
             engine.set_version(version)
             response = asyncio.run(engine.agenerate(ModelRequest(input_ids=list(PROMPT), gconfig=gconfig)))
             assert response.stop_reason == "length" and response.output_versions == [version] * STEPS

@@ -21,7 +21,12 @@ scheduler would have computed is the stand-in's:
   differs); every TP rank reports the whole checkpoint;
 - there is no process group: ``/init_weights_update_group`` answers SGLang's failure shape, and the
   distributed, tensor and IPC updates answer SGLang's failures for a server with no group or no model;
-- ``--tp-size N`` starts N scheduler processes as SGLang does; rank 0 answers for all of them.
+- ``--tp-size N`` starts N scheduler processes as SGLang does; rank 0 answers for all of them;
+- LoRA adapters (``--enable-lora``) are a table, as SGLang's ``LoRAManager`` keeps one: a load from a path
+  records it when the path holds a PEFT ``adapter_config.json`` whose rank fits ``--max-lora-rank`` and whose
+  name is not loaded yet, and refuses otherwise with SGLang's messages; a load from tensors records the name
+  with SGLang's ``__tensor__`` path without reading the tensors; an unload drops it. Every answer is SGLang's
+  ``LoRAUpdateOutput`` with the table's names and paths. No adapter changes what the toy generation produces.
 
 Run it as ``python -m tests.engines.sglang_standin --model-path DIR --port P [any ``sglang serve`` flag]``,
 plus ``--standin-step-ms MS`` (the decode step, default 10). ``--device cpu`` and ``--host 127.0.0.1`` are
@@ -286,6 +291,8 @@ class StandinScheduler:
         self.forward_sleep_s: float | None = None
         self.last_gen_throughput = 0.0
         self.open_sessions: set[str] = set()
+        self.loras: dict[str, tuple[str, str]] = {}
+        """The loaded LoRA adapters: SGLang's ``lora_id`` → (name, path), as ``LoRAManager.lora_refs``."""
 
         context = zmq.Context(2)
         self.recv_from_tokenizer = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, False)
@@ -332,6 +339,9 @@ class StandinScheduler:
             io.SetInternalStateReq: lambda req: io.SetInternalStateReqOutput(updated=False),
             io.OpenSessionReqInput: self.open_session,
             io.CloseSessionReqInput: self.close_session,
+            io.LoadLoRAAdapterReqInput: self.load_lora_adapter,
+            io.LoadLoRAAdapterFromTensorsReqInput: self.load_lora_adapter_from_tensors,
+            io.UnloadLoRAAdapterReqInput: self.unload_lora_adapter,
             io.FreezeGCReq: lambda req: None,
             io.ConfigureLoggingReq: lambda req: None,
             io.ProfileReq: lambda req: io.ProfileReqOutput(
@@ -870,6 +880,54 @@ class StandinScheduler:
             return io.CheckWeightsReqOutput(success=False, message=f"{e}")
 
     # ------------------------------------------------------------------ state and sessions
+
+    # ------------------------------------------------------------------ LoRA adapters (a table; no tensors)
+
+    def lora_result(self, success: bool, error_message: str = "") -> io.LoRAUpdateOutput:
+        """``LoRAManager.create_lora_update_result`` (``lora/lora_manager.py:267-277``)."""
+        loaded = dict(self.loras.values())
+        return io.LoRAUpdateOutput(success=success, error_message=error_message, loaded_adapters=loaded)
+
+    def lora_refusal(self, name: str, path: str) -> str | None:
+        """Why SGLang would refuse to load ``name`` from ``path`` here: ``LoRAConfig`` reading the PEFT config
+        (``lora/lora_config.py``) and ``validate_new_adapter`` (``lora/lora_manager.py:337-375``)."""
+        config_path = Path(path) / "adapter_config.json"
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError) as e:
+            return f"Can't find or read adapter_config.json at {path!r}: {e}"
+        if any(loaded == name for loaded, _ in self.loras.values()):
+            return f"Failed to load LoRA adapter {name} because it is already loaded"
+        max_rank = getattr(self.server_args, "max_lora_rank", None)
+        if max_rank is not None and int(config.get("r", 0)) > max_rank:
+            return (
+                f"LoRA adapter {name} with rank {config.get('r')} is incompatible with the current LoRA memory pool "
+                "configuration. Please ensure that the LoRA adapter's rank is within the configured "
+                "`--max-lora-rank` and that the target modules are included in `--lora-target-modules`."
+            )
+        return None
+
+    def load_lora_adapter(self, recv_req: io.LoadLoRAAdapterReqInput) -> io.LoRAUpdateOutput:
+        refusal = self.lora_refusal(recv_req.lora_name, recv_req.lora_path)
+        if refusal is not None:
+            return self.lora_result(False, refusal)
+        assert recv_req.lora_id is not None  # the tokenizer manager names every load
+        self.loras[recv_req.lora_id] = (recv_req.lora_name, recv_req.lora_path)
+        return self.lora_result(True)
+
+    def load_lora_adapter_from_tensors(self, recv_req: io.LoadLoRAAdapterFromTensorsReqInput) -> io.LoRAUpdateOutput:
+        if any(loaded == recv_req.lora_name for loaded, _ in self.loras.values()):
+            return self.lora_result(
+                False, f"Failed to load LoRA adapter {recv_req.lora_name} because it is already loaded"
+            )
+        assert recv_req.lora_id is not None
+        self.loras[recv_req.lora_id] = (recv_req.lora_name, "__tensor__")
+        return self.lora_result(True)
+
+    def unload_lora_adapter(self, recv_req: io.UnloadLoRAAdapterReqInput) -> io.LoRAUpdateOutput:
+        # SGLang's tokenizer manager refuses an unknown name before it gets here; its scheduler drops the id.
+        self.loras.pop(str(recv_req.lora_id), None)
+        return self.lora_result(True)
 
     def get_internal_state(self, recv_req: io.GetInternalStateReq) -> io.GetInternalStateReqOutput:
         """The fields of ``SchedulerInternalState.get_internal_state`` (``scheduler_components/internal_state.py``)

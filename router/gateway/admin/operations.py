@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from router.contract import areal_endpoints as aep
 from router.contract import endpoints as ep
 from router.contract import lora_endpoints as lep
 from router.contract.base import WireRequest, WireResponse
@@ -218,3 +219,8 @@ OPERATIONS: dict[str, AnyOperation] = {
 }
 #: ``/collective_rpc`` of a method known to leave the weights as they are: serialized, not fenced.
 COLLECTIVE_RPC_READ = Operation(ep.COLLECTIVE_RPC)
+# AReaL's vLLM server's pause and continue (router.gateway.api.areal): the fleet's pause (fenced) and continue,
+# each worker sent the route its engine serves for them. Not in the table: no engine but AReaL's own server
+# serves these paths, so they are never broadcast as they came.
+AREAL_PAUSE = Operation(aep.AREAL_PAUSE_GENERATION, fenced=True)
+AREAL_CONTINUE = Operation(aep.AREAL_CONTINUE_GENERATION)

@@ -40,9 +40,10 @@ from router.gateway.admin import operations as ops
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
+from router.gateway.admin.floor import refuse_below_floor
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
-from router.gateway.api import adapters
+from router.gateway.api import adapters, areal
 from router.gateway.api.answers import answer_when_done, json_answer, outcome_answer
 from router.gateway.api.headers import forward_headers
 from router.gateway.sync.ranks import GroupJoin
@@ -107,10 +108,18 @@ async def _targeted(request: web.Request, op: Operation[Req, Resp]) -> AdminCall
     return _call(request, op, req, only_ids(workers))
 
 
+def check_floor(request: web.Request, op: Operation[Req, Resp], only: frozenset[str] | None = None) -> None:
+    """409 when ``op`` starts a weight sync the fleet is too thin to take (``--min-routable-workers``,
+    :mod:`router.gateway.admin.floor`): after the body and the targets are read, before the update lock."""
+    admin = request.app[keys.ADMIN]
+    refuse_below_floor(admin.registry, admin.journal, request.app[keys.CONFIG].min_routable_workers, op, only)
+
+
 async def broadcast_route(request: web.Request) -> web.Response:
     """Any table route without fleet semantics of its own."""
     op = OPERATIONS[request.path]
     call = await _targeted(request, op)
+    check_floor(request, op, call.only)
     return await answer_when_done(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
 
 
@@ -145,6 +154,7 @@ async def collective_rpc(request: web.Request) -> web.Response:
     op = COLLECTIVE_RPC_READ if req.reads_only else ops.COLLECTIVE_RPC
     workers = await fleet_facts(request.app).resolve(target_query(request.query))
     call = _call(request, op, req, only_ids(workers))
+    check_floor(request, op, call.only)
     return await answer_when_done(request, broadcast(request.app[keys.ADMIN], op, call), op.name)
 
 
@@ -191,6 +201,7 @@ async def get_world_size(request: web.Request) -> web.Response:
 
 async def prepare_weights_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.PREPARE)
+    check_floor(request, ops.PREPARE)
     return await answer_when_done(
         request, request.app[keys.TWO_PHASE].prepare(req, forward_headers(request)), "prepare"
     )
@@ -223,6 +234,7 @@ async def init_weight_transfer_engine(request: web.Request) -> web.Response:
 
 async def start_weight_update(request: web.Request) -> web.Response:
     req = await _parse(request, ops.START)
+    check_floor(request, ops.START)
     work = request.app[keys.WEIGHT_TRANSFER].start(req, forward_headers(request))
     return await answer_when_done(request, work, "start_weight_update")
 
@@ -318,7 +330,8 @@ _ANSWERS: dict[str, type[BaseModel]] = {
 
 
 def routes() -> list[Route]:
-    """One route per method of every operation, plus the router's own ``/get_world_size``."""
+    """One route per method of every operation, plus the router's own ``/get_world_size`` and AReaL's vLLM pause
+    and continue (:mod:`router.gateway.api.areal`: translated per engine, not broadcast as they came)."""
     table = [
         Route(
             "GET",
@@ -335,4 +348,5 @@ def routes() -> list[Route]:
         for method in op.endpoint.methods:
             body = op.endpoint.request if method != "GET" else None
             table.append(Route(method, path, handler, summary, body=body, answer=answer))
+    table.extend(areal.routes())
     return table

@@ -43,7 +43,7 @@ from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import OPERATIONS, AnyOperation
 from router.gateway.admin.targets import CAPABILITIES, RL_ENGINE, TargetQuery, WorkerFacts, target_query
-from router.gateway.api.admin import fleet_facts, forwarded_query, parse_request
+from router.gateway.api.admin import check_floor, fleet_facts, forwarded_query, parse_request
 from router.gateway.fleet.registry import Worker
 
 #: Steps the router runs through a coordinator of their own (rank planning, a held update): only on
@@ -144,6 +144,7 @@ async def _run(
         only=frozenset(w.id for w in targets),
         expect=expect,
     )
+    check_floor(request, op, call.only)  # a refit of the selection that would leave too few serving: 409
     ctx = request.app[keys.ADMIN]
     outcome = await request.app[keys.TASKS].run_detached(broadcast(ctx, op, call), name=f"rl_{op.name}")
     pending = ctx.journal.pending

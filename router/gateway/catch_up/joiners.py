@@ -36,7 +36,13 @@ the router records it only after the verification above); a failed load leaves i
 sink is atomic) and it stays pending with the reason in ``GET /workers`` (``catch_up``); nothing is
 journalled or fenced, because a joiner that is not recorded is never routed to whatever it holds.
 Failures back off exponentially per worker (:func:`~router.gateway.catch_up.scan.backoff_s`), reset
-when its process changes. One catch-up runs at a time fleet-wide: each holds the update lock,
+when its process changes. With ``--max-rejoin-attempts K`` a worker process whose K-th catch-up failed is
+*retired*: not tried again, pending (so out of routing), its ``catch_up`` saying why (``retired after K failed
+catch-up attempts: <the last error>``) in ``GET /workers`` and ``omni-router status``. A replica that keeps
+failing to load stops taking the update lock and a source's bandwidth every back-off. Retirement lasts as long
+as the process: a restart (a new ``instance_id``) counts from zero again, and so does a worker that an update
+brought to recorded weights meanwhile (it needs no catch-up any more); being unhealthy, fenced or held by an
+update for a while does not end it. One catch-up runs at a time fleet-wide: each holds the update lock,
 and a source streams its whole model to one sink at once. It runs only in the control process (the
 app of :func:`~router.gateway.app.create_app`) and, with ``--leader-election``, only while this
 replica's gate is open: a standby changes no worker.
@@ -48,6 +54,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import Self
 
 from aiohttp import web
 from pydantic import ValidationError
@@ -56,13 +63,16 @@ from router.contract import endpoints as ep
 from router.contract.fleet import CatchUpStatus
 from router.contract.peer import UpdateWeightsFromPeerRequest, UpdateWeightsFromPeerResult
 from router.gateway import keys
+from router.gateway.admin.locked import AdminContext
 from router.gateway.catch_up import from_path
 from router.gateway.catch_up.scan import Backoff, ScanLoop, Tries
 from router.gateway.catch_up.scan import backoff_s as backoff_s  # part of this module's interface
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.fleet.weights import FleetWeights
+from router.gateway.leader.gate import LeaderGate
 from router.gateway.tasks import running
+from router.gateway.upstream import WorkerClient
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +96,11 @@ class _Tries(Tries):
     failed_sources: set[str] = field(default_factory=set)
 
 
+def retired_detail(attempts: int, last_error: str) -> str:
+    """Why a retired worker is no longer caught up, as ``GET /workers`` and ``omni-router status`` say it."""
+    return f"retired after {attempts} failed catch-up attempts: {last_error}"
+
+
 class JoinerSync(ScanLoop):
     """The scan loop and one catch-up at a time (see the module docstring)."""
 
@@ -93,9 +108,47 @@ class JoinerSync(ScanLoop):
     lock_holder = LOCK_HOLDER
     _backoff: Backoff[_Tries]
 
+    def __init__(
+        self,
+        ctx: AdminContext,
+        workers: WorkerClient,
+        *,
+        headers: dict[str, str],
+        leader: LeaderGate | None = None,
+        max_attempts: int | None = None,
+    ):
+        """``max_attempts``: failed catch-ups after which a worker process is retired (``None``: never)."""
+        super().__init__(ctx, workers, headers=headers, leader=leader)
+        self._backoff.limit = max_attempts
+
+    @classmethod
+    def from_app(cls, app: web.Application) -> Self:
+        """The loop over the app's fleet, retiring a worker after ``--max-rejoin-attempts`` failures."""
+        sync = super().from_app(app)
+        sync._backoff.limit = app[keys.CONFIG].max_rejoin_attempts
+        return sync
+
     def new_backoff(self) -> Backoff[_Tries]:
         # The wall clock: a failed catch-up's next try is shown in ``GET /workers`` as a time of day.
         return Backoff(lambda worker: _Tries(instance_id=worker.instance_id), clock=time.time)
+
+    def retired(self, worker: Worker) -> bool:
+        """Whether ``worker``'s process used up its catch-ups. A retirement ends (is forgotten) once the worker
+        runs another process or holds recorded weights: then it is looked at afresh."""
+        tries = self._backoff.get(worker.id)
+        if tries is None or not self._backoff.exhausted(worker.id):
+            return False
+        restarted = worker.instance_id is not None and worker.instance_id != tries.instance_id
+        if not restarted and self._ctx.registry.fleet.verified_sequence(worker.id, worker) is None:
+            return True
+        self._backoff.forget(worker.id)
+        worker.catch_up = None
+        log.info(
+            "worker %s %s: its catch-ups are counted from zero again",
+            worker.id,
+            f"restarted (process {worker.instance_id})" if restarted else "holds recorded weights",
+        )
+        return False
 
     def eligible(self, worker: Worker) -> bool:
         """Whether ``worker`` is pending for want of the fleet's latest weights and may load them."""
@@ -143,6 +196,8 @@ class JoinerSync(ScanLoop):
             return
         now = self._backoff.now()
         for worker in self._ctx.registry:
+            if self.retired(worker):
+                continue  # kept whatever it is now: a process that used up its attempts is not tried again
             if not self.eligible(worker):
                 self._backoff.forget(worker.id)
                 worker.catch_up = None
@@ -182,21 +237,7 @@ class JoinerSync(ScanLoop):
             self._backoff.failed(joiner, tries.attempts)
             if source is not None:
                 tries.failed_sources.add(source.id)
-            joiner.catch_up = CatchUpStatus(
-                state="failed",
-                source=source.id if source is not None else None,
-                attempts=tries.attempts,
-                last_error=str(exc),
-                next_try_at=tries.next_try_at,
-            )
-            log.warning(
-                "catch-up of worker %s from %s failed (attempt %d, next in %.0fs): %s",
-                joiner.id,
-                source.id if source is not None else "the fleet's checkpoint",
-                tries.attempts,
-                tries.next_try_at - time.time(),
-                exc,
-            )
+            self._failed(joiner, source, tries, str(exc))
         finally:
             lock.release()
             seconds = time.perf_counter() - started
@@ -214,6 +255,36 @@ class JoinerSync(ScanLoop):
                 seconds,
             )
         return outcome == "success"
+
+    def _failed(self, joiner: Worker, source: Worker | None, tries: _Tries, error: str) -> None:
+        """Show a failed catch-up in the joiner's ``catch_up``: retried later, or retired at the limit."""
+        retired = self._backoff.exhausted(joiner.id)
+        joiner.catch_up = CatchUpStatus(
+            state="retired" if retired else "failed",
+            source=source.id if source is not None else None,
+            attempts=tries.attempts,
+            last_error=error,
+            next_try_at=None if retired else tries.next_try_at,
+            detail=retired_detail(tries.attempts, error) if retired else None,
+        )
+        origin = source.id if source is not None else "the fleet's checkpoint"
+        if retired:
+            log.error(
+                "catch-up of worker %s from %s failed (attempt %d): retired, not tried again until it restarts: %s",
+                joiner.id,
+                origin,
+                tries.attempts,
+                error,
+            )
+            return
+        log.warning(
+            "catch-up of worker %s from %s failed (attempt %d, next in %.0fs): %s",
+            joiner.id,
+            origin,
+            tries.attempts,
+            tries.next_try_at - time.time(),
+            error,
+        )
 
     async def _load(self, joiner: Worker, source: Worker, attempts: int) -> int:
         """Under the lock: check again, load, verify, record; the bytes copied, or :class:`CatchUpFailed`."""

@@ -5,8 +5,10 @@ A repair waits at most :data:`LOCK_WAIT_S` for the update lock: a fleet update i
 worker is looked at again on a later scan. One repair per scan keeps the lock free between them for the
 fleet's own updates. A worker's failures put its next try off exponentially (:data:`FIRST_BACKOFF_S`
 doubling to :data:`MAX_BACKOFF_S`), so one that keeps failing does not take the lock on every scan; the
-count is forgotten once the worker needs no repair or one succeeds. The loops run only in the control
-process and, with ``--leader-election``, only while this replica leads: a standby changes no worker.
+count is forgotten once the worker needs no repair or one succeeds. A loop may cap the count
+(:attr:`Backoff.limit`): a worker that reached it is not tried again until the loop forgets it. The loops
+run only in the control process and, with ``--leader-election``, only while this replica leads: a standby
+changes no worker.
 """
 
 from __future__ import annotations
@@ -57,11 +59,19 @@ class Backoff(Generic[TriesT]):
     """Each worker's :class:`Tries`, by worker id; a worker without any may be tried at once.
 
     ``new`` makes a worker's first record (a loop may keep more about its failures than their count);
-    ``clock`` is what :attr:`Tries.next_try_at` is measured on."""
+    ``clock`` is what :attr:`Tries.next_try_at` is measured on; ``limit``: failures after which a worker is
+    :meth:`exhausted` and never due again until its record is forgotten or restarted (``None``: no limit)."""
 
-    def __init__(self, new: Callable[[Worker], TriesT], *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        new: Callable[[Worker], TriesT],
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        limit: int | None = None,
+    ) -> None:
         self._new = new
         self._clock = clock
+        self.limit = limit
         self._tries: dict[str, TriesT] = {}
 
     def now(self) -> float:
@@ -74,10 +84,14 @@ class Backoff(Generic[TriesT]):
         tries = self._tries.get(worker_id)
         return 0 if tries is None else tries.attempts
 
+    def exhausted(self, worker_id: str) -> bool:
+        """Whether the worker failed :attr:`limit` times: no back-off ends for it."""
+        return self.limit is not None and self.attempts(worker_id) >= self.limit
+
     def due(self, worker_id: str, now: float) -> bool:
-        """Whether the worker's back-off, if any, is over at ``now``."""
+        """Whether the worker's back-off, if any, is over at ``now`` (never, once it is :meth:`exhausted`)."""
         tries = self._tries.get(worker_id)
-        return tries is None or tries.next_try_at <= now
+        return tries is None or (tries.next_try_at <= now and not self.exhausted(worker_id))
 
     def entry(self, worker: Worker) -> TriesT:
         """The worker's record, made now if it has none."""

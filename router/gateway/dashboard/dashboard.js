@@ -145,7 +145,7 @@
     if (!c) return NONE;
     const source = c.source ? ` from ${c.source}` : "";
     if (c.state === "copying") return `copying${source}`;
-    return `failed${source} (${c.attempts} attempt(s))`;
+    return `${c.state}${source} (${c.attempts} attempt(s))`; // failed, or retired: the routable cell says why
   }
 
   // --- the workers table -----------------------------------------------------------------------
@@ -170,7 +170,9 @@
       for (const [name, text] of cells) {
         const cell = el("td", { "data-col": name }, text);
         if (name === "health") cell.classList.add(`health-${s.health}`);
-        if (name === "catch-up" && s.catch_up && s.catch_up.last_error) cell.title = s.catch_up.last_error;
+        if (name === "catch-up" && s.catch_up && s.catch_up.last_error) {
+          cell.title = s.catch_up.detail || s.catch_up.last_error;
+        }
         row.append(cell);
       }
       return row;

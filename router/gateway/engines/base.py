@@ -14,7 +14,9 @@ worker and which of the router's routes the worker serves:
   folded into one string by :func:`router.contract.weight_digest.of_checker_answer`);
 - **routes**: the admin and generation routes its servers serve. The router sends a worker only
   routes its engine serves, so a mixed fleet can use exactly the routes every engine in it serves
-  (a call that some target's engine lacks is refused before anything is locked, fenced or sent).
+  (a call that some target's engine lacks is refused before anything is locked, fenced or sent);
+- **translations**: the call that stands, on its servers, for a route some trainer sends that the engine
+  does not serve itself (AReaL's vLLM server's pause and continue: :meth:`Engine.generation_control`).
 
 Each engine is a stateless singleton (:mod:`router.gateway.engines`); what it learns about a
 worker is written on the :class:`~router.gateway.fleet.registry.Worker`.
@@ -22,11 +24,15 @@ worker is written on the :class:`~router.gateway.fleet.registry.Worker`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from urllib.parse import urlencode
+
 from router.contract import endpoints as ep
-from router.contract.admin import HealthStatus, WeightsCheckerRequest
+from router.contract.admin import ContinueRequest, HealthStatus, PauseRequest, WeightsCheckerRequest
 from router.contract.base import WireRequest
 from router.contract.endpoint import AnyEndpoint
 from router.contract.fleet import EngineName
+from router.contract.vllm import EmptyVllmRequest, PauseQuery
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import Decoder, decode_plain
@@ -34,6 +40,31 @@ from router.gateway.upstream.answer import Decoder, decode_plain
 HEALTH_PATH = "/health"
 #: SGLang's and omni-worker's weights checker asked for the checksums of the weights served.
 CHECKSUM_OF_WEIGHTS: tuple[AnyEndpoint, WireRequest] = (ep.WEIGHTS_CHECKER, WeightsCheckerRequest(action="checksum"))
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """One admin call as an engine's servers take it: the route and its request."""
+
+    endpoint: AnyEndpoint
+    request: WireRequest
+
+    @property
+    def query(self) -> str:
+        """The request as a query string where the route reads its arguments there (vLLM's ``/pause``)."""
+        if not self.endpoint.query_params:
+            return ""
+        fields = self.request.model_dump(mode="json", exclude_unset=True)
+        return urlencode({k: str(v).lower() if isinstance(v, bool) else v for k, v in fields.items()})
+
+
+#: AReaL's vLLM server's pause (vLLM's engine paused with every request aborted and its cache dropped) and
+#: continue, in vLLM's own routes: ``/pause?mode=abort&clear_cache=true`` is that same engine call.
+VLLM_ABORTING_PAUSE = EngineCall(ep.PAUSE, PauseQuery(mode="abort", clear_cache=True))
+VLLM_RESUME = EngineCall(ep.RESUME, EmptyVllmRequest())
+#: The same in SGLang's routes: an ``abort`` pause aborts every request and flushes the cache.
+SGLANG_ABORTING_PAUSE = EngineCall(ep.PAUSE_GENERATION, PauseRequest(mode="abort"))
+SGLANG_CONTINUE = EngineCall(ep.CONTINUE_GENERATION, ContinueRequest())
 
 
 class Engine:
@@ -48,6 +79,9 @@ class Engine:
     """Its ``/health`` says whether a prepared receive or an open update is alive (omni-worker's does): a held
     update reads it to end early. For other engines only an unanswered probe or the update's window ends it."""
     decode: Decoder = staticmethod(decode_plain)
+    reports_adapter_digest: bool = False
+    """Its answer to a LoRA load reports a digest of the tensors it loaded (omni-worker's ``lora_checksum``), so a
+    trainer's ``X-Expected-Weights-Checksum`` can be checked on it."""
     digest_request: tuple[AnyEndpoint, WireRequest] | None = None
     """The admin call that reports the weights a worker serves (a checker's ``checksum``); ``None``: none."""
 
@@ -80,6 +114,11 @@ class Engine:
         of rotation after the wake until it loads the fleet's weights again (an update, or a catch-up). An
         engine whose servers report their own weight state (omni-worker) needs none of this."""
         return False
+
+    def generation_control(self, worker: Worker, *, pause: bool) -> EngineCall:
+        """The call that pauses generation on ``worker`` as AReaL's vLLM server's pause does (every running and
+        waiting request aborted, the cache dropped), or continues it (``pause=False``)."""
+        return VLLM_ABORTING_PAUSE if pause else VLLM_RESUME
 
     def admin_paths_of(self, worker: Worker) -> frozenset[str]:
         """The admin routes this worker serves: the engine's, or what :meth:`describe` found it serves."""

@@ -24,6 +24,7 @@ class OmniEngine(Engine):
     admin_paths = frozenset(e.path for e in (*ep.WORKER_ADMIN, *LORA_ADMIN))
     generation_paths = OMNI_GENERATION
     reports_update_state = True
+    reports_adapter_digest = True
     decode = staticmethod(decode_answer)
     digest_request = CHECKSUM_OF_WEIGHTS
 

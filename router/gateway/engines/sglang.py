@@ -12,6 +12,10 @@
   ``null``; admin failures are 400 ``{"success": false, "message"}``. SGLang's rollback after a failed
   ``/update_weights_from_disk`` reloads from the path that failed (the model path is replaced before the
   load), so such a failure is never taken as weights left intact: the worker stays fenced.
+- **LoRA**: ``/load_lora_adapter``, ``/load_lora_adapter_from_tensors`` and ``/unload_lora_adapter`` (answering
+  ``LoRAUpdateOutput``: ``success``, ``error_message``, ``loaded_adapters``; 400 on a refusal, and on a server
+  started without ``--enable-lora``). SGLang refuses a name it already holds and reports no digest of what it
+  loaded, so the router neither updates an adapter in place on it nor checks a trainer's digest there.
 """
 
 from __future__ import annotations
@@ -20,8 +24,16 @@ import asyncio
 
 from router.contract import endpoints as ep
 from router.contract.admin import MemoryOccupationRequest
+from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, LOAD_LORA_ADAPTER_FROM_TENSORS, UNLOAD_LORA_ADAPTER
 from router.contract.sglang_server import SglangServerIdentity
-from router.gateway.engines.base import CHECKSUM_OF_WEIGHTS, HEALTH_PATH, Engine
+from router.gateway.engines.base import (
+    CHECKSUM_OF_WEIGHTS,
+    HEALTH_PATH,
+    SGLANG_ABORTING_PAUSE,
+    SGLANG_CONTINUE,
+    Engine,
+    EngineCall,
+)
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 
@@ -45,6 +57,9 @@ SGLANG_ADMIN = frozenset(
         ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED,
         ep.BEGIN_WEIGHT_UPDATE,
         ep.END_WEIGHT_UPDATE,
+        LOAD_LORA_ADAPTER,
+        LOAD_LORA_ADAPTER_FROM_TENSORS,
+        UNLOAD_LORA_ADAPTER,
     )
 )
 SGLANG_GENERATION = frozenset({"/generate", "/v1/completions", "/v1/chat/completions"})
@@ -60,6 +75,10 @@ class SglangEngine(Engine):
 
     def health_path(self, worker: Worker) -> str:
         return ep.MODEL_INFO.path if worker.paused else HEALTH_PATH
+
+    def generation_control(self, worker: Worker, *, pause: bool) -> EngineCall:
+        """SGLang serves no vLLM ``/pause``: its ``/pause_generation`` in ``abort`` mode is the same pause."""
+        return SGLANG_ABORTING_PAUSE if pause else SGLANG_CONTINUE
 
     def discards_weights(self, path: str, request: object) -> bool:
         """SGLang's ``/release_memory_occupation`` of the weights keeps a host copy only when the server runs with

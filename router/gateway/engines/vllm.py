@@ -14,8 +14,10 @@
 - **routes**: vLLM's RL and dev routes; with this project's plugin (``worker/vllm_plugin``, found by
   ``GET /prepare_weights_update`` answering 405 rather than 404) also the two-phase sync's; with runtime LoRA
   updating (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, found by ``GET /v1/load_lora_adapter`` answering 405)
-  also its ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``. A full weight change
-  (``reload_weights``, the plugin's sync, ``/finish_weight_update``) empties the worker's LoRA cache
+  also its ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter``; an AReaL vLLM server (AReaL's
+  ``areal_vllm_server``, found by ``GET /areal_pause_generation`` answering 405) also serves AReaL's pause and
+  continue, which the router passes through to it as they came (:meth:`VllmEngine.generation_control`). A full
+  weight change (``reload_weights``, the plugin's sync, ``/finish_weight_update``) empties the worker's LoRA cache
   (``reset_lora_state``) but keeps the API server's adapters: the next request naming one reads it again
   from its path, so a holder still holds it.
 - **answers**: empty and plain-text 200s are successes (``/sleep``, ``/collective_rpc``); a failure is
@@ -27,12 +29,14 @@ from __future__ import annotations
 import asyncio
 
 from router.contract import endpoints as ep
+from router.contract.areal import ArealControlRequest
+from router.contract.areal_endpoints import AREAL_ADMIN, AREAL_CONTINUE_GENERATION, AREAL_PAUSE_GENERATION
 from router.contract.lora_endpoints import V1_LOAD_LORA_ADAPTER, V1_UNLOAD_LORA_ADAPTER
 from router.contract.vllm_dev import SleepQuery
 from router.contract.vllm_rl import VllmServerIdentity, VllmWeightCheckerRequest
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
 from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
-from router.gateway.engines.base import Engine
+from router.gateway.engines.base import Engine, EngineCall
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 
@@ -76,12 +80,18 @@ PLUGIN_ADMIN = frozenset(
 )
 #: vLLM's runtime LoRA routes, served only with ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``.
 RUNTIME_LORA_ADMIN = frozenset(e.path for e in (V1_LOAD_LORA_ADAPTER, V1_UNLOAD_LORA_ADAPTER))
+#: AReaL's pause and continue, served by AReaL's own vLLM server.
+AREAL_SERVER_ADMIN = frozenset(e.path for e in AREAL_ADMIN)
 VLLM_GENERATION = frozenset(
     {"/v1/completions", "/v1/chat/completions", TOKENS_GENERATE_PATH, TOKENIZE_PATH, DETOKENIZE_PATH}
 )
 #: A POST-only route answers a GET with 405 where it exists and 404 where it does not: a probe that changes nothing.
 PLUGIN_PROBE_PATH = ep.PREPARE_WEIGHTS_UPDATE.path
 LORA_PROBE_PATH = V1_LOAD_LORA_ADAPTER.path
+AREAL_PROBE_PATH = AREAL_PAUSE_GENERATION.path
+#: On an AReaL vLLM server AReaL's own pause and continue pass through as they came.
+AREAL_PAUSE = EngineCall(AREAL_PAUSE_GENERATION, ArealControlRequest())
+AREAL_CONTINUE = EngineCall(AREAL_CONTINUE_GENERATION, ArealControlRequest())
 IDENTITY_QUERY = "config_format=json"
 
 
@@ -128,6 +138,14 @@ class VllmEngine(Engine):
         worker.instance_id = instance
         return True
 
+    def generation_control(self, worker: Worker, *, pause: bool) -> EngineCall:
+        """vLLM's ``/pause?mode=abort&clear_cache=true`` and ``/resume``; on AReaL's own vLLM server, AReaL's routes
+        themselves: its pause also holds its ``/v1/completions`` until the continue and drops the multimodal
+        cache, which vLLM's ``/pause`` does not, and only its continue releases what its pause held."""
+        if AREAL_PROBE_PATH in self.admin_paths_of(worker):
+            return AREAL_PAUSE if pause else AREAL_CONTINUE
+        return super().generation_control(worker, pause=pause)
+
     def discards_weights(self, path: str, request: object) -> bool:
         """vLLM's ``/sleep`` at level 2 frees the weights with no host copy; a wake leaves them uninitialised."""
         return path == ep.SLEEP.path and isinstance(request, SleepQuery) and request.level >= 2
@@ -135,10 +153,11 @@ class VllmEngine(Engine):
     async def _served(
         self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float
     ) -> frozenset[str]:
-        plugin, lora = await asyncio.gather(
+        plugin, lora, areal = await asyncio.gather(
             client.status(worker.url, PLUGIN_PROBE_PATH, headers={}, timeout_s=timeout_s),
             # vLLM's --api-key guards /v1: with the router's worker key the probe reaches the route.
             client.status(worker.url, LORA_PROBE_PATH, headers=headers, timeout_s=timeout_s),
+            client.status(worker.url, AREAL_PROBE_PATH, headers={}, timeout_s=timeout_s),
         )
         worker.engine_detail = None if plugin == 405 else "no omni-router plugin: the two-phase sync is not served"
         served = VLLM_ADMIN
@@ -146,4 +165,6 @@ class VllmEngine(Engine):
             served |= PLUGIN_ADMIN
         if lora == 405:
             served |= RUNTIME_LORA_ADMIN
+        if areal == 405:
+            served |= AREAL_SERVER_ADMIN
         return served

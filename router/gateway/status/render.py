@@ -113,7 +113,7 @@ def _catch_up(catch_up: CatchUpStatus | None) -> str:
     source = f" from {catch_up.source}" if catch_up.source else ""
     if catch_up.state == "copying":
         return f"copying{source}"
-    return f"failed{source} ({catch_up.attempts} attempt(s))"
+    return f"{catch_up.state}{source} ({catch_up.attempts} attempt(s))"  # failed, or retired: ROUTABLE says why
 
 
 def _journal(report: StatusReport) -> list[str]:

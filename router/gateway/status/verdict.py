@@ -53,6 +53,8 @@ def _why_out(worker: WorkerRecord, fenced: bool, journal: JournalState | None) -
         catch_up = worker.catch_up
         if catch_up is not None and catch_up.state == "failed" and catch_up.last_error:
             reasons.append(f"catch-up failed: {catch_up.last_error}")
+        elif catch_up is not None and catch_up.state == "retired":
+            reasons.append(catch_up.detail or f"retired after {catch_up.attempts} failed catch-up attempts")
     return "; ".join(reasons) or None
 
 

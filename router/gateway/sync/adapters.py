@@ -13,7 +13,9 @@
 - **A load with the trainer's digest** (``X-Expected-Weights-Checksum``): a worker whose answer reports
   another checksum of the tensors it loaded (``lora_checksum``), or none, failed the load, and is rolled
   back with the others that took it: the adapter's version is recorded only when every worker holds the
-  tensors the trainer named.
+  tensors the trainer named. A target whose engine never reports one (an SGLang server: its
+  ``LoRAUpdateOutput`` has no digest) could only fail it, so such a load is refused (400) before anything is
+  sent, naming those targets.
 - **An unload** first stops routing the adapter (every data plane has applied it before anything is
   sent), then waits, within :data:`UNLOAD_DRAIN_S`, for the requests naming it to end, then unloads it
   from the workers that hold it. Past the bound it unloads anyway: an omni-worker finishes a request with
@@ -28,16 +30,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.contract import lora
-from router.contract.errors import NotFound
+from router.contract.errors import BadRequest, NotFound
 from router.contract.fleet_adapters import FleetAdapter
 from router.contract.fleet_answers import FleetAnswer, WorkerResult
 from router.contract.lora import TENSOR_SOURCE
+from router.contract.weight_digest import EXPECTED_CHECKSUM_HEADER
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import LORA_LOAD, LORA_UNLOAD, V1_LORA_LOAD, V1_LORA_UNLOAD, Operation
 from router.gateway.admin.verify import Digest, judge
+from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 
 #: How long an unload waits for the requests naming its adapter to end before it unloads anyway.
@@ -99,6 +103,8 @@ async def load_adapter(
     adapters = ctx.registry.adapters
     async with AdminRun.open(op, ctx) as run:
         targets = ctx.live_targets(serving=op.path)
+        if call.expect.checksum is not None:
+            _refuse_undigested(targets, op)
         previous = adapters.get(name)
         results = await run.fan_out(targets, call)
         loaded = {r.worker for r in results if r.success}
@@ -130,6 +136,19 @@ async def load_adapter(
         run.outcome = "refused" if refused else "failure"
         error = {"message": message}
         return Outcome(400 if refused else 502, fleet_answer(op, results, message, success=False, error=error))
+
+
+def _refuse_undigested(targets: Sequence[Worker], op: Operation[LoadRequest, LoraAnswer]) -> None:
+    """400 naming the targets whose engine reports no digest of the adapters it loads (nothing sent yet). A worker
+    whose engine is not known yet is not judged here: it gets the load, and fails it if its answer shows none."""
+    blind = [w for w in targets if (engine := engine_of(w)) is not None and not engine.reports_adapter_digest]
+    if blind:
+        names = ", ".join(f"{w.id} ({w.engine})" for w in blind)
+        raise BadRequest(
+            f"{EXPECTED_CHECKSUM_HEADER} cannot be checked on {op.path} to {len(blind)} worker(s) whose engine reports "
+            f"no digest of the adapters it loads: {names}. Send the load without it. Nothing was sent",
+            unserved=[w.id for w in blind],
+        )
 
 
 def _judge(results: Sequence[WorkerResult[LoraAnswer]], expect: Expectation) -> None:
