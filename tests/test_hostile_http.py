@@ -485,6 +485,22 @@ async def test_a_request_refused_at_its_head_is_answered_at_once_and_its_connect
     await recovered(front)
 
 
+async def test_an_answer_sent_before_the_body_was_read_says_the_connection_closes(front: Front) -> None:
+    """A handler that refuses before it reads the body (a fleet-wide route given ``?workers=``) answers while the
+    body is still on its way; the server then closes the connection (it never reads the rest), so the answer
+    must say ``Connection: close``, or a keep-alive client sends its next request down a closing socket."""
+    head = (
+        b"POST /load_lora_adapter?workers=a HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: 1000\r\n\r\n"
+    )
+    reply = await exchange(front, head + b'{"lora_name": ', limit_s=AT_ONCE_S + 1)
+    answers = reply.finals
+    assert [a.status for a in answers] == [400], reply.show()
+    assert answers[0].headers.get("connection", "").lower() == "close", answers[0].headers
+    assert reply.closed
+    await recovered(front)
+
+
 async def test_a_repeated_header_that_may_come_twice_is_read_as_its_first_value(front: Front) -> None:
     """``Accept`` and ``X-Request-Id`` (forwarded to the worker) given twice are not refused;
     the worker gets the first of each, as aiohttp's ``headers.get`` reads them."""

@@ -78,6 +78,11 @@ def edge_middleware(
             except Exception as exc:
                 response = error_response(request, exc)
             status = response.status
+            if not request.content.is_eof():
+                # aiohttp closes a connection whose request body was not read to its end (lingering_time=0,
+                # router/gateway/serving.py): the answer says so, or a client would send its next request
+                # down a connection about to close (a race a loaded machine loses).
+                response.force_close()
             return response
         finally:
             if counted is None or counted(request):
