@@ -15,17 +15,24 @@ After a fault-free warm-up (its p99 is the reference), one action every ``--acti
 with a seeded random generator: SIGSTOP a worker for 2–6 s (SIGCONT from a timer, so admin calls
 overlap the stall), SIGKILL a worker and start it again 2 s later on its port, update the fleet from
 disk to a new ``weight_version``, pause (retract) and continue generation, flush the cache, SIGKILL
-the leader (every process of its pod) and start it again as the standby. After an admin call the
-soak acts as the operator: a failed update left in the journal is resolved (counted).
+the leader (every process of its pod) and start it again as the standby, and SIGKILL a worker in the
+middle of an update from disk (once the router fenced it for the update) and start it again at once on
+its port. After an admin call the soak acts as the operator: a failed update left in the journal is
+resolved (counted).
 
-Counted, and the run fails (exit 1) unless the first three are 0:
+Counted, and the run fails (exit 1) unless the first three are 0 (and see the last):
 
 - requests lost: a request with no 200 within its budget;
 - versions served that the policy forbids: the router's default policy serves only the fleet's
   latest weights, so a request sent after an update answered must carry that update's label or a
   later one;
 - workers left paused, fenced or pending without a reason in ``GET /workers`` once the fleet settles;
-- requests slower than twice the warm-up's p99 (reported, with the p50 and p99 of the whole run).
+- requests slower than twice the warm-up's p99 (reported, with the p50 and p99 of the whole run);
+- for each kill mid-update, the seconds from the kill until the update answered (target: max(5 s,
+  2 x the run's median fault-free update)) and from the restart until the worker serves the fleet's
+  weights (routed by the router, its ``weight_version`` the fleet's; target: 30 s). Reported against
+  the targets; the run fails on an update with no answer within :data:`RESOLVE_BOUND_S` or a restarted
+  worker not serving within :data:`REJOIN_BOUND_S`.
 
 Every process listens on 127.0.0.1 and is stopped at the end; every wait is bounded.
 """
@@ -59,7 +66,14 @@ NAMESPACE = "omni"
 REQUEST_BUDGET_S = 60.0
 #: Lease 3 s, renew deadline 2 s, retry period 0.5 s: a failover within seconds.
 LEASE = ["--leader-lease-duration-s", "3", "--leader-renew-deadline-s", "2", "--leader-retry-period-s", "0.5"]
-ACTIONS = ("stall", "kill_worker", "update", "pause", "flush", "kill_leader")
+ACTIONS = ("stall", "kill_worker", "update", "pause", "flush", "kill_leader", "kill_mid_update")
+#: llm-d's target for an engine back in service after a restart (the restarted worker serving the fleet's weights).
+REJOIN_TARGET_S = 30.0
+#: An update resolves within max(RESOLVE_FLOOR_S, 2 x the median fault-free update of the run).
+RESOLVE_FLOOR_S = 5.0
+#: Past these a kill mid-update counts as a hang (the update) or a worker that never rejoined (the restart).
+RESOLVE_BOUND_S = 120.0
+REJOIN_BOUND_S = 90.0
 
 
 @dataclass
@@ -82,11 +96,13 @@ class Fleet:
     workers: list[tuple[ManagedProcess, str]] = field(default_factory=list)
     routers: list[tuple[ManagedProcess, str, list[str]]] = field(default_factory=list)
 
-    def start_worker(self, port: int) -> tuple[ManagedProcess, str]:
+    def launch_worker(self, port: int) -> tuple[ManagedProcess, str]:
         argv = [cli("omni-worker"), "--model-path", str(self.boot), "--host", "127.0.0.1", "--port", str(port)]
         argv += ["--admin-api-key", ADMIN_KEY, "--num-threads", "1"]
-        proc = ManagedProcess(f"soak-worker-{port}", argv).start()
-        url = f"http://127.0.0.1:{port}"
+        return ManagedProcess(f"soak-worker-{port}", argv).start(), f"http://127.0.0.1:{port}"
+
+    def start_worker(self, port: int) -> tuple[ManagedProcess, str]:
+        proc, url = self.launch_worker(port)
         proc.wait_http_ready(url + "/health", timeout=120)
         return proc, url
 
@@ -157,6 +173,19 @@ class Service:
 
 
 @dataclass
+class Recovery:
+    """One worker SIGKILLed in the middle of a fleet update, then started again on its port."""
+
+    resolve_s: float | None
+    """From the kill until the update answered (``None``: no answer within :data:`RESOLVE_BOUND_S`)."""
+    status: int
+    """The update's answer: 502 when the kill failed the victim's part, 200 when it came too late to."""
+    rejoin_s: float | None
+    """From the restart until the router routes to it and it reports the fleet's weight_version
+    (``None``: not within :data:`REJOIN_BOUND_S`)."""
+
+
+@dataclass
 class Chaos:
     fleet: Fleet
     rng: random.Random
@@ -165,6 +194,11 @@ class Chaos:
     counts: dict[str, int] = field(default_factory=dict)
     resolved: int = 0
     timers: list[threading.Timer] = field(default_factory=list)
+    update_s: list[float] = field(default_factory=list)
+    """Seconds of each update that answered 200 without a fault: the reference of the resolve target."""
+    recoveries: list[Recovery] = field(default_factory=list)
+    answered: float = 0.0
+    """When the last update answered."""
 
     def admin(self, method: str, path: str, body: Any = None, timeout: float = 120) -> tuple[int, Any]:
         index = self.fleet.leader()
@@ -193,25 +227,11 @@ class Chaos:
             time.sleep(2)
             workers[i] = self.fleet.start_worker(int(url.rsplit(":", 1)[1]))
         elif action == "update":
-            label = f"v{step}"
-            model = self.fleet.other if self.rng.random() < 0.5 else self.fleet.boot
-            status, _ = self.admin(
-                "POST", "/update_weights_from_disk", {"model_path": str(model), "weight_version": label}
-            )
-            answered = time.monotonic()
-            self._after_admin()
-            # A partly failed update moves the fleet too (its holders): the label is read, not assumed; the
-            # read is tried again (a busy leader may not answer the soak's own /leader probe at once).
-            for _ in range(10):
-                got, fleet = self.admin("GET", "/fleet/versions")
-                if got == 200 and isinstance(fleet, dict):
-                    now = fleet.get("weight_version") or ""
-                    if not self.versions or self.versions[-1][1] != now:
-                        self.versions.append((answered, now))
-                    return
-                time.sleep(1)
-            if status == 200:  # the fleet took it whole
-                self.versions.append((answered, label))
+            started = time.monotonic()
+            if self.update(step) == 200:
+                self.update_s.append(self.answered - started)
+        elif action == "kill_mid_update":
+            self.kill_mid_update(step)
         elif action == "pause":
             self.admin("POST", "/pause_generation", {"mode": "retract"})
             time.sleep(self.rng.uniform(0.2, 1.0))
@@ -226,6 +246,87 @@ class Chaos:
                 proc, url, (name,) = self.fleet.routers[index]
                 proc.kill()
                 self.fleet.routers[index] = self.fleet.start_router(name, int(url.rsplit(":", 1)[1]))
+
+    def update(self, step: int, during: Any = None) -> int:
+        """Update the fleet from disk to ``v<step>`` (``during()`` runs while the call is in flight); its status."""
+        label = f"v{step}"
+        model = self.fleet.other if self.rng.random() < 0.5 else self.fleet.boot
+        body = {"model_path": str(model), "weight_version": label}
+        if during is None:
+            status, _ = self.admin("POST", "/update_weights_from_disk", body)
+        else:
+            answer: dict[str, int] = {}
+            call = threading.Thread(
+                target=lambda: answer.update(status=self.admin("POST", "/update_weights_from_disk", body)[0]),
+                daemon=True,
+            )
+            call.start()
+            during()
+            call.join(RESOLVE_BOUND_S)
+            status = answer.get("status", 0)
+        answered = self.answered = time.monotonic()
+        self._after_admin()
+        # A partly failed update moves the fleet too (its holders): the label is read, not assumed; the
+        # read is tried again (a busy leader may not answer the soak's own /leader probe at once).
+        for _ in range(10):
+            got, fleet = self.admin("GET", "/fleet/versions")
+            if got == 200 and isinstance(fleet, dict):
+                now = fleet.get("weight_version") or ""
+                if not self.versions or self.versions[-1][1] != now:
+                    self.versions.append((answered, now))
+                return status
+            time.sleep(1)
+        if status == 200:  # the fleet took it whole
+            self.versions.append((answered, label))
+        return status
+
+    def kill_mid_update(self, step: int) -> None:
+        """SIGKILL a worker once the router has fenced it for an update from disk; time the update's answer
+        from the kill, then start the worker again and time it until it serves the fleet's weights."""
+        workers = self.fleet.workers
+        i = self.rng.randrange(len(workers))
+        proc, url = workers[i]
+        killed: dict[str, float] = {}
+
+        def kill_once_fenced() -> None:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and not killed:
+                status, body = self.admin("GET", "/workers", timeout=5)
+                mine = [w for w in body["workers"] if w["url"] == url] if status == 200 else []
+                if mine and mine[0]["disabled"]:
+                    break
+                time.sleep(0.01)
+            killed["at"] = time.monotonic()  # before the kill: proc.kill() returns once the process is reaped
+            _cont(proc)
+            proc.kill()
+
+        status = self.update(step, during=kill_once_fenced)
+        # No answer, or none but the client's own timeout (599), is an update that hung.
+        resolve_s = max(0.0, self.answered - killed["at"]) if status not in (0, 599) else None
+        restarted = time.monotonic()
+        workers[i] = self.fleet.launch_worker(int(url.rsplit(":", 1)[1]))
+        rejoin_s: float | None = None
+        while time.monotonic() - restarted < REJOIN_BOUND_S:
+            if self._serves_fleet_weights(url):
+                rejoin_s = time.monotonic() - restarted
+                break
+            time.sleep(0.2)
+        self.recoveries.append(Recovery(resolve_s, status, rejoin_s))
+
+    def _serves_fleet_weights(self, url: str) -> bool:
+        """The router routes to the worker at ``url`` and the worker reports the fleet's weight_version."""
+        got, fleet = self.admin("GET", "/fleet/versions", timeout=5)
+        status, body = self.admin("GET", "/workers", timeout=5)
+        if got != 200 or status != 200 or not isinstance(fleet, dict) or not isinstance(body, dict):
+            return False
+        mine = [w for w in body["workers"] if w["url"] == url]
+        if not mine or out_of_rotation(mine[0]) or mine[0].get("weight_version") != fleet.get("weight_version"):
+            return False
+        try:
+            own, version = http_json("GET", url + "/get_weight_version", headers=AUTH, timeout=5)
+        except OSError:
+            return False
+        return own == 200 and isinstance(version, dict) and version.get("weight_version") == fleet["weight_version"]
 
     def _after_admin(self) -> None:
         """The operator: a failed update left in the journal is resolved (the fleet is vouched for as it is)."""
@@ -383,7 +484,42 @@ def report(records: list[Record], chaos: Chaos, settled: tuple[list[str], list[s
         f"versions served that the policy forbids: {len(forbidden)} {forbidden[:10]}; fleet versions: {chaos.versions}"
     )
     print(f"workers out of rotation once settled: {still_out}; without a reason: {unexplained_workers}")
-    return 1 if lost or forbidden or unexplained_workers else 0
+    hung, never = recovery_report(chaos)
+    return 1 if lost or forbidden or unexplained_workers or hung or never else 0
+
+
+def _p50_max(values: list[float]) -> str:
+    return f"p50 {statistics.median(values):.3f} s, max {max(values):.3f} s" if values else "none"
+
+
+def recovery_report(chaos: Chaos) -> tuple[int, int]:
+    """The kills mid-update against their targets: the update resolved within max(5 s, 2 x the run's median
+    fault-free update) of the kill, the restarted worker serving the fleet's weights within 30 s. Returns
+    the counts that fail the run: updates with no answer within RESOLVE_BOUND_S, restarted workers not
+    serving within REJOIN_BOUND_S (a target missed by less is reported, not failed: this is a loaded
+    2-core machine running faults at random)."""
+    rec = chaos.recoveries
+    reference = statistics.median(chaos.update_s) if chaos.update_s else 0.0
+    resolve_target = max(RESOLVE_FLOOR_S, 2 * reference)
+    resolved = [r.resolve_s for r in rec if r.resolve_s is not None]
+    rejoined = [r.rejoin_s for r in rec if r.rejoin_s is not None]
+    hung, never = len(rec) - len(resolved), len(rec) - len(rejoined)
+    late = sum(x > resolve_target for x in resolved)
+    slow = sum(x > REJOIN_TARGET_S for x in rejoined)
+    failed_part = sum(r.status not in (0, 200, 599) for r in rec)
+    print(
+        f"kills mid-update: {len(rec)} ({failed_part} failed the victim's part of the update); fault-free update "
+        f"median {reference:.2f} s over {len(chaos.update_s)}"
+    )
+    print(
+        f"  update answered after the kill: {_p50_max(resolved)}; target {resolve_target:.1f} s: "
+        f"{'met' if not late and not hung else f'{late + hung} over'}; no answer within {RESOLVE_BOUND_S:g} s: {hung}"
+    )
+    print(
+        f"  restarted worker serving the fleet's weights: {_p50_max(rejoined)}; target {REJOIN_TARGET_S:g} s: "
+        f"{'met' if not slow and not never else f'{slow + never} over'}; never within {REJOIN_BOUND_S:g} s: {never}"
+    )
+    return hung, never
 
 
 if __name__ == "__main__":

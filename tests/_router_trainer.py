@@ -18,7 +18,8 @@ the step is expected to fail like a ``fail_at_bucket`` one). A step with ``fail_
 is expected to fail: its :class:`SyncError` is recorded in the step's entry,
 followed by what the router says right after (``after_failure``), and the
 next step goes on with the same client. ``"client": "async"`` in the config
-runs every sync through one :class:`AsyncRouterClient` instead.
+runs every sync through one :class:`AsyncRouterClient` instead; ``"keep_group": true`` leaves the
+group on the workers at the end (a trainer that exits without its clean-up).
 """
 
 from __future__ import annotations
@@ -164,7 +165,8 @@ def main(cfg: dict) -> dict:
             entry = result.model_dump(mode="json")
             entry.update(expected=expected, stages=stages)
             report["steps"].append(entry)
-        client.destroy_weights_update_group()
+        if not cfg.get("keep_group"):  # kept: a trainer that exits without its clean-up (it crashed, it restarts)
+            client.destroy_weights_update_group()
     except SyncError as exc:
         results = [r.model_dump(mode="json") for r in exc.results]
         report["error"] = {"stage": exc.stage, "message": str(exc), "results": results, "recovery": exc.recovery}

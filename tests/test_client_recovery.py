@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from tests._router_fixtures import ADMIN_KEY, auth, generate_via, start_router, start_workers, workers
+from tests._router_trainer import run_trainer
 from tests._weight_sync_fixtures import WORKER_ARGS
 from tests.procs import ManagedProcess, free_port, http_json
 
@@ -96,6 +97,19 @@ def test_failed_broadcast_ends_the_session_and_the_next_sync_rebuilds_the_group(
         assert http_json("GET", url + "/weight_update_journal", headers=auth())[1]["pending"] is None
         status, body, _ = generate_via(url)
         assert status == 200 and body["meta_info"]["weight_version"] == "step-2"
+
+        # A trainer that exits without leaving its group, then starts again (a new client, which holds no group,
+        # while the router records the old one and the workers still hold it): its first sync has the workers
+        # leave the old group, builds a new one and syncs.
+        step = [["two_phase", "flattened_bucket"]]
+        done, first = run_trainer(url, checkpoints["llama"], tmp_path, step, keep_group=True)
+        assert done.returncode == 0 and "error" not in first, done.stderr[-3000:]
+        assert http_json("GET", url + "/get_world_size", headers=auth())[1]["groups"], "the group is left over"
+        done, again = run_trainer(url, checkpoints["llama"], tmp_path, step)
+        assert done.returncode == 0 and "error" not in again, json.dumps(again)[:3000] + done.stderr[-3000:]
+        restarted = again["steps"][0]
+        assert restarted["stages"][0] == "init_group" and restarted["matches_expected"] is True, restarted
+        assert "left over on the workers" in done.stderr
     finally:
         router.stop()
         for proc, _ in pair:

@@ -205,6 +205,14 @@ class WeightSync:
                 why,
                 left,
             )
+        elif fleet.group(g.group_name) is not None:
+            # The router still records a group of this name that this client does not hold: a trainer process
+            # that restarted, or a failed sync whose clean-up was refused while its journal entry was pending.
+            # Its workers still hold it and would refuse to build one of the same name: they leave it first.
+            outcome = _attempt(lambda: self.client.destroy_weights_update_group(g.group_name))
+            log.warning(
+                "weight-update group %r left over on the workers: left it (%s), rebuilding", g.group_name, outcome
+            )
         world = fleet.world_size + 1
         g.cancel.clear()
         self._group_init = alongside(
