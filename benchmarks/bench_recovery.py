@@ -269,24 +269,21 @@ class Trainer:
                 timeout_s=self.timeout_s,
             )
         except SyncError as exc:
-            return {
-                "version": version,
-                "ok": False,
-                "returned": time.monotonic(),
-                "seconds": time.monotonic() - start,
-                "stage": exc.stage,
-                "error": str(exc)[:300],
-                "recovery": exc.recovery,
-            }
+            failed = {"ok": False, "stage": exc.stage, "error": str(exc)[:300], "recovery": exc.recovery}
+            return {**self._ended(version, start), **failed}
         return {
-            "version": version,
+            **self._ended(version, start),
             "ok": True,
-            "returned": time.monotonic(),
-            "seconds": time.monotonic() - start,
             "stages": report.stage_seconds,
             "group_rebuilt": report.group_rebuilt,
             "matches_expected": report.matches_expected,
         }
+
+    @staticmethod
+    def _ended(version: str, start: float) -> dict[str, Any]:
+        """When a sync returned, and how long it took (one clock read for both)."""
+        returned = time.monotonic()
+        return {"version": version, "returned": returned, "seconds": returned - start}
 
     def close(self) -> None:
         self.sender.close()

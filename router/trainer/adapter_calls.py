@@ -8,10 +8,8 @@ adapter by ``lora_path`` (``/generate``) or ``model`` (the OpenAI routes).
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
-from router.contract.base import WireRequest, WireResponse
-from router.contract.endpoint import Endpoint
 from router.contract.fleet_adapters import FleetAdapterTable
 from router.contract.fleet_answers import FleetAnswer
 from router.contract.lora import (
@@ -21,20 +19,11 @@ from router.contract.lora import (
     UnloadLoraAdapterRequest,
 )
 from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, LOAD_LORA_ADAPTER_FROM_TENSORS, UNLOAD_LORA_ADAPTER
+from router.trainer.transport import Transport
 
-A = TypeVar("A", bound=WireResponse)
 
-
-class AdapterCalls:
+class AdapterCalls(Transport):
     """The LoRA calls; the transport (``_admin``, ``_plain``) is :class:`~router.trainer.calls.RouterCalls`'."""
-
-    def _admin(
-        self, endpoint: Endpoint[Any, Any], req: WireRequest, answer: type[A], expected_checksum: str | None = None
-    ) -> A:
-        raise NotImplementedError
-
-    def _plain(self, method: str, path: str, answer: type[A], body: WireRequest | None = None) -> A:
-        raise NotImplementedError
 
     def load_lora_adapter(
         self, name: str, path: str, *, expected_checksum: str | None = None

@@ -88,6 +88,7 @@ from router.contract.weight_sync import (
 )
 from router.trainer.adapter_calls import AdapterCalls
 from router.trainer.failover import DEFAULT_FAILOVER_BUDGET_S
+from router.trainer.transport import given
 from router.trainer.vllm_calls import VllmCalls
 
 A = TypeVar("A", bound=WireResponse)
@@ -198,11 +199,6 @@ def unreachable(call: Call[Any], exc: BaseException) -> RouterCallError:
     return RouterCallError(call.method, call.path, None, f"router unreachable: {detail}")
 
 
-def _set(**fields: Any) -> dict[str, Any]:
-    """Only the fields the caller gave: the rest keep the receiver's defaults."""
-    return {k: v for k, v in fields.items() if v is not None}
-
-
 def query_string(req: WireRequest) -> str:
     """The fields of ``req`` the caller set, as query parameters: booleans spelled as in JSON, a list's
     items each under the field's name (as the router reads a query, :func:`router.contract.web.parsing.query_fields`)."""
@@ -282,7 +278,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
     def abort_request(
         self, rid: str | list[str] | None = None, abort_all: bool = False
     ) -> FleetAnswer[AbortRequestResult]:
-        req = AbortRequest(**_set(rid=rid), abort_all=abort_all)
+        req = AbortRequest(**given(rid=rid), abort_all=abort_all)
         return self._admin(ep.ABORT_REQUEST, req, FleetAnswer[AbortRequestResult])
 
     def flush_cache(self) -> FleetAnswer[FlushCacheResult]:
@@ -325,7 +321,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
             master_port=master_port,
             world_size=world_size,
             group_name=group_name,
-            **_set(backend=backend, rank_offset=rank_offset, timeout_s=timeout_s),
+            **given(backend=backend, rank_offset=rank_offset, timeout_s=timeout_s),
         )
         return self._admin(ep.INIT_WEIGHTS_UPDATE_GROUP, req, GroupInitFleetAnswer)
 
@@ -356,7 +352,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
             group_name=group_name,
             flush_cache=flush_cache,
             abort_all_requests=abort_all_requests,
-            **_set(load_format=load_format, weight_version=weight_version, timeout_s=timeout_s),
+            **given(load_format=load_format, weight_version=weight_version, timeout_s=timeout_s),
         )
         return self._admin(ep.UPDATE_WEIGHTS_FROM_DISTRIBUTED, req, FleetAnswer[WeightSyncResponse], expected_checksum)
 
@@ -375,7 +371,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
             num_buckets=len(metas),
             buckets=metas,
             group_name=group_name,
-            **_set(load_format=load_format, weight_version=weight_version, atomic=atomic, timeout_s=timeout_s),
+            **given(load_format=load_format, weight_version=weight_version, atomic=atomic, timeout_s=timeout_s),
         )
         return self._admin(ep.PREPARE_WEIGHTS_UPDATE, req, PrepareFleetAnswer)
 
@@ -392,7 +388,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
         req = CompleteWeightsUpdateRequest(
             group_name=group_name,
             flush_cache=flush_cache,
-            **_set(weight_version=weight_version, return_checksum=return_checksum, timeout_s=timeout_s),
+            **given(weight_version=weight_version, return_checksum=return_checksum, timeout_s=timeout_s),
         )
         return self._admin(ep.COMPLETE_WEIGHTS_UPDATE, req, CompleteFleetAnswer, expected_checksum)
 
@@ -407,11 +403,11 @@ class RouterCalls(AdapterCalls, VllmCalls):
         return self._admin(ep.UPDATE_WEIGHT_VERSION, req, FleetAnswer[UpdateWeightVersionResult])
 
     def release_memory_occupation(self, tags: list[MemoryTag] | None = None) -> FleetAnswer[MemoryOccupationResult]:
-        req = MemoryOccupationRequest(**_set(tags=tags))
+        req = MemoryOccupationRequest(**given(tags=tags))
         return self._admin(ep.RELEASE_MEMORY_OCCUPATION, req, FleetAnswer[MemoryOccupationResult])
 
     def resume_memory_occupation(self, tags: list[MemoryTag] | None = None) -> FleetAnswer[MemoryOccupationResult]:
-        req = MemoryOccupationRequest(**_set(tags=tags))
+        req = MemoryOccupationRequest(**given(tags=tags))
         return self._admin(ep.RESUME_MEMORY_OCCUPATION, req, FleetAnswer[MemoryOccupationResult])
 
     # -- fleet reads

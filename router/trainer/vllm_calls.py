@@ -19,8 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from router.contract import endpoints as ep
-from router.contract.base import WireRequest, WireResponse
-from router.contract.endpoint import Endpoint
+from router.contract.base import WireRequest
 from router.contract.fleet_answers import (
     FleetAnswer,
     IsPausedFleetAnswer,
@@ -47,14 +46,9 @@ from router.contract.vllm_rl import (
     VllmCheckerAction,
     VllmWeightCheckerRequest,
 )
+from router.trainer.transport import Transport, given
 
-A = TypeVar("A", bound=WireResponse)
 M = TypeVar("M", bound=WireRequest)
-
-
-def _given(**fields: Any) -> dict[str, Any]:
-    """Only the fields the caller gave: the rest keep the router's and the workers' defaults."""
-    return {k: v for k, v in fields.items() if v is not None}
 
 
 def _model(model: type[M], value: M | Mapping[str, Any]) -> M:
@@ -63,16 +57,8 @@ def _model(model: type[M], value: M | Mapping[str, Any]) -> M:
     return value if isinstance(value, model) else model.model_validate(value)
 
 
-class VllmCalls:
+class VllmCalls(Transport):
     """vLLM's calls; the transport (``_admin``, ``_plain``) is :class:`~router.trainer.calls.RouterCalls`'."""
-
-    def _admin(
-        self, endpoint: Endpoint[Any, Any], req: WireRequest, answer: type[A], expected_checksum: str | None = None
-    ) -> A:
-        raise NotImplementedError
-
-    def _plain(self, method: str, path: str, answer: type[A], body: WireRequest | None = None) -> A:
-        raise NotImplementedError
 
     # -- the group
     def init_weight_transfer_engine(
@@ -92,7 +78,7 @@ class VllmCalls:
     def start_weight_update(self, *, timeout_s: float | None = None) -> WeightTransferFleetAnswer:
         """Open the update on every worker; the router holds its lock and fence until the finish.
         ``timeout_s`` bounds the whole update: one never finished ends by itself after it, fenced."""
-        req = StartWeightUpdateRequest(**_given(timeout_s=timeout_s))
+        req = StartWeightUpdateRequest(**given(timeout_s=timeout_s))
         return self._admin(ep.START_WEIGHT_UPDATE, req, WeightTransferFleetAnswer)
 
     def update_weights(self, update_info: WeightTransferUpdateInfo | Mapping[str, Any]) -> WeightTransferFleetAnswer:
@@ -112,7 +98,7 @@ class VllmCalls:
         """Commit the update under ``weight_version`` (the answer's ``weight_version`` is the fleet's afterwards).
         ``flush_cache``: drop the KV cache computed with the old weights (the workers' default: yes).
         ``expected_checksum``: the digest every worker must then serve; the version is published only if each does."""
-        req = FinishWeightUpdateRequest(**_given(weight_version=weight_version, flush_cache=flush_cache))
+        req = FinishWeightUpdateRequest(**given(weight_version=weight_version, flush_cache=flush_cache))
         return self._admin(ep.FINISH_WEIGHT_UPDATE, req, WeightTransferFleetAnswer, expected_checksum)
 
     # -- generation
@@ -128,7 +114,7 @@ class VllmCalls:
         ``keep`` freezes them with their KV. Sent as query parameters, as vLLM reads them."""
         req = PauseQuery(
             mode=mode,
-            **_given(
+            **given(
                 wait_for_inflight_requests=wait_for_inflight_requests, clear_cache=clear_cache, timeout_s=timeout_s
             ),
         )
@@ -155,9 +141,7 @@ class VllmCalls:
         """Call a worker method on every rank (``reload_weights`` with ``kwargs={"weights_path": ...}`` reloads a
         checkpoint); string arguments only, as vLLM takes them. Unless the method only reads, the router runs it
         as a weight update, so ``expected_checksum`` applies as for :meth:`finish_weight_update`."""
-        fields = _given(
-            method=method, args=list(args) or None, kwargs=dict(kwargs) if kwargs else None, timeout=timeout
-        )
+        fields = given(method=method, args=list(args) or None, kwargs=dict(kwargs) if kwargs else None, timeout=timeout)
         req = CollectiveRpcRequest.model_validate(fields)
         return self._admin(ep.COLLECTIVE_RPC, req, FleetAnswer[CollectiveRpcResult], expected_checksum)
 
@@ -166,6 +150,6 @@ class VllmCalls:
     ) -> VllmWeightCheckerFleetAnswer:
         """vLLM's checker on every worker: per-parameter SHA-256 (``checksum``), or a ``compare`` against
         ``baseline``; ``identical`` says whether the workers agree."""
-        fields = _given(action=action, baseline=dict(baseline) if baseline is not None else None)
+        fields = given(action=action, baseline=dict(baseline) if baseline is not None else None)
         req = VllmWeightCheckerRequest.model_validate(fields)
         return self._admin(ep.WEIGHT_CHECKER, req, VllmWeightCheckerFleetAnswer)
