@@ -57,6 +57,19 @@ def sglang_standin(
         server.proc.stop(timeout=STOP_TIMEOUT_S)
 
 
+@contextmanager
+def ready_standins(servers: list[SglangStandin]) -> Iterator[list[SglangStandin]]:
+    """``servers`` (started at once by :func:`start_standin`) once each answers ``/ready``; every server in the
+    list on leaving is stopped (a test may replace one in it)."""
+    try:
+        for server in servers:
+            server.proc.wait_http_ready(server.url + "/ready", timeout=READY_TIMEOUT_S)
+        yield servers
+    finally:
+        for server in servers:
+            server.proc.stop(timeout=STOP_TIMEOUT_S)
+
+
 def start_standin(
     checkpoint: Path | str,
     *,

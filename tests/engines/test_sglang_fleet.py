@@ -23,7 +23,7 @@ import torch
 from router.contract.weight_digest import EXPECTED_CHANGE_HEADER, EXPECTED_CHECKSUM_HEADER
 from router.trainer.digests import expected_checksum
 from tests._polling import wait_for
-from tests.engines._sglang_standin import STOP_TIMEOUT_S, SglangStandin, start_standin
+from tests.engines._sglang_standin import STOP_TIMEOUT_S, SglangStandin, ready_standins, start_standin
 from tests.engines.conftest import AUTH, Router
 from tests.procs import http_json
 from worker.model.checkpoint import read_checkpoint
@@ -60,13 +60,8 @@ def pair(request: pytest.FixtureRequest, ckpts: dict[str, Path]) -> Iterator[lis
         pytest.skip("a real SGLang server needs a CUDA device and SGLang's GPU stack (sgl_kernel)")
     module = "sglang.launch_server" if real else None
     servers = [start_standin(ckpts["a"], extra_args=SERVER_ARGS, env=SERVER_ENV, module=module) for _ in range(2)]
-    try:
-        for server in servers:
-            server.proc.wait_http_ready(server.url + "/ready", timeout=180)
+    with ready_standins(servers):
         yield servers
-    finally:
-        for server in servers:
-            server.proc.stop(timeout=STOP_TIMEOUT_S)
 
 
 @pytest.fixture

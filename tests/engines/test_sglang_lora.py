@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from router.contract.weight_digest import EXPECTED_CHECKSUM_HEADER
-from tests.engines._sglang_standin import STOP_TIMEOUT_S, SglangStandin, start_standin
+from tests.engines._sglang_standin import SglangStandin, ready_standins, start_standin
 from tests.engines.conftest import AUTH, Router
 from tests.procs import http_json
 
@@ -40,13 +40,8 @@ WORKER_AUTH = {"Authorization": f"Bearer {WORKER_KEY}"}
 def pair(ckpts: dict[str, Path]) -> Iterator[list[SglangStandin]]:
     """Two SGLang stand-ins on checkpoint A with LoRA enabled."""
     servers = [start_standin(ckpts["a"], extra_args=SERVER_ARGS) for _ in range(2)]
-    try:
-        for server in servers:
-            server.proc.wait_http_ready(server.url + "/ready", timeout=180)
+    with ready_standins(servers):
         yield servers
-    finally:
-        for server in servers:
-            server.proc.stop(timeout=STOP_TIMEOUT_S)
 
 
 @pytest.fixture
