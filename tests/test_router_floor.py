@@ -10,6 +10,7 @@ the metrics, and a restart (a new instance id) counts from zero again.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from router.gateway import keys
 from router.gateway.admin import floor
 from router.gateway.admin import operations as ops
 from router.gateway.admin.journal import UpdateJournal
+from router.gateway.admin.locked import LockHold
 from router.gateway.app import create_app
 from router.gateway.catch_up import scan
 from router.gateway.catch_up.joiners import JoinerSync
@@ -226,6 +228,24 @@ async def test_a_targeted_sync_counts_only_its_targets(build: Build) -> None:
     assert sorted(r["worker"] for r in body["results"]) == sorted([first, second])
 
 
+async def test_the_floor_is_read_again_once_the_lock_is_taken(build: Build) -> None:
+    """A sync that passed the floor and then waited for the lock while the fleet thinned is refused under the lock,
+    before its fence: nothing is sent, nothing fenced, the lock free again."""
+    fleet = await build(3, min_routable_workers=3)
+    admin = fleet.client.app[keys.ADMIN]
+    held = await LockHold.take(admin.gate, "an operation ahead")
+    update = asyncio.create_task(
+        fleet.call("POST", "/update_weights_from_disk", {"model_path": "/m", "weight_version": "v1"})
+    )
+    await until(lambda: admin.gate.waiters > 0, 5, "the sync to wait for the lock")
+    fleet.worker(1).health = "dead"  # meanwhile the fleet loses a worker
+    held.release()
+    status, body = await update
+    assert status == 409, body
+    assert body["error"]["message"].startswith("2 of 3 workers can take /update_weights_from_disk")
+    await assert_nothing_changed(fleet, [False, False, False])
+
+
 async def test_with_the_floor_off_nothing_is_refused(build: Build) -> None:
     fleet = await build(2)
     fleet.worker(1).health = "dead"
@@ -333,6 +353,15 @@ async def test_a_worker_that_keeps_failing_its_catch_up_is_retired_until_it_rest
     assert "omni_router_retired_workers 1.0" in exposition
     # The floor does not count it either: the fleet of three has two workers able to take a sync.
     assert floor.why_left_out(joiner, fleet.client.app[keys.ADMIN].journal) == "catch-up retired"
+    # Nor is it a target of a fleet-wide call (it would fail the fleet's update); a call that names it reaches it.
+    before = list(standin.calls)
+    status, body = await fleet.call("POST", "/update_weights_from_disk", {"model_path": "/m", "weight_version": "v2"})
+    assert status == 200, body
+    assert joiner.id not in {r["worker"] for r in body["results"]} and len(body["results"]) == 2
+    assert standin.calls == before
+    status, body = await fleet.call("POST", f"/pause_generation?workers={joiner.id}", {"mode": "retract"})
+    assert status == 200 and [r["worker"] for r in body["results"]] == [joiner.id], body
+    assert standin.calls == [*before, "/pause_generation"]
 
     # A new process of the worker counts from zero again.
     standin.instance = "w2-third"

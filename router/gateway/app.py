@@ -177,6 +177,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         # Read off the event loop: the store may be the Kubernetes API.
         groups=await asyncio.to_thread(WeightGroups, app[keys.STATE].record(GROUPS_FILE)),
         verify_updates=cfg.verify_updates,
+        min_routable_workers=cfg.min_routable_workers,
     )
     await asyncio.to_thread(ctx.registry.adapters.attach, app[keys.STATE].record(ADAPTERS_FILE))
     hub = app.get(keys.DATA_PLANES)

@@ -106,7 +106,7 @@ class _FleetCollector(Collector):
         )
         count = retired_count = 0
         for w in self._registry:
-            retired_count += int(w.catch_up is not None and w.catch_up.state == "retired")
+            retired_count += int(w.retired)
             pending.add_metric([w.id], 0.0 if self._registry.pending_reason(w) is None else 1.0)
             if journal is not None:
                 fenced.add_metric([w.id], 1.0 if journal.names(w.id) else 0.0)

@@ -33,7 +33,7 @@ Resp = TypeVar("Resp", bound=WireResponse)
 
 async def broadcast(ctx: AdminContext, op: Operation[Req, Resp], call: AdminCall[Req, Resp]) -> Outcome[Resp]:
     """Lock if serialized, fence if fenced, fan out, settle; refresh versions after a weight change."""
-    async with AdminRun.open(op, ctx) as run:
+    async with AdminRun.open(op, ctx, only=call.only) as run:
         targets = ctx.live_targets(call.only, serving=op.path)
         if call.only is not None and not op.targetable and len(targets) != len(ctx.live_targets()):
             raise BadRequest(

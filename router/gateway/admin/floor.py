@@ -33,10 +33,15 @@ share (``0.75``) is always of the registered workers that discovery still lists,
 floor is what the fleet should have, and a dead worker lowers the count, never the floor.
 
 Why before the lock: a refusal must change nothing, and the lock is the first thing an update changes (every
-other admin call and catch-up waits behind it; a held update keeps it between calls). The floor is read from
-the fleet as the call finds it; an update still running ahead of it may fail meanwhile, and a failure leaves
-a journal entry that refuses the next fenced update (409) until an operator resolves it, so no sync proceeds
-on a fleet that shrank while it waited.
+other admin call and catch-up waits behind it; a held update keeps it between calls), so a call the fleet is
+too thin for does not queue behind another update. It is read once more when the lock is taken
+(:meth:`~router.gateway.admin.locked.AdminRun.open`), before the fence: a worker that died or was disabled
+while the call waited makes it a 409 there too, with nothing sent and the lock released at once. A failure of
+an update ahead of it leaves a journal entry that refuses the next fenced update (409) until an operator
+resolves it.
+
+A retired worker is no target of a fleet-wide call at all (:meth:`~router.gateway.admin.locked.AdminContext.
+live_targets`): it would fail the fleet's update, and it serves nothing until its process restarts.
 """
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.expectation import NOTHING_SAID, Expectation
 from router.gateway.admin.fanout import AdminCall, FanOut
 from router.gateway.admin.fence import RESOLVE_HINT, Fence
+from router.gateway.admin.floor import refuse_below_floor
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import Operation
 from router.gateway.admin.timings import PhaseTimes
@@ -106,9 +107,19 @@ class AdminContext:
     """The last weight change's operation and phases (``omni-router status``)."""
     verify_updates: VerifyUpdates = "off"
     """``changed``: a weight change that left a target's weights as they were fails on it (:mod:`.verify`)."""
+    min_routable_workers: float = 0.0
+    """``--min-routable-workers``: the floor a weight sync must leave able to serve (:mod:`.floor`)."""
+
+    def refuse_below_floor(self, op: Operation[Any, Any], only: Collection[str] | None = None) -> None:
+        """409 when ``op`` starts a weight sync that fewer workers than the floor could take (:mod:`.floor`)."""
+        refuse_below_floor(self.registry, self.journal, self.min_routable_workers, op, only)
 
     def live_targets(self, only: Collection[str] | None = None, *, serving: str | None = None) -> list[Worker]:
         """Every live worker, or those of ``only`` (a targeted call's ids) still live: 503 when there are none.
+
+        A retired worker (:attr:`Worker.retired`) is left out of a fleet-wide call: it failed every catch-up the
+        router gave it, so it would fail the fleet's update too, and it serves nothing until its process
+        restarts. A call that names it (``?workers=``) still reaches it.
 
         ``serving``: the admin route the call sends; 400 when a target's engine does not serve it (a fleet of
         several engines uses the routes every engine in it serves), before anything is locked or sent."""
@@ -117,8 +128,10 @@ class AdminContext:
             targets = [w for w in targets if w.id in only]
             if not targets:
                 raise Unavailable(f"none of the {len(only)} targeted worker(s) is live")
+        else:
+            targets = [w for w in targets if not w.retired]
         if not targets:
-            raise Unavailable(f"no live workers to broadcast to ({len(self.registry)} registered, all dead)")
+            raise Unavailable(f"no live workers to broadcast to ({len(self.registry)} registered, all dead or retired)")
         if serving is not None:
             refuse_unserved(targets, serving)
         return targets
@@ -180,9 +193,19 @@ class AdminRun(Generic[Req, Resp]):
     @classmethod
     @contextlib.asynccontextmanager
     async def open(
-        cls, op: Operation[Req, Resp], ctx: AdminContext, *, name: str | None = None, adopt: LockHold | None = None
+        cls,
+        op: Operation[Req, Resp],
+        ctx: AdminContext,
+        *,
+        name: str | None = None,
+        adopt: LockHold | None = None,
+        only: Collection[str] | None = None,
     ) -> AsyncIterator[AdminRun[Req, Resp]]:
         """Run one operation: take the lock if ``op`` is serialized (or ``adopt`` a held update's), end on exit.
+
+        A weight sync's start is held against ``--min-routable-workers`` again once the lock is taken (``only``:
+        a targeted call's ids): the fleet may have thinned while the call waited, and nothing is fenced or sent
+        yet, so a refusal here still changes nothing.
 
         Whatever escapes the body fails an unsettled fence closed: any target may
         already have started applying the call.
@@ -194,6 +217,8 @@ class AdminRun(Generic[Req, Resp]):
                 lock = await LockHold.take(ctx.gate, name or op.name)
         run = cls(op, ctx, name=name, lock=lock, timings=timings)
         try:
+            if adopt is None:
+                ctx.refuse_below_floor(op, only)
             yield run
         except BaseException:
             if run.fence is not None and not run.fence.settled:

@@ -44,6 +44,11 @@ class UpdateGate:
         return self._lock.locked() or self._waiters > 0
 
     @property
+    def waiters(self) -> int:
+        """How many operations wait for the gate now."""
+        return self._waiters
+
+    @property
     def holder(self) -> Holder | None:
         return self._holder
 

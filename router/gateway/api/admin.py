@@ -40,7 +40,6 @@ from router.gateway.admin import operations as ops
 from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
-from router.gateway.admin.floor import refuse_below_floor
 from router.gateway.admin.operations import COLLECTIVE_RPC_READ, OPERATIONS, Operation
 from router.gateway.admin.targets import TARGET_PARAMS, FleetFacts, only_ids, target_query
 from router.gateway.api import adapters, areal
@@ -111,8 +110,7 @@ async def _targeted(request: web.Request, op: Operation[Req, Resp]) -> AdminCall
 def check_floor(request: web.Request, op: Operation[Req, Resp], only: frozenset[str] | None = None) -> None:
     """409 when ``op`` starts a weight sync the fleet is too thin to take (``--min-routable-workers``,
     :mod:`router.gateway.admin.floor`): after the body and the targets are read, before the update lock."""
-    admin = request.app[keys.ADMIN]
-    refuse_below_floor(admin.registry, admin.journal, request.app[keys.CONFIG].min_routable_workers, op, only)
+    request.app[keys.ADMIN].refuse_below_floor(op, only)
 
 
 async def broadcast_route(request: web.Request) -> web.Response:

@@ -118,6 +118,12 @@ class Worker:
         return self.health == "dead"
 
     @property
+    def retired(self) -> bool:
+        """Its catch-ups failed ``--max-rejoin-attempts`` times: out of routing and of fleet-wide calls until its
+        process restarts (:mod:`router.gateway.catch_up.joiners`)."""
+        return self.catch_up is not None and self.catch_up.state == "retired"
+
+    @property
     def paused_behind_router(self) -> bool:
         """It says its generation is paused, and no pause or sleep of the router's explains it."""
         return self.reported_paused is True and not self.paused and not self.asleep
