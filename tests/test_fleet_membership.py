@@ -68,6 +68,8 @@ class TestGroupMembership:
             groups.check("g", [a, b, c])
         assert refused.value.status == 409 and f"{b.id} restarted" in refused.value.message
         assert refused.value.extra["group_changes"] == [f"{b.id} restarted (its new process is not in the group)"]
+        # The group's leave goes only to the processes that joined: the restarted one would refuse it (400).
+        assert groups.members_among("g", [a, b, c]) == [a, c]
 
     async def test_an_unknown_group_is_left_to_the_workers(self) -> None:
         registry = fleet_of(2)

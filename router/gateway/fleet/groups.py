@@ -79,9 +79,14 @@ def membership_changes(record: GroupRecord, targets: Sequence[Worker]) -> list[s
         worker = now.get(wid)
         if worker is None:
             changes.append(f"{wid} left the fleet (removed or dead)")
-        elif instance is not None and worker.instance_id is not None and worker.instance_id != instance:
+        elif _restarted(instance, worker):
             changes.append(f"{wid} restarted (its new process is not in the group)")
     return changes
+
+
+def _restarted(joined_instance: str | None, worker: Worker) -> bool:
+    """Whether ``worker`` runs another process than the one that joined (unknown on either side: no)."""
+    return joined_instance is not None and worker.instance_id is not None and worker.instance_id != joined_instance
 
 
 class WeightGroups:
@@ -126,12 +131,13 @@ class WeightGroups:
             )
 
     def members_among(self, name: str, targets: Sequence[Worker]) -> list[Worker]:
-        """The live workers that joined group ``name`` (all of ``targets`` when it is unknown)."""
+        """The live workers that joined group ``name`` (all of ``targets`` when it is unknown), each in the process
+        that joined: a member that restarted since holds no group (its new process would refuse a leave)."""
         record = self.get(name)
         if record is None:
             return list(targets)
         joined = record.instances()
-        return [w for w in targets if w.id in joined]
+        return [w for w in targets if w.id in joined and not _restarted(joined[w.id], w)]
 
     def views(self, targets: Sequence[Worker]) -> list[GroupMembership]:
         out = []
