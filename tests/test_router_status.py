@@ -183,8 +183,8 @@ def test_a_refused_or_missing_admin_key_is_exit_2_and_says_so(fleet, tmp_path, c
         started = time.monotonic()
         code, out, err = status(capsys, "--url", url)
         assert code == NONE_ROUTABLE and out == ""
-        assert f"the router requires an admin key: pass --admin-key or set {ADMIN_KEY_ENV}" in err
-        code, out, err = status(capsys, "--url", url, "--admin-key", "not-the-key")
+        assert f"the router requires an admin key: pass --admin-api-key or set {ADMIN_KEY_ENV}" in err
+        code, out, err = status(capsys, "--url", url, "--admin-api-key", "not-the-key")
         assert code == NONE_ROUTABLE and out == ""
         assert "the admin key was refused" in err and "401" in err
         assert time.monotonic() - started < QUICK_S

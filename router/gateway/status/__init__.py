@@ -1,6 +1,6 @@
 """``omni-router status``: a running router's fleet at a glance, for an operator or a script.
 
-    omni-router status [--url URL] [--admin-key KEY] [--timeout-s S] [--watch [SECONDS]] [--json]
+    omni-router status [--url URL] [--admin-api-key KEY] [--timeout-s S] [--watch [SECONDS]] [--json]
 
 It reads the router's ``GET /fleet/status`` (one request: the router judges its workers itself, in
 :mod:`router.gateway.status.verdict`, and :mod:`router.gateway.status.answer` serves the verdicts)

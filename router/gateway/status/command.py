@@ -46,10 +46,13 @@ def build_parser(default_port: int) -> argparse.ArgumentParser:
         "--url", type=_url, default=f"http://127.0.0.1:{default_port}", help="the router's base URL (%(default)s)"
     )
     p.add_argument(
+        "--admin-api-key",
         "--admin-key",
+        dest="admin_key",
         default=None,
         metavar="KEY",
-        help=f"the router's admin key (bearer); default: ${ADMIN_KEY_ENV}, as the router reads it",
+        help=f"the router's admin key (bearer), as the router's own flag names it (--admin-key: the same); "
+        f"default: ${ADMIN_KEY_ENV}, as the router reads it",
     )
     p.add_argument(
         "--timeout-s",

@@ -85,7 +85,7 @@ class RouterReader:
         if answer.status == 401:
             if self.admin_key is None:
                 return (
-                    f"the router requires an admin key: pass --admin-key or set {ADMIN_KEY_ENV} "
+                    f"the router requires an admin key: pass --admin-api-key or set {ADMIN_KEY_ENV} "
                     f"(GET {path} answered 401: {message})"
                 )
             return f"the admin key was refused (GET {path} answered 401: {message})"

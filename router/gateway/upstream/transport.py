@@ -22,8 +22,11 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Protocol
 
-#: The cap of a whole-body read (``fetch``): a larger answer fails and closes its connection.
-MAX_BODY_BYTES = 64 * 1024 * 1024
+from router.contract.web import parsing
+
+#: The cap of a whole-body read (``fetch``) is the router's one body cap: a larger answer fails and closes its
+#: connection, as a larger request is refused.
+MAX_BODY_BYTES = parsing.MAX_BODY_BYTES
 
 
 class NotAdmitted(Exception):
