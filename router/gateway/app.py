@@ -37,6 +37,7 @@ from router.gateway.admin.fanout import FanOut
 from router.gateway.admin.fleet_views import FleetViews
 from router.gateway.admin.journal import JOURNAL_FILE, UpdateJournal, keep_fenced
 from router.gateway.admin.locked import AdminContext
+from router.gateway.admin.stale_at_pause import DEFAULT_WAIT_S, StaleAtPause
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.api import adapters, admin, dashboard, fleet, fleet_status, fleet_versions, openai, rl, tokens
 from router.gateway.api.proxied import proxied
@@ -194,6 +195,9 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         service_headers=app[keys.SERVICE_HEADERS],
         affinity=app.get(keys.SESSIONS),
     )
+    # A pause drops the requests it makes stale in this process and, through the hub, in every data plane.
+    wait_s = hub.ack_timeout_s if hub is not None else DEFAULT_WAIT_S
+    ctx.stale = StaleAtPause(ctx.registry, app[keys.PROXY].stale, hub, wait_s)
     app[keys.GROUP_INIT] = GroupInitializer(ctx)
     app[keys.TWO_PHASE] = TwoPhaseCoordinator(
         ctx, app[keys.TASKS], prepared_life_s=cfg.update_session_timeout_s, service_headers=app[keys.SERVICE_HEADERS]

@@ -371,6 +371,12 @@ class RouterMetrics:
             "request aborted on its worker)",
             registry=r,
         )
+        self.stale_aborts = Counter(
+            "omni_router_stale_requests_aborted_total",
+            "Requests in flight dropped at a pause broadcast because the version being published puts their start "
+            "version outside their version policy (aborted on their workers; their callers answered 409)",
+            registry=r,
+        )
         self.handed_connections = Counter(
             "omni_router_admin_connections_handed_total",
             "Callers' connections a data plane handed to the control process with their first admin call",

@@ -21,6 +21,7 @@ from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import Operation
+from router.gateway.admin.stale_at_pause import drop_stale
 from router.gateway.engines import engine_of
 from router.gateway.fleet.groups import group_name_of
 from router.gateway.fleet.weights import checkpoint_of
@@ -53,6 +54,7 @@ async def broadcast(ctx: AdminContext, op: Operation[Req, Resp], call: AdminCall
         # With --verify-updates changed, what each target held before (read under the lock, before the fence).
         before = await run.read_digests(targets, call.headers) if run.checks_change(call.expect) else None
         await run.fence_targets(targets)
+        await drop_stale(ctx.stale, op.path, targets)
         try:
             results = await run.fan_out(targets, call)
         finally:

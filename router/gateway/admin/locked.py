@@ -48,6 +48,7 @@ from router.gateway.admin.fence import RESOLVE_HINT, Fence
 from router.gateway.admin.floor import refuse_below_floor
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import Operation
+from router.gateway.admin.stale_at_pause import StaleAtPause
 from router.gateway.admin.timings import PhaseTimes
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
@@ -107,6 +108,8 @@ class AdminContext:
     """The last weight change's operation and phases (``omni-router status``)."""
     verify_updates: VerifyUpdates = "off"
     """``changed``: a weight change that left a target's weights as they were fails on it (:mod:`.verify`)."""
+    stale: StaleAtPause | None = None
+    """What a pause drops first: the requests the next version makes stale (:mod:`.stale_at_pause`)."""
     min_routable_workers: float = 0.0
     """``--min-routable-workers``: the floor a weight sync must leave able to serve (:mod:`.floor`)."""
 

@@ -40,6 +40,7 @@ from router.gateway.admin.answers import Outcome
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import AnyOperation, Operation, parametrized
+from router.gateway.admin.stale_at_pause import drop_stale
 from router.gateway.admin.targets import TARGET_PARAMS
 from router.gateway.api.answers import answer_when_done
 from router.gateway.api.headers import forward_headers
@@ -101,6 +102,7 @@ async def relay(ctx: AdminContext, op: ArealOperation, headers: dict[str, str]) 
         for path, (_, group) in calls.items():
             refuse_unserved(group, path)
         await run.fence_targets(targets)
+        await drop_stale(ctx.stale, op.path, targets)
         groups = list(calls.values())
         answered = await asyncio.gather(*(run.fan_out(group, _admin_call(call, headers)) for call, group in groups))
         by_worker: dict[str, WorkerResult[ArealControlResult]] = {}

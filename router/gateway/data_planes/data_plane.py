@@ -40,6 +40,7 @@ from router.gateway.data_planes.leader_mirror import MirroredLease, apply_gate, 
 from router.gateway.data_planes.messages import (
     TO_DATA_PLANE,
     Ack,
+    DropStale,
     LoadElsewhere,
     LoadReport,
     PinsUsed,
@@ -47,6 +48,7 @@ from router.gateway.data_planes.messages import (
     RoutingSnapshot,
     ScrapeAnswer,
     ScrapeRequest,
+    StaleDropped,
     Unpinned,
     WorkerRestarted,
 )
@@ -59,6 +61,7 @@ from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.policy import make_policy
 from router.gateway.routing.proxy import GenerateProxy
+from router.gateway.routing.stale import StaleRequests
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import WorkerClient
 
@@ -94,6 +97,9 @@ class ControlLink:
         self._outbox: asyncio.Queue[str] = asyncio.Queue()
         self.pins: SessionPins | None = None
         """Copies of the control process's session pins (``--session-affinity``; :mod:`.session_pins`)."""
+        self.stale: StaleRequests | None = None
+        """This process's requests a pause may drop (the proxy's, once it exists)."""
+        self._drops: set[asyncio.Task[None]] = set()
 
     async def run(self) -> None:
         """Hold the link until it breaks; then stop this process (SIGTERM: a graceful drain)."""
@@ -149,6 +155,17 @@ class ControlLink:
             elif isinstance(parsed, ScrapeRequest):
                 text = self.metrics.render().decode()
                 self.post(ScrapeAnswer(id=parsed.id, text=text).model_dump_json())
+            elif isinstance(parsed, DropStale):
+                # Off the receive loop: the aborts wait on workers, and snapshots must keep being applied.
+                task = asyncio.create_task(self._drop_stale(parsed), name="drop-stale")
+                self._drops.add(task)
+                task.add_done_callback(self._drops.discard)
+
+    async def _drop_stale(self, order: DropStale) -> None:
+        dropped = 0
+        if self.stale is not None:
+            dropped = await self.stale.drop(order.next_sequence, order.workers, order.wait_s)
+        self.post(StaleDropped(id=order.id, dropped=dropped).model_dump_json())
 
     def _apply(self, snapshot: RoutingSnapshot) -> None:
         if snapshot.version < self.version:
@@ -276,6 +293,7 @@ async def _data_plane_ctx(app: web.Application) -> AsyncIterator[None]:
         on_restarted=link.worker_restarted,
         placer=link.pins.choose if link.pins is not None else None,
     )
+    link.stale = app[keys.PROXY].stale
     task = asyncio.create_task(link.run(), name="control-link")
     try:
         async with asyncio.timeout(FIRST_SNAPSHOT_S):

@@ -39,6 +39,7 @@ from router.contract.web.middleware import Handler
 from router.gateway.data_planes.messages import (
     TO_CONTROL,
     Ack,
+    DropStale,
     GateView,
     LoadElsewhere,
     LoadReport,
@@ -47,6 +48,7 @@ from router.gateway.data_planes.messages import (
     Placed,
     ScrapeAnswer,
     ScrapeRequest,
+    StaleDropped,
     Unpinned,
     WorkerRestarted,
 )
@@ -109,6 +111,7 @@ class DataPlaneHub:
         self._key: tuple[object, ...] = routing_key(registry, self._gate_view())
         self._scrape_ids = itertools.count(1)
         self._scrapes: dict[int, dict[int, asyncio.Future[str]]] = {}
+        self._drops: dict[int, dict[int, asyncio.Future[int]]] = {}
 
     @property
     def live(self) -> list[int]:
@@ -238,6 +241,37 @@ class DataPlaneHub:
         finally:
             self._scrapes.pop(scrape_id, None)
 
+    async def drop_stale(self, next_sequence: int, workers: list[str], wait_s: float) -> int:
+        """Before a pause: every connected data plane drops its requests on ``workers`` that ``next_sequence``
+        makes stale (:class:`DropStale`); the sum of what those that answered within ``wait_s`` dropped. A data
+        plane that did not is logged and left out: the pause goes on (it is not restarted: nothing is wrong
+        with its routing)."""
+        drop_id = next(self._scrape_ids)
+        loop = asyncio.get_running_loop()
+        waiting: dict[int, asyncio.Future[int]] = {
+            p.index: loop.create_future() for p in self._planes.values() if p.connected
+        }
+        if not waiting:
+            return 0
+        self._drops[drop_id] = waiting
+        try:
+            # Each plane's own aborts get most of the bound, so its answer comes back within it.
+            text = DropStale(id=drop_id, next_sequence=next_sequence, workers=workers, wait_s=0.8 * wait_s)
+            sent = text.model_dump_json()
+            await asyncio.gather(*(self._send(self._planes[i], sent) for i in list(waiting) if i in self._planes))
+            done, _ = await asyncio.wait(waiting.values(), timeout=wait_s)
+            late = [i for i, f in waiting.items() if f not in done]
+            if late:
+                log.warning(
+                    "data-plane process(es) %s did not answer the drop of stale requests within %gs; the pause "
+                    "goes on without them (their requests are left to the pause)",
+                    late,
+                    wait_s,
+                )
+            return sum(f.result() for f in done if not f.cancelled() and f.exception() is None)
+        finally:
+            self._drops.pop(drop_id, None)
+
     async def handle(self, request: web.Request) -> web.WebSocketResponse:
         """``/_omni/data-plane?index=N``: one data plane's connection, for as long as it lives."""
         try:
@@ -307,6 +341,10 @@ class DataPlaneHub:
             future = self._scrapes.get(message.id, {}).get(plane.index)
             if future is not None and not future.done():
                 future.set_result(message.text)
+        elif isinstance(message, StaleDropped):
+            dropped = self._drops.get(message.id, {}).get(plane.index)
+            if dropped is not None and not dropped.done():
+                dropped.set_result(message.dropped)
         return None
 
     def _place(self, message: Place) -> str | None:

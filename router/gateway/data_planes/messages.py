@@ -2,10 +2,11 @@
 
 Control → data plane: :class:`RoutingSnapshot` (versioned; acknowledged; with the leader gate's
 state under ``--leader-election``), :class:`Placed` (the answer to a :class:`Place`), :class:`Unpinned`, :class:`LoadElsewhere`
-(the other processes' requests in flight per worker, for ``least_inflight``), :class:`ScrapeRequest`.
+(the other processes' requests in flight per worker, for ``least_inflight``), :class:`ScrapeRequest`,
+:class:`DropStale` (a pause is about to be sent: :mod:`router.gateway.admin.stale_at_pause`).
 Data plane → control: :class:`Ack`, :class:`LoadReport`, :class:`WorkerRestarted`, :class:`ScrapeAnswer`,
 :class:`Place` and :class:`PinsUsed` (the control process owns the one session table:
-:mod:`.session_pins`).
+:mod:`.session_pins`), :class:`StaleDropped`.
 Each is parsed once, at the socket, into one of these models.
 """
 
@@ -80,6 +81,25 @@ class ScrapeRequest(_Message):
     id: int
 
 
+class DropStale(_Message):
+    """Before a pause: drop the requests in flight on ``workers`` that version ``next_sequence`` makes stale
+    (:mod:`router.gateway.routing.stale`), waiting ``wait_s`` at most for their aborts, then answer."""
+
+    type: Literal["drop_stale"] = "drop_stale"
+    id: int
+    next_sequence: int
+    workers: list[str]
+    wait_s: float
+
+
+class StaleDropped(_Message):
+    """The answer to :class:`DropStale`: how many requests this process dropped."""
+
+    type: Literal["stale_dropped"] = "stale_dropped"
+    id: int
+    dropped: int
+
+
 class Placed(_Message):
     """Where the control process's session table put a session (:class:`Place`); ``None``: nowhere known."""
 
@@ -142,12 +162,10 @@ class ScrapeAnswer(_Message):
     """This process's metrics in the Prometheus text format."""
 
 
-ToDataPlane = Annotated[
-    RoutingSnapshot | LoadElsewhere | ScrapeRequest | Placed | Unpinned, Field(discriminator="type")
-]
-ToControl = Annotated[Ack | LoadReport | WorkerRestarted | ScrapeAnswer | Place | PinsUsed, Field(discriminator="type")]
+ToDataPlaneMessage = RoutingSnapshot | LoadElsewhere | ScrapeRequest | Placed | Unpinned | DropStale
+ToControlMessage = Ack | LoadReport | WorkerRestarted | ScrapeAnswer | Place | PinsUsed | StaleDropped
+ToDataPlane = Annotated[ToDataPlaneMessage, Field(discriminator="type")]
+ToControl = Annotated[ToControlMessage, Field(discriminator="type")]
 
-TO_DATA_PLANE: TypeAdapter[RoutingSnapshot | LoadElsewhere | ScrapeRequest | Placed | Unpinned] = TypeAdapter(
-    ToDataPlane
-)
-TO_CONTROL: TypeAdapter[Ack | LoadReport | WorkerRestarted | ScrapeAnswer | Place | PinsUsed] = TypeAdapter(ToControl)
+TO_DATA_PLANE: TypeAdapter[ToDataPlaneMessage] = TypeAdapter(ToDataPlane)
+TO_CONTROL: TypeAdapter[ToControlMessage] = TypeAdapter(ToControl)

@@ -22,6 +22,8 @@
   on when it picked it (``X-Weight-Version``); a buffered ``/generate`` answer whose
   ``meta_info`` says otherwise, or spans several versions, also gets
   ``X-Mixed-Weight-Versions: true`` (:mod:`router.gateway.routing.stamping`).
+- At a pause broadcast, a request whose version policy the version being published would leave behind
+  is dropped: aborted on its worker and answered 409 saying why (:mod:`router.gateway.routing.stale`).
 - Every call to a worker goes through the gateway's one worker client
   (:class:`~router.gateway.upstream.WorkerClient`): streamed answers from its pool bounded by
   ``--max-connections``, aborts as whole answers.
@@ -30,6 +32,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
@@ -47,11 +50,12 @@ from router.gateway.config import RouterConfig
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
-from router.gateway.routing import version_policy
+from router.gateway.routing import stale, version_policy
 from router.gateway.routing.affinity import SessionAffinity, session_key
 from router.gateway.routing.caller import Caller, StreamStalled
 from router.gateway.routing.policy import Policy
 from router.gateway.routing.prepare import AbortCall, Prepare, sglang_prepare
+from router.gateway.routing.stale import StaleRequests, Ticket, staleness_bound
 from router.gateway.routing.stamping import answer_mixes_versions, stamp_headers
 from router.gateway.routing.version_policy import VersionPolicy
 from router.gateway.tasks import TaskSet
@@ -145,13 +149,16 @@ class GenerateProxy:
         self._affinity = affinity
         if self._affinity is None and config.session_affinity:
             self._affinity = SessionAffinity.from_config(config, metrics.affinity)
+        self.stale = StaleRequests(registry, self._send_abort, metrics.stale_aborts, tasks)
+        """The requests a pause may drop as stale (:mod:`router.gateway.routing.stale`)."""
 
-    def request_policy(self, caller: Caller[object]) -> VersionPolicy:
-        """The request's weight-version policy: its header when it sent one (400 when bad), else the router's."""
+    def request_policy(self, caller: Caller[object]) -> tuple[VersionPolicy, bool]:
+        """The request's weight-version policy: its header when it sent one (400 when bad), else the router's;
+        and whether it sent one."""
         value = caller.header(version_policy.POLICY_HEADER)
         if value is None:
             value = caller.header(version_policy.SMG_POLICY_HEADER)
-        return version_policy.policy_from_headers(value, self._version_policy)
+        return version_policy.policy_from_headers(value, self._version_policy), value is not None
 
     def pick(
         self,
@@ -208,7 +215,8 @@ class GenerateProxy:
         return headers
 
     async def handle(self, caller: Caller[A], path: str = "/generate", prepare: Prepare = sglang_prepare) -> A:
-        policy = self.request_policy(caller)
+        policy, explicit = self.request_policy(caller)
+        bound = staleness_bound(policy, explicit)
         raw = await caller.read()
         body, abort, fields = prepare(raw, caller)
         adapters = self._registry.adapters.named_by(fields) if fields is not None else frozenset()
@@ -223,10 +231,10 @@ class GenerateProxy:
             # The first attempt runs bare (no retry machinery): that is nearly every request.
             worker = await self.pick_for(policy, session=session, path=path)
             try:
-                return await self._attempt(caller, worker, path, body, headers, abort, policy)
+                return await self._attempt(caller, worker, path, body, headers, abort, policy, bound)
             except _Retryable as exc:
                 first = exc
-            return await self._retry(caller, path, body, headers, abort, first, session, policy)
+            return await self._retry(caller, path, body, headers, abort, first, session, policy, bound)
         finally:
             if adapters:
                 self._registry.adapters.ended(adapters)
@@ -241,6 +249,7 @@ class GenerateProxy:
         first: _Retryable,
         session: str | None,
         policy: VersionPolicy = version_policy.LATEST_ONLY,
+        bound: int | None = None,
     ) -> A:
         """The first attempt failed before any byte reached the caller: back off, then other workers
         (a session's pin follows the request to the worker that serves it)."""
@@ -259,7 +268,7 @@ class GenerateProxy:
                         break  # every routable worker was tried
                     tried.add(worker.id)
                     try:
-                        return await self._attempt(caller, worker, path, body, headers, abort, policy)
+                        return await self._attempt(caller, worker, path, body, headers, abort, policy, bound)
                     except _Retryable as exc:
                         last = exc
                         raise
@@ -282,13 +291,17 @@ class GenerateProxy:
         headers: dict[str, str],
         abort: AbortCall | None,
         policy: VersionPolicy = version_policy.LATEST_ONLY,
+        bound: int | None = None,
     ) -> A:
+        """One try on ``worker``. ``bound``: the staleness bound a pause judges the request by (``None``: it is
+        never dropped, and not tracked)."""
         worker.inflight += 1
         # What the router knows the worker serves, and which process serves it, as it picked it. The answer is
         # checked against this process, not against the worker's state when the answer arrives: a snapshot or a
         # probe may have learnt of a restarted process meanwhile, and that process's answer is not the one picked.
         version, instance = worker.weight_version, worker.instance_id
         upstream: UpstreamResponse | None = None
+        ticket = None if bound is None else self.stale.open(worker, policy, bound, abort)
         try:
             try:
                 upstream = await self._workers.stream(
@@ -328,12 +341,17 @@ class GenerateProxy:
                 await self._read_before_relay(worker, upstream)
                 reason = f"worker {worker.id} restarted since its last probe; not serving the fleet's weights"
                 raise _Retryable(worker, reason, "restarted", 503, json.dumps({"error": {"message": reason}}).encode())
-            return await self._relay(caller, worker, upstream, abort, version, path == "/generate")
+            return await self._relay(caller, worker, upstream, abort, version, path == "/generate", ticket)
         except asyncio.CancelledError:
+            if ticket is not None and ticket.stale is not None and ticket.take_cancel():
+                # Dropped at a pause (the drop sends its abort): the caller is told why, nothing is relayed.
+                headers = {"Content-Type": "application/json", WORKER_HEADER: worker.id}
+                return caller.answer(stale.STALE_STATUS, ticket.stale.body(), headers)
             # The caller disconnected (handler cancelled): stop the work on the worker too.
             self._abort_on_worker(worker, abort)
             raise
         finally:
+            self.stale.close(ticket)
             worker.inflight -= 1
             if upstream is not None:
                 upstream.release()
@@ -353,6 +371,7 @@ class GenerateProxy:
         abort: AbortCall | None,
         version: str | None = None,
         check_mixed: bool = False,
+        ticket: Ticket | None = None,
     ) -> A:
         ctype = upstream.header("Content-Type") or "application/json"
         if not ctype.startswith("text/event-stream"):
@@ -368,6 +387,14 @@ class GenerateProxy:
         try:
             async for chunk in upstream.chunks():
                 await out.write(chunk)
+        except asyncio.CancelledError:
+            if ticket is None or ticket.stale is None or not ticket.take_cancel():
+                raise
+            # Dropped at a pause after its head went out: the stream ends with the reason as its last event.
+            with contextlib.suppress(ConnectionResetError):
+                await out.write(b"data: " + ticket.stale.body() + b"\n\n")
+                await out.end()
+            return out.answer
         except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError too: the caller went away
             if isinstance(exc, StreamStalled):  # or stopped reading: cut off by the stall bound
                 log.info("stream to a caller that stopped reading cut after %gs (worker %s)", self._stall_s, worker.id)
@@ -404,7 +431,7 @@ class GenerateProxy:
         if answer.status is None:
             log.warning("could not abort %s on %s: %s", abort.label, worker.id, answer.error)
         else:
-            log.info("caller left; aborted %s on %s (%d)", abort.label, worker.id, answer.status)
+            log.info("aborted %s on %s (%d)", abort.label, worker.id, answer.status)
 
 
 def _still_admits(registry: WorkerRegistry, policy: VersionPolicy, worker: Worker, instance: str | None) -> bool:
