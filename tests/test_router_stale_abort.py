@@ -11,17 +11,23 @@ connection, so the kernel spreads them over both data planes.
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import pytest
 
-from router.gateway.fleet.registry import normalize_url, worker_id_for
+from router.gateway.data_planes.hub import DataPlaneHub, _Plane
+from router.gateway.data_planes.messages import TO_DATA_PLANE, DropStale, StaleDropped
+from router.gateway.fleet.registry import WorkerRegistry, normalize_url, worker_id_for
+from router.gateway.routing.stale import staleness_bound
+from router.gateway.routing.version_policy import parse_version_policy
 from tests._router_fixtures import ADMIN_KEY, auth, start_router, wait_for, workers
 from tests.procs import ManagedProcess, http_json
 
@@ -81,6 +87,10 @@ def _send(url: str, sent: Sent) -> None:
         sent.error = repr(exc)
     finally:
         conn.close()
+
+
+def _answered(sent: Sent) -> bool:
+    return sent.status is not None or sent.error is not None
 
 
 def _inflight(url: str) -> int:
@@ -144,7 +154,7 @@ def test_a_pause_drops_the_requests_the_next_version_makes_stale(fleet: Fleet) -
     try:
         # The dropped callers are answered while the fleet is still paused: nothing waits for the continue.
         for sent in stale:
-            wait_for(lambda s=sent: s.status is not None or s.error is not None, 60, fleet.router, f"{sent.rid} answered")
+            wait_for(partial(_answered, sent), 60, fleet.router, f"{sent.rid} answered")
         for sent in kept:
             assert sent.status is None and sent.error is None, f"{sent.rid} is held by the pause, not dropped"
     finally:
@@ -189,3 +199,50 @@ def test_a_bad_policy_is_refused_and_counts_nothing(fleet: Fleet) -> None:
     )
     assert status == 400 and "max-staleness" in answer["error"]["message"], answer
     assert _aborted_total(fleet.url) == before
+
+
+# -- the rule and the bounded wait, in-process
+
+
+@pytest.mark.parametrize(
+    ("policy", "explicit", "bound"),
+    [
+        ("max-staleness:1", True, 1),
+        ("max-staleness:3", False, 3),  # --version-policy max-staleness:3 judges requests without the header
+        ("latest-only", True, 0),
+        ("latest-only", False, None),  # the router's default: today's behaviour
+        ("min-version:step-2", True, None),
+        ("any", True, None),
+    ],
+)
+def test_which_policies_a_pause_judges(policy: str, explicit: bool, bound: int | None) -> None:
+    assert staleness_bound(parse_version_policy(policy), explicit) == bound
+
+
+class _Socket:
+    """A data plane's end of the link: ``answer`` is what it answers a drop with (``None``: it never answers)."""
+
+    def __init__(self, hub: DataPlaneHub, index: int, answer: int | None) -> None:
+        self.hub, self.index, self.answer = hub, index, answer
+        self.orders: list[DropStale] = []
+
+    async def send_str(self, text: str) -> None:
+        order = TO_DATA_PLANE.validate_json(text)
+        assert isinstance(order, DropStale)
+        self.orders.append(order)
+        if self.answer is not None:
+            reply = StaleDropped(id=order.id, dropped=self.answer).model_dump_json()
+            plane = self.hub._planes[self.index]
+            asyncio.get_running_loop().call_soon(self.hub._receive, plane, reply)
+
+
+async def test_a_data_plane_that_does_not_answer_does_not_hold_the_pause() -> None:
+    hub = DataPlaneHub(WorkerRegistry(), ack_timeout_s=1.0, restart=lambda index, why: None)
+    answering, silent = _Socket(hub, 0, 2), _Socket(hub, 1, None)
+    for index, socket in enumerate((answering, silent)):
+        hub._planes[index] = _Plane(index, socket)  # type: ignore[arg-type]  # the link's one method used here
+    dropped = await hub.drop_stale(4, ["w-a"], wait_s=0.2)
+    assert dropped == 2, "what the answering plane dropped; the silent one is left out"
+    for socket in (answering, silent):
+        assert [(o.next_sequence, o.workers) for o in socket.orders] == [(4, ["w-a"])]
+        assert socket.orders[0].wait_s < 0.2, "each plane's own aborts are bounded inside the hub's wait"
