@@ -31,6 +31,9 @@ class FleetAdapter(WireResponse):
     """Counts the router's fleet-wide loads of this name that succeeded on every target."""
     source: str
     """Where it was loaded from: a path on the workers' disks, or ``__tensor__`` (sent as tensors)."""
+    published: int = 0
+    """Where this load stands in the order of the table's loads (higher: later): the latest of an adapter's
+    versions (``name@version``) is the one published last."""
     serving: bool = True
     """False from the start of its unload: requests naming it are refused from then on."""
     holders: dict[str, AdapterHolding] = Field(default_factory=dict)

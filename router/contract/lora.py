@@ -34,6 +34,16 @@ from router.contract.base import Label, OutcomeResponse, PathText, WireRequest, 
 LoraName = Annotated[str, Field(min_length=1, max_length=256, pattern=r"^\S+$")]
 #: The path SGLang reports for an adapter that was sent as tensors.
 TENSOR_SOURCE = "__tensor__"
+#: Splits an adapter's name into its family and an immutable version: ``policy@v7`` (miles' convention). The
+#: version lives in the name every engine already takes, so released clients and engines need no new field.
+VERSION_SEPARATOR = "@"
+
+
+def split_version(name: str) -> tuple[str, str] | None:
+    """``(family, version)`` of a versioned adapter name (``policy@v7``), ``None`` for a plain one. The name is
+    split at its last ``@``; a name with nothing on either side of it is not versioned."""
+    family, sep, version = name.rpartition(VERSION_SEPARATOR)
+    return (family, version) if sep and family and version else None
 
 
 class LoadLoraAdapterRequest(WireRequest):

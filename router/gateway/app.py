@@ -181,6 +181,7 @@ async def upstream_ctx(app: web.Application) -> AsyncIterator[None]:
         min_routable_workers=cfg.min_routable_workers,
     )
     await asyncio.to_thread(ctx.registry.adapters.attach, app[keys.STATE].record(ADAPTERS_FILE))
+    ctx.registry.adapters.keep_versions = cfg.lora_keep_versions
     hub = app.get(keys.DATA_PLANES)
     if hub is not None:  # the control process of a router with data-plane processes
         ctx.barrier = hub

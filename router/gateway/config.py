@@ -135,6 +135,15 @@ class RouterConfig:
             "retry without end, with the usual back-off"
         ),
     ] = None
+    lora_keep_versions: Annotated[
+        int,
+        Flag(
+            "versions of one LoRA adapter loaded as name@version kept on the workers once a newer one is published; "
+            "older ones are unloaded fleet-wide once no request in flight names them, so at most N + 1 are resident "
+            "(docs/lora.md)",
+            metavar="N",
+        ),
+    ] = 2
     admin_lock_timeout_s: Annotated[
         float, Flag("seconds an admin update waits for the update lock before answering 503")
     ] = DEFAULT_LOCK_WAIT_S
@@ -352,6 +361,8 @@ class RouterConfig:
             raise ValueError(f"body_budget_mb must be >= 1, got {self.body_budget_mb}")
         if self.max_rejoin_attempts is not None and self.max_rejoin_attempts < 1:
             raise ValueError(f"--max-rejoin-attempts must be >= 1, got {self.max_rejoin_attempts}")
+        if self.lora_keep_versions < 1:
+            raise ValueError(f"--lora-keep-versions must be >= 1, got {self.lora_keep_versions}")
         try:
             worker_floor(str(self.min_routable_workers))  # a config built in code meets the flag's rule
         except argparse.ArgumentTypeError as exc:

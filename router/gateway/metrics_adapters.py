@@ -5,6 +5,9 @@ Exported by the control process only (as the per-worker gauges are): it owns the
 The requests each process routed naming an adapter are a counter of :class:`~router.gateway.metrics.RouterMetrics`
 (``omni_router_adapter_requests_total``), summed across processes like every counter. The ``adapter``
 label takes only names the table holds: a request naming another is refused before it is counted.
+Versioned adapters (``name@version``) are counted by their name without the version (a counter's labels live
+as long as the process), and ``omni_router_lora_resident_versions`` says how many versions of each one every
+worker holds, which ``--lora-keep-versions`` bounds.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Iterator
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from router.gateway.fleet.adapter_versions import family_of
 from router.gateway.fleet.registry import WorkerRegistry
 
 
@@ -44,12 +48,24 @@ class AdapterCollector(Collector):
             "Requests naming the adapter in flight through this router (every data plane)",
             labels=["adapter"],
         )
+        resident = GaugeMetricFamily(
+            "omni_router_lora_resident_versions",
+            "Versions of each LoRA adapter a worker holds (name@version loads; an adapter loaded without one: 1), "
+            "being dropped included: at most --lora-keep-versions + 1",
+            labels=["worker", "adapter"],
+        )
         adapters = self._registry.adapters
         workers = list(self._registry)
+        counts: dict[tuple[str, str], int] = {(w.id, family_of(n)): 0 for w in workers for n in adapters.names()}
         for entry in adapters.table().adapters:
             name = entry.name
             version.add_metric([name], entry.version)
             serving.add_metric([name], 1.0 if entry.serving else 0.0)
             holders.add_metric([name], sum(adapters.holds(w, name) for w in workers))
             inflight.add_metric([name], adapters.in_flight(name))
-        yield from (version, serving, holders, inflight)
+            for w in workers:
+                if adapters.holding(w, name) is not None:
+                    counts[(w.id, family_of(name))] += 1
+        for (worker, family), count in sorted(counts.items()):
+            resident.add_metric([worker, family], count)
+        yield from (version, serving, holders, inflight, resident)

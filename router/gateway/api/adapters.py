@@ -62,7 +62,8 @@ def _expectation(request: web.Request, op: Operation[Any, LoraAnswer]) -> Expect
 async def load(request: web.Request) -> web.Response:
     op: Operation[LoadRequest, LoraAnswer] = ops.OPERATIONS[request.path]  # type: ignore[assignment]
     call = await _call(request, op)
-    return await answer_when_done(request, load_adapter(request.app[keys.ADMIN], op, call), op.name)
+    work = load_adapter(request.app[keys.ADMIN], op, call, request.app[keys.TASKS])
+    return await answer_when_done(request, work, op.name)
 
 
 async def unload(request: web.Request) -> web.Response:
@@ -89,7 +90,8 @@ async def skyrl_load(request: web.Request) -> web.Response:
     call: AdminCall[Any, LoraAnswer] = AdminCall(
         op, "POST", req, forward_headers(request), timeout_s=op.router_wait(req)
     )
-    outcome = await request.app[keys.TASKS].run_detached(load_adapter(request.app[keys.ADMIN], op, call), name=op.name)
+    tasks = request.app[keys.TASKS]
+    outcome = await tasks.run_detached(load_adapter(request.app[keys.ADMIN], op, call, tasks), name=op.name)
     entry = request.app[keys.REGISTRY].adapters.get(asked.lora_name)
     if outcome.status != 200 or entry is None:
         return outcome_answer(outcome)

@@ -10,6 +10,12 @@ one worker and one adapter at a time. Once the
 load succeeds the worker holds the fleet version, in the process it was loaded into, and the next
 routing snapshot sends it requests naming the adapter.
 
+Each version of an adapter loaded as ``name@version`` is an adapter of its own here: a restarted worker is
+given every version the fleet still holds, the latest first (requests naming the adapter without a version
+go to holders of the latest). An SGLang server that answers a load "already loaded" (a copy the router does not
+know, such as one a failed rollback left) has it unloaded and loaded again from the fleet's path: SGLang has no
+update in place, and reports no digest that could prove the copy it holds is the fleet's.
+
 An adapter the fleet received as tensors cannot be given (the router does not keep them): such a worker
 gets no request naming it until the next fleet-wide load. Only workers that serve the route and take
 traffic are given adapters (a pending, fenced, dead or departed worker is left alone; one that catches
@@ -21,19 +27,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator
+from typing import Any
 
 from aiohttp import web
 
 from router.contract.base import WireRequest
 from router.contract.endpoint import AnyEndpoint
 from router.contract.fleet_adapters import FleetAdapter
-from router.contract.lora import TENSOR_SOURCE, LoadLoraAdapterRequest, VllmLoadLoraAdapterRequest
-from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, V1_LOAD_LORA_ADAPTER
+from router.contract.lora import (
+    TENSOR_SOURCE,
+    LoadLoraAdapterRequest,
+    LoraUpdateResult,
+    UnloadLoraAdapterRequest,
+    VllmLoadLoraAdapterRequest,
+)
+from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, V1_LOAD_LORA_ADAPTER
 from router.gateway.catch_up.scan import ScanLoop
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker
 from router.gateway.tasks import running
-from router.gateway.upstream.answer import decode_answer, decode_plain
+from router.gateway.upstream.answer import WorkerAnswer, decode_answer, decode_plain
 
 log = logging.getLogger(__name__)
 
@@ -53,9 +66,10 @@ class AdapterCatchUp(ScanLoop):
             return None
         if not (serves(worker, LOAD_LORA_ADAPTER.path) or serves(worker, V1_LOAD_LORA_ADAPTER.path)):
             return None
-        for name in registry.adapters.serving_names():
-            entry = registry.adapters.get(name)
-            if entry is not None and entry.source != TENSOR_SOURCE and not registry.adapters.holds(worker, name):
+        entries = (registry.adapters.get(name) for name in registry.adapters.serving_names())
+        # The latest first: requests naming a versioned adapter without its version go to holders of its latest.
+        for entry in sorted((e for e in entries if e is not None), key=lambda e: -e.published):
+            if entry.source != TENSOR_SOURCE and not registry.adapters.holds(worker, entry.name):
                 return entry
         return None
 
@@ -85,6 +99,8 @@ class AdapterCatchUp(ScanLoop):
             endpoint, request = _load_call(worker, name, entry.source)
             decode = decode_plain if endpoint is V1_LOAD_LORA_ADAPTER else decode_answer
             answer = await self._workers.call(worker.url, endpoint, request, headers=self._headers, decode=decode)
+            if endpoint is LOAD_LORA_ADAPTER and _already_loaded(answer):
+                answer = await self._load_again(worker, name, request)
             if answer.value is not None and answer.value.ok:
                 self._ctx.registry.adapters.add_holder(name, worker.id, entry.version, instance)
                 self._ctx.barrier.announce()
@@ -104,6 +120,29 @@ class AdapterCatchUp(ScanLoop):
         delay = self._backoff.failed(worker, attempts)
         log.warning("giving worker %s LoRA adapter %r failed (%s); next try in %.0fs", worker.id, name, error, delay)
         return False
+
+    async def _load_again(self, worker: Worker, name: str, load: WireRequest) -> WorkerAnswer[Any]:
+        """Unload the copy of ``name`` the worker holds unknown to the router (no request naming it goes there),
+        then load the fleet version; the unload's answer when it failed."""
+        unload = UnloadLoraAdapterRequest(lora_name=name)
+        gone = await self._workers.call(
+            worker.url, UNLOAD_LORA_ADAPTER, unload, headers=self._headers, decode=decode_answer
+        )
+        if gone.value is None or not gone.value.ok:
+            return gone
+        log.info(
+            "worker %s held a copy of LoRA adapter %r the router did not know: unloaded, loading it", worker.id, name
+        )
+        return await self._workers.call(
+            worker.url, LOAD_LORA_ADAPTER, load, headers=self._headers, decode=decode_answer
+        )
+
+
+def _already_loaded(answer: WorkerAnswer[Any]) -> bool:
+    """SGLang's refusal of a name it holds ("Failed to load LoRA adapter X because it is already loaded")."""
+    body = answer.body
+    said = [answer.error or "", body.error_message or "" if isinstance(body, LoraUpdateResult) else ""]
+    return answer.status == 400 and any("already loaded" in text for text in said)
 
 
 def _load_call(worker: Worker, name: str, path: str) -> tuple[AnyEndpoint, WireRequest]:

@@ -10,7 +10,8 @@ replaced, never changed in place, so a snapshot's change check compares them by 
 A request names adapters as SGLang and vLLM do: ``lora_path`` on ``/generate`` (one name, or one per
 prompt of a batch), ``model`` on the OpenAI routes (an adapter's name, or SGLang's
 ``<base>:<adapter>``). A ``lora_path`` the fleet has not loaded is a 404 naming the loaded ones; a
-``model`` that names no adapter is the base model, as the workers read it.
+``model`` that names no adapter is the base model, as the workers read it. A name without a version of an
+adapter loaded as versions (``name@version``) means its latest version (:mod:`.adapter_versions`).
 """
 
 from __future__ import annotations
@@ -23,12 +24,15 @@ from pydantic import ValidationError
 
 from router.contract.errors import NotFound
 from router.contract.fleet_adapters import AdapterHolding, FleetAdapter, FleetAdapterTable
+from router.gateway.fleet.adapter_versions import NO_ADAPTERS, NamedAdapters, Versions
 from router.gateway.state.durable import DurableRecord
 
 log = logging.getLogger(__name__)
 
 #: The record of the fleet's adapter table in the state store.
 ADAPTERS_FILE = "fleet_adapters.json"
+#: Versions of one adapter kept loaded by default once a newer one is published (``--lora-keep-versions``).
+DEFAULT_KEEP_VERSIONS = 2
 
 
 class Holder(Protocol):
@@ -46,7 +50,11 @@ class FleetAdapters:
 
     def __init__(self) -> None:
         self._table: dict[str, FleetAdapter] = {}
+        self._versions = Versions(self._table)
         self._stored: DurableRecord | None = None
+        self.keep_versions = DEFAULT_KEEP_VERSIONS
+        """How many of an adapter's newest versions stay loaded once a newer one is published (the control
+        process: :mod:`router.gateway.sync.adapter_versions`)."""
         self.inflight: dict[str, int] = {}
         """Requests this process has in flight per adapter name (only non-zero counts)."""
         self.inflight_elsewhere: dict[str, int] = {}
@@ -57,6 +65,18 @@ class FleetAdapters:
 
     def get(self, name: str) -> FleetAdapter | None:
         return self._table.get(name)
+
+    def names(self) -> list[str]:
+        """Every adapter of the table (being unloaded included)."""
+        return sorted(self._table)
+
+    def versions(self, family: str) -> tuple[str, ...]:
+        """Every version of the versioned adapter ``family`` in the table, oldest first."""
+        return self._versions.all.get(family, ())
+
+    def _changed(self) -> None:
+        """An entry was added, removed or stopped (or resumed) being routed: the versions index follows."""
+        self._versions = Versions(self._table)
 
     def serving_names(self) -> list[str]:
         return sorted(name for name, entry in self._table.items() if entry.serving)
@@ -80,27 +100,53 @@ class FleetAdapters:
 
     def named_by(self, fields: Mapping[str, Any] | None) -> frozenset[str]:
         """The adapters a generation request's body names; 404 for a ``lora_path`` the fleet does not serve."""
+        return self.resolve(fields).names
+
+    def resolve(self, fields: Mapping[str, Any] | None) -> NamedAdapters:
+        """:meth:`named_by`, with an adapter named without its version resolved to its latest version (and the
+        names the forwarded body must change); 404 for a version the fleet does not hold."""
         if not fields or (not self._table and "lora_path" not in fields):
-            return frozenset()
-        names: set[str] = set()
+            return NO_ADAPTERS
+        asked: set[str] = set()
         lora_path = fields.get("lora_path")
         if isinstance(lora_path, str):
-            names.add(lora_path)
+            asked.add(lora_path)
         elif isinstance(lora_path, list):
-            names.update(n for n in lora_path if isinstance(n, str))
+            asked.update(n for n in lora_path if isinstance(n, str))
         model = fields.get("model")
-        if not names and isinstance(model, str):
+        if not asked and isinstance(model, str):
             _, sep, tail = model.partition(":")
-            named = model if model in self._table else tail if sep and tail in self._table else None
+            named = model if self._names(model) else tail if sep and self._names(tail) else None
             if named is not None:
-                names.add(named)
-        for name in sorted(names):
-            entry = self._table.get(name)
-            if entry is None or not entry.serving:
-                loaded = ", ".join(self.serving_names()) or "none"
-                why = "is being unloaded" if entry is not None else "is not loaded on the fleet"
-                raise NotFound(f"LoRA adapter {name!r} {why} (loaded: {loaded})")
-        return frozenset(names)
+                asked.add(named)
+        if not asked:
+            return NO_ADAPTERS
+        names: set[str] = set()
+        renamed: dict[str, str] = {}
+        for name in sorted(asked):
+            served = self._served_as(name)
+            names.add(served)
+            if served != name:
+                renamed[name] = served
+        return NamedAdapters(frozenset(names), renamed)
+
+    def _names(self, model: str) -> bool:
+        """Whether a ``model`` names an adapter of the fleet (a version it does not hold, or is dropping, too)."""
+        return model in self._table or (bool(self._versions.all) and self._versions.knows(model))
+
+    def _served_as(self, name: str) -> str:
+        """The adapter that serves a request naming ``name``; 404 when none does."""
+        entry = self._table.get(name)
+        if entry is not None and entry.serving:
+            return name
+        latest = self._versions.latest.get(name)
+        if latest is not None:
+            return latest
+        if entry is None and self._versions.knows(name):
+            raise self._versions.refuse(name, self._table)
+        loaded = ", ".join(self.serving_names()) or "none"
+        why = "is being unloaded" if entry is not None else "is not loaded on the fleet"
+        raise NotFound(f"LoRA adapter {name!r} {why} (loaded: {loaded})")
 
     # -- requests in flight ---------------------------------------------------------------
     def started(self, names: Iterable[str]) -> None:
@@ -125,7 +171,10 @@ class FleetAdapters:
         previous = self._table.get(name)
         version = 1 if previous is None else previous.version + 1
         held = {w.id: AdapterHolding(version=version, instance_id=w.instance_id) for w in holders}
-        entry = self._table[name] = FleetAdapter(name=name, version=version, source=source, holders=held)
+        published = 1 + max((e.published for e in self._table.values()), default=0)
+        entry = FleetAdapter(name=name, version=version, source=source, published=published, holders=held)
+        self._table[name] = entry
+        self._changed()
         return entry
 
     def add_holder(self, name: str, worker_id: str, version: int, instance_id: str | None) -> None:
@@ -147,6 +196,7 @@ class FleetAdapters:
         """The start of an unload: requests naming ``name`` are refused from now on."""
         entry = self._table[name]
         stopped = self._table[name] = entry.model_copy(update={"serving": False})
+        self._changed()
         return stopped
 
     def resume_serving(self, name: str) -> None:
@@ -154,9 +204,11 @@ class FleetAdapters:
         entry = self._table.get(name)
         if entry is not None and not entry.serving:
             self._table[name] = entry.model_copy(update={"serving": True})
+            self._changed()
 
     def remove(self, name: str) -> None:
         self._table.pop(name, None)
+        self._changed()
 
     # -- the stored record (the control process) ----------------------------------------------
     def attach(self, record: DurableRecord) -> None:
@@ -188,3 +240,4 @@ class FleetAdapters:
     def replace(self, table: FleetAdapterTable | None) -> None:
         """A data plane takes the control process's table."""
         self._table = {} if table is None else {entry.name: entry for entry in table.adapters}
+        self._changed()

@@ -48,9 +48,11 @@ from router.contract.generate import INSTANCE_HEADER
 from router.contract.vllm_tokens import REQUEST_ID_HEADER
 from router.gateway.config import RouterConfig
 from router.gateway.engines import serves
+from router.gateway.fleet.adapter_versions import NO_ADAPTERS, family_of
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing import stale, version_policy
+from router.gateway.routing.adapter_names import renamed_body
 from router.gateway.routing.affinity import SessionAffinity, session_key
 from router.gateway.routing.caller import Caller, StreamStalled
 from router.gateway.routing.policy import Policy
@@ -219,12 +221,15 @@ class GenerateProxy:
         bound = staleness_bound(policy, explicit)
         raw = await caller.read()
         body, abort, fields = prepare(raw, caller)
-        adapters = self._registry.adapters.named_by(fields) if fields is not None else frozenset()
+        named = self._registry.adapters.resolve(fields) if fields is not None else NO_ADAPTERS
+        adapters = named.names
+        if named.renamed:  # it named an adapter without its version: the worker is told which one serves it
+            body = renamed_body(body, named.renamed)
         if adapters:
             policy = replace(policy, adapters=adapters)
             self._registry.adapters.started(adapters)  # an unload waits for these to end
             for name in adapters:
-                self._metrics.adapter_requests.labels(name).inc()
+                self._metrics.adapter_requests.labels(family_of(name)).inc()
         try:
             headers = self._upstream_headers(caller)
             session = None if self._affinity is None else session_key(caller.header, fields)

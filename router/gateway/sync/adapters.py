@@ -20,12 +20,12 @@
   sent), then waits, within :data:`UNLOAD_DRAIN_S`, for the requests naming it to end, then unloads it
   from the workers that hold it. Past the bound it unloads anyway: an omni-worker finishes a request with
   the adapter it started with.
+- **A version** (``name@version``) is immutable, and its publication drops the versions older than the newest
+  ``--lora-keep-versions`` (:mod:`router.gateway.sync.adapter_versions`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -33,7 +33,7 @@ from router.contract import lora
 from router.contract.errors import BadRequest, NotFound
 from router.contract.fleet_adapters import FleetAdapter
 from router.contract.fleet_answers import FleetAnswer, WorkerResult
-from router.contract.lora import TENSOR_SOURCE
+from router.contract.lora import TENSOR_SOURCE, split_version
 from router.contract.weight_digest import EXPECTED_CHECKSUM_HEADER
 from router.gateway.admin.answers import Outcome, fleet_answer, summarize
 from router.gateway.admin.expectation import Expectation
@@ -42,16 +42,13 @@ from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import LORA_LOAD, LORA_UNLOAD, V1_LORA_LOAD, V1_LORA_UNLOAD, Operation
 from router.gateway.admin.verify import Digest, judge
 from router.gateway.engines import engine_of
+from router.gateway.fleet.adapter_versions import family_of
 from router.gateway.fleet.registry import Worker
+from router.gateway.sync.adapter_drain import REPORTS_CATCH_UP_S, UNLOAD_DRAIN_S, drain
+from router.gateway.sync.adapter_versions import refuse_taken, retire, retire_later, unload_of
+from router.gateway.tasks import TaskSet
 
-#: How long an unload waits for the requests naming its adapter to end before it unloads anyway.
-UNLOAD_DRAIN_S = 30.0
-#: How long an unload waits, once routing stopped, before it trusts the data planes' counts of requests in
-#: flight: longer than their report period (0.25 s) and its delivery, so a request admitted just before the
-#: stop has been counted.
-REPORTS_CATCH_UP_S = 0.75
-#: How often an unload looks at those counts.
-DRAIN_POLL_S = 0.05
+__all__ = ["REPORTS_CATCH_UP_S", "UNLOAD_DRAIN_S", "load_adapter", "unload_adapter"]
 
 LoadRequest = lora.LoadLoraAdapterRequest | lora.LoadLoraAdapterFromTensorsRequest | lora.VllmLoadLoraAdapterRequest
 UnloadRequest = lora.UnloadLoraAdapterRequest | lora.VllmUnloadLoraAdapterRequest
@@ -96,15 +93,23 @@ def _rollback(
 
 
 async def load_adapter(
-    ctx: AdminContext, op: Operation[LoadRequest, LoraAnswer], call: AdminCall[LoadRequest, LoraAnswer]
+    ctx: AdminContext,
+    op: Operation[LoadRequest, LoraAnswer],
+    call: AdminCall[LoadRequest, LoraAnswer],
+    tasks: TaskSet | None = None,
 ) -> Outcome[LoraAnswer]:
-    """Load (or update) one adapter on every live worker, or on none (see the module docstring)."""
+    """Load (or update) one adapter on every live worker, or on none (see the module docstring). A version
+    published drops the outdated ones afterwards, in ``tasks`` (without: when the next version is loaded)."""
     name = call.request.lora_name
     adapters = ctx.registry.adapters
+    family = family_of(name) if split_version(name) is not None else None
     async with AdminRun.open(op, ctx) as run:
+        refuse_taken(adapters, name)
         targets = ctx.live_targets(serving=op.path)
         if call.expect.checksum is not None:
             _refuse_undigested(targets, op)
+        if family is not None:  # at most N versions loaded when one more is sent: see the bound
+            await retire(run, unload_of(op), family, call.headers)
         previous = adapters.get(name)
         results = await run.fan_out(targets, call)
         loaded = {r.worker for r in results if r.success}
@@ -116,6 +121,8 @@ async def load_adapter(
             ctx.barrier.announce()
             await adapters.save()
             run.outcome = "success"
+            if family is not None and tasks is not None:
+                tasks.spawn(retire_later(ctx, op, family, call.headers), name=f"drop old versions of {family}")
             return Outcome(200, fleet_answer(op, results, "ok"))
         by_id = {w.id: w for w in targets}
         took = [by_id[r.worker] for r in results if r.worker in loaded]
@@ -201,7 +208,7 @@ async def unload_adapter(
             ctx.barrier.announce()
             await adapters.save()
             raise
-        await _drain(ctx, name)
+        await drain(ctx, [name])
         results = await run.fan_out(holders, call) if holders else []
         outcome = await run.settle(results) if results else Outcome(200, _nobody(op))
         if outcome.ok:
@@ -213,18 +220,6 @@ async def unload_adapter(
         ctx.barrier.announce()
         await adapters.save()
         return outcome
-
-
-async def _drain(ctx: AdminContext, name: str) -> None:
-    """Wait for the requests naming ``name`` to end, within :data:`UNLOAD_DRAIN_S`."""
-    adapters = ctx.registry.adapters
-    await asyncio.sleep(REPORTS_CATCH_UP_S)
-    deadline = time.monotonic() + UNLOAD_DRAIN_S
-    # Counts that data planes report, not an event this process could wait on: polled.
-    while adapters.in_flight(name):
-        if time.monotonic() >= deadline:
-            return
-        await asyncio.sleep(DRAIN_POLL_S)
 
 
 def _nobody(op: Operation[UnloadRequest, LoraAnswer]) -> FleetAnswer[LoraAnswer]:
