@@ -12,10 +12,8 @@ connection, so the kernel spreads them over both data planes.
 from __future__ import annotations
 
 import asyncio
-import http.client
 import json
 import re
-import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
@@ -28,14 +26,21 @@ from router.gateway.data_planes.messages import TO_DATA_PLANE, DropStale, StaleD
 from router.gateway.fleet.registry import WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.stale import staleness_bound
 from router.gateway.routing.version_policy import parse_version_policy
-from tests._router_fixtures import ADMIN_KEY, auth, start_router, wait_for, workers
+from tests._router_fixtures import ADMIN_KEY, start_router, wait_for
+from tests._stale_requests import (
+    Sent,
+    aborted_total,
+    answered,
+    continue_and_join,
+    send_then_pause,
+    stale_error,
+)
 from tests.procs import ManagedProcess, http_json
 
 DATA_PLANES = ["--data-plane-processes", "2", "--data-plane-ack-timeout-s", "5"]
 #: Slow enough that every request is still decoding when the pause comes, whatever the machine's load: the test
 #: waits until each one is in flight before it pauses, and a request needs TOKENS * STEP_MS to finish.
 STEP_MS = "40"
-TOKENS = 400
 
 
 @dataclass
@@ -55,89 +60,8 @@ def fleet(worker_fleet: Any) -> Iterator[Fleet]:
         router.stop()
 
 
-@dataclass
-class Sent:
-    """One request sent on its own connection, answered in a thread."""
-
-    rid: str
-    policy: str | None
-    stream: bool = False
-    status: int | None = None
-    body: bytes = b""
-    error: str | None = None
-
-
-def _send(url: str, sent: Sent) -> None:
-    host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=120)
-    headers = {"Content-Type": "application/json"}
-    if sent.policy is not None:
-        headers["X-Version-Policy"] = sent.policy
-    body = {
-        "text": "stale or not",
-        "rid": sent.rid,
-        "stream": sent.stream,
-        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True},
-    }
-    try:
-        conn.request("POST", "/generate", json.dumps(body), headers)
-        resp = conn.getresponse()
-        sent.status, sent.body = resp.status, resp.read()
-    except OSError as exc:
-        sent.error = repr(exc)
-    finally:
-        conn.close()
-
-
-def _answered(sent: Sent) -> bool:
-    return sent.status is not None or sent.error is not None
-
-
-def _inflight(url: str) -> int:
-    return sum(w["inflight"] for w in workers(url, ADMIN_KEY))
-
-
-def _aborted_total(url: str) -> float:
-    status, text = http_json("GET", url + "/metrics", timeout=30)
-    assert status == 200
-    found = re.search(r"^omni_router_stale_requests_aborted_total (\S+)$", text, re.MULTILINE)
-    assert found is not None, "the counter is exported"
-    return float(found.group(1))
-
-
-def _run_pause(fleet: Fleet, requests: list[Sent], mode: str) -> dict[str, Any]:
-    """Send ``requests``, wait until all are in flight, pause in ``mode``; return the pause's answer once every
-    dropped caller has its answer (the kept ones are still held by the pause)."""
-    threads = [threading.Thread(target=_send, args=(fleet.url, r), daemon=True) for r in requests]
-    for t in threads:
-        t.start()
-    wait_for(lambda: _inflight(fleet.url) == len(requests), 60, fleet.router, f"{len(requests)} requests in flight")
-    status, answer = http_json("POST", fleet.url + "/pause_generation", {"mode": mode}, headers=auth(), timeout=60)
-    assert status == 200, answer
-    return {"threads": threads, "answer": answer}
-
-
-def _continue(fleet: Fleet, threads: list[threading.Thread]) -> None:
-    status, answer = http_json("POST", fleet.url + "/continue_generation", {}, headers=auth(), timeout=60)
-    assert status == 200, answer
-    for t in threads:
-        t.join(120)
-        assert not t.is_alive(), "every caller has its answer"
-
-
-def _stale_error(sent: Sent) -> dict[str, Any]:
-    """The 409 body a dropped caller got, or the error event that ended its stream."""
-    if not sent.stream:
-        assert sent.status == 409, (sent.rid, sent.status, sent.body[:300])
-        return json.loads(sent.body)
-    assert sent.status == 200, (sent.rid, sent.status)
-    events = [line.removeprefix(b"data: ") for line in sent.body.split(b"\n\n") if line.startswith(b"data: ")]
-    assert events and b"[DONE]" not in events, "the stream ends with the error, not as if finished"
-    return json.loads(events[-1])
-
-
 def test_a_pause_drops_the_requests_the_next_version_makes_stale(fleet: Fleet) -> None:
-    before = _aborted_total(fleet.url)
+    before = aborted_total(fleet.url)
     stale = [
         Sent("stale-ms1-a", "max-staleness:1"),
         Sent("stale-ms1-b", "max-staleness:1"),
@@ -150,18 +74,18 @@ def test_a_pause_drops_the_requests_the_next_version_makes_stale(fleet: Fleet) -
         Sent("kept-ms2", "max-staleness:2"),
         Sent("kept-default", None),  # no header: the router's default latest-only keeps today's behaviour
     ]
-    run = _run_pause(fleet, stale + kept, "in_place")
+    threads = send_then_pause(fleet.router, fleet.url, stale + kept, "in_place")
     try:
         # The dropped callers are answered while the fleet is still paused: nothing waits for the continue.
         for sent in stale:
-            wait_for(partial(_answered, sent), 60, fleet.router, f"{sent.rid} answered")
+            wait_for(partial(answered, sent), 60, fleet.router, f"{sent.rid} answered")
         for sent in kept:
             assert sent.status is None and sent.error is None, f"{sent.rid} is held by the pause, not dropped"
     finally:
-        _continue(fleet, run["threads"])
+        continue_and_join(fleet.url, threads)
     for sent in stale:
         assert sent.error is None, sent.error
-        body = _stale_error(sent)
+        body = stale_error(sent)
         assert body["error"]["type"] == "stale_request_aborted", body
         assert body["version_policy"] == sent.policy
         assert body["start_sequence"] == 0 and body["next_sequence"] == 1, body
@@ -175,30 +99,30 @@ def test_a_pause_drops_the_requests_the_next_version_makes_stale(fleet: Fleet) -
     log = fleet.router.log_text(400_000)
     for sent in stale:
         assert re.search(rf"aborted rid {sent.rid} on w-\w+ \(200\)", log), f"{sent.rid} aborted on its worker"
-    assert _aborted_total(fleet.url) == before + len(stale)
+    assert aborted_total(fleet.url) == before + len(stale)
 
 
 def test_an_abort_pause_answers_the_stale_callers_why_and_the_others_as_before(fleet: Fleet) -> None:
-    before = _aborted_total(fleet.url)
+    before = aborted_total(fleet.url)
     stale = Sent("abort-mode-stale", "max-staleness:0")
     kept = Sent("abort-mode-any", "any")
-    run = _run_pause(fleet, [stale, kept], "abort")
-    _continue(fleet, run["threads"])
-    assert _stale_error(stale)["error"]["type"] == "stale_request_aborted"
+    threads = send_then_pause(fleet.router, fleet.url, [stale, kept], "abort")
+    continue_and_join(fleet.url, threads)
+    assert stale_error(stale)["error"]["type"] == "stale_request_aborted"
     # The pause itself aborted the one its policy keeps: the engine's own abort answer, as before.
     assert kept.status == 200, kept.body[:300]
     assert json.loads(kept.body)["meta_info"]["finish_reason"]["type"] == "abort"
-    assert _aborted_total(fleet.url) == before + 1
+    assert aborted_total(fleet.url) == before + 1
 
 
 def test_a_bad_policy_is_refused_and_counts_nothing(fleet: Fleet) -> None:
-    before = _aborted_total(fleet.url)
+    before = aborted_total(fleet.url)
     body = {"text": "x", "sampling_params": {"max_new_tokens": 1}}
     status, answer = http_json(
         "POST", fleet.url + "/generate", body, headers={"X-Version-Policy": "max-staleness:-1"}, timeout=30
     )
     assert status == 400 and "max-staleness" in answer["error"]["message"], answer
-    assert _aborted_total(fleet.url) == before
+    assert aborted_total(fleet.url) == before
 
 
 # -- the rule and the bounded wait, in-process
