@@ -14,7 +14,7 @@ reads two dictionaries per request; a request naming no versioned adapter costs 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from router.contract.errors import NotFound
 from router.contract.fleet_adapters import FleetAdapter
@@ -27,15 +27,14 @@ def family_of(name: str) -> str:
     return name if split is None else split[0]
 
 
-@dataclass(frozen=True, slots=True)
-class NamedAdapters:
-    """The adapters a request names, as the router routes it."""
+class NamedAdapters(NamedTuple):
+    """The adapters a request names, as the router routes it (a tuple: built on the proxy's path)."""
 
     names: frozenset[str] = frozenset()
     """What the workers must hold: each versioned name resolved to the version that serves it."""
-    renamed: Mapping[str, str] = field(default_factory=dict)
-    """Caller's name → the version it was resolved to (empty unless the request named an adapter without a
-    version): the body forwarded must name that version."""
+    renamed: Mapping[str, str] | None = None
+    """Caller's name → the version it was resolved to (``None`` unless the request named an adapter without
+    its version): the body forwarded must name that version."""
 
 
 NO_ADAPTERS = NamedAdapters()

@@ -121,6 +121,10 @@ class FleetAdapters:
                 asked.add(named)
         if not asked:
             return NO_ADAPTERS
+        if len(asked) == 1:  # nearly every request: one adapter
+            (name,) = asked
+            served = self._served_as(name)
+            return NamedAdapters(frozenset((served,)), None if served == name else {name: served})
         names: set[str] = set()
         renamed: dict[str, str] = {}
         for name in sorted(asked):
@@ -128,7 +132,7 @@ class FleetAdapters:
             names.add(served)
             if served != name:
                 renamed[name] = served
-        return NamedAdapters(frozenset(names), renamed)
+        return NamedAdapters(frozenset(names), renamed or None)
 
     def _names(self, model: str) -> bool:
         """Whether a ``model`` names an adapter of the fleet (a version it does not hold, or is dropping, too)."""
