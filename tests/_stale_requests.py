@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_PATH
 from tests._router_fixtures import ADMIN_KEY, auth, wait_for, workers
 from tests.procs import ManagedProcess, http_json
 
@@ -28,6 +29,8 @@ class Sent:
     policy: str | None
     stream: bool = False
     prompt: dict[str, Any] = field(default_factory=lambda: {"text": "stale or not"})
+    tokens_route: bool = False
+    """vLLM's ``/inference/v1/generate`` (named by ``request_id``) instead of SGLang's ``/generate`` (by ``rid``)."""
     status: int | None = None
     body: bytes = b""
     error: str | None = None
@@ -39,14 +42,16 @@ def send(url: str, sent: Sent) -> None:
     headers = {"Content-Type": "application/json"}
     if sent.policy is not None:
         headers["X-Version-Policy"] = sent.policy
-    body = {
-        **sent.prompt,
-        "rid": sent.rid,
-        "stream": sent.stream,
-        "sampling_params": {"max_new_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True},
-    }
+    if sent.tokens_route:
+        path = TOKENS_PATH
+        sampling = {"max_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}
+        body = {"token_ids": [1, 2, 3], "request_id": sent.rid, "stream": sent.stream, "sampling_params": sampling}
+    else:
+        path = "/generate"
+        sampling = {"max_new_tokens": TOKENS, "temperature": 0.0, "ignore_eos": True}
+        body = {**sent.prompt, "rid": sent.rid, "stream": sent.stream, "sampling_params": sampling}
     try:
-        conn.request("POST", "/generate", json.dumps(body), headers)
+        conn.request("POST", path, json.dumps(body), headers)
         resp = conn.getresponse()
         sent.status, sent.body = resp.status, resp.read()
     except OSError as exc:
@@ -71,19 +76,23 @@ def aborted_total(url: str) -> float:
     return float(found.group(1))
 
 
-def send_then_pause(router: ManagedProcess, url: str, requests: list[Sent], mode: str) -> list[threading.Thread]:
-    """Send ``requests``, wait until all are in flight through the router, pause in ``mode``; the callers' threads."""
+def send_then_pause(
+    router: ManagedProcess, url: str, requests: list[Sent], mode: str | None, pause: str = "/pause_generation"
+) -> list[threading.Thread]:
+    """Send ``requests``, wait until all are in flight through the router, pause in ``mode`` (with ``pause``; ``None``:
+    a pause route that takes no mode); the callers' threads."""
     threads = [threading.Thread(target=send, args=(url, r), daemon=True) for r in requests]
     for t in threads:
         t.start()
     wait_for(lambda: inflight(url) == len(requests), 60, router, f"{len(requests)} requests in flight")
-    status, answer = http_json("POST", url + "/pause_generation", {"mode": mode}, headers=auth(), timeout=60)
+    body = {} if mode is None else {"mode": mode}
+    status, answer = http_json("POST", url + pause, body, headers=auth(), timeout=60)
     assert status == 200, answer
     return threads
 
 
-def continue_and_join(url: str, threads: list[threading.Thread]) -> None:
-    status, answer = http_json("POST", url + "/continue_generation", {}, headers=auth(), timeout=60)
+def continue_and_join(url: str, threads: list[threading.Thread], resume: str = "/continue_generation") -> None:
+    status, answer = http_json("POST", url + resume, {}, headers=auth(), timeout=60)
     assert status == 200, answer
     for t in threads:
         t.join(120)

@@ -60,21 +60,22 @@ def fleet(worker_fleet: Any) -> Iterator[Fleet]:
         router.stop()
 
 
-def test_a_pause_drops_the_requests_the_next_version_makes_stale(fleet: Fleet) -> None:
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_a_pause_drops_the_requests_the_next_version_makes_stale(fleet: Fleet, mode: str) -> None:
     before = aborted_total(fleet.url)
     stale = [
-        Sent("stale-ms1-a", "max-staleness:1"),
-        Sent("stale-ms1-b", "max-staleness:1"),
-        Sent("stale-ms1-stream", "max-staleness:1", stream=True),
-        Sent("stale-latest", "latest-only"),
+        Sent(f"stale-{mode}-ms1-a", "max-staleness:1"),
+        Sent(f"stale-{mode}-ms1-b", "max-staleness:1"),
+        Sent(f"stale-{mode}-ms1-stream", "max-staleness:1", stream=True),
+        Sent(f"stale-{mode}-latest", "latest-only"),
     ]
     kept = [
-        Sent("kept-any-a", "any"),
-        Sent("kept-any-b", "any"),
-        Sent("kept-ms2", "max-staleness:2"),
-        Sent("kept-default", None),  # no header: the router's default latest-only keeps today's behaviour
+        Sent(f"kept-{mode}-any-a", "any"),
+        Sent(f"kept-{mode}-any-b", "any"),
+        Sent(f"kept-{mode}-ms2", "max-staleness:2"),
+        Sent(f"kept-{mode}-default", None),  # no header: the router's default latest-only keeps today's behaviour
     ]
-    threads = send_then_pause(fleet.router, fleet.url, stale + kept, "in_place")
+    threads = send_then_pause(fleet.router, fleet.url, stale + kept, mode)
     try:
         # The dropped callers are answered while the fleet is still paused: nothing waits for the continue.
         for sent in stale:
@@ -112,6 +113,22 @@ def test_an_abort_pause_answers_the_stale_callers_why_and_the_others_as_before(f
     # The pause itself aborted the one its policy keeps: the engine's own abort answer, as before.
     assert kept.status == 200, kept.body[:300]
     assert json.loads(kept.body)["meta_info"]["finish_reason"]["type"] == "abort"
+    assert aborted_total(fleet.url) == before + 1
+
+
+def test_areal_pause_drops_a_vllm_token_request_by_its_request_id(fleet: Fleet) -> None:
+    """AReaL's pause reaches omni-worker as vLLM's aborting ``/pause``; the stale token request is aborted first
+    in vLLM's own form, ``/abort_requests`` with the id vLLM runs it as (``generate-tokens-<request_id>``)."""
+    before = aborted_total(fleet.url)
+    stale = Sent("areal-stale", "max-staleness:1", tokens_route=True)
+    kept = Sent("areal-kept", "any", tokens_route=True)
+    threads = send_then_pause(fleet.router, fleet.url, [stale, kept], None, pause="/areal_pause_generation")
+    continue_and_join(fleet.url, threads, resume="/areal_continue_generation")
+    assert stale_error(stale)["version_policy"] == "max-staleness:1"
+    assert kept.status == 200, kept.body[:300]  # aborted by the pause itself, as before: vLLM's answer
+    assert json.loads(kept.body)["choices"][0]["finish_reason"] == "abort"
+    log = fleet.router.log_text(400_000)
+    assert re.search(r"aborted request generate-tokens-areal-stale on w-\w+ \(200\)", log), "by vLLM's form"
     assert aborted_total(fleet.url) == before + 1
 
 
