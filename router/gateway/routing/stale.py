@@ -73,6 +73,7 @@ class StaleAbort:
     """Why a request was dropped: what its caller is told (409, or an error event ending its stream)."""
 
     policy: str
+    bound: int
     start_sequence: int
     start_version: str | None
     next_sequence: int
@@ -82,9 +83,10 @@ class StaleAbort:
         behind = self.next_sequence - self.start_sequence
         return (
             f"aborted at a weight-update pause: this request started on fleet version {self.start_sequence} "
-            f"({self.start_version!r}); once the version being published ({self.next_sequence}) is out it is "
-            f"{behind} version(s) behind, which its version policy {self.policy!r} does not keep. Its output "
-            "would be stale: drop the sample, or send it again after the continue"
+            f"({self.start_version!r}), {behind} version(s) behind the version being published "
+            f"({self.next_sequence}), and its version policy {self.policy!r} drops a request {self.bound} or more "
+            "versions behind at a pause: its output would be stale. Drop the sample, or send it again after the "
+            "continue"
         )
 
     def body(self) -> bytes:
@@ -164,7 +166,7 @@ class StaleRequests:
             and t.task is not None
         ]
         for ticket in stale:
-            ticket.stale = StaleAbort(ticket.policy, ticket.start, ticket.start_version, next_sequence)
+            ticket.stale = StaleAbort(ticket.policy, ticket.bound, ticket.start, ticket.start_version, next_sequence)
             if ticket.task is not None:
                 ticket.task.cancel()
         if not stale:
