@@ -55,14 +55,14 @@ def versions(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
 
 @process_fixture(scope="module")
-def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[str, list[str]]]:
+def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[str, list[str], list[Any]]]:
     args = ["--enable-lora", "--max-loras", str(KEEP + 1), "--max-lora-rank", "8"]
     procs = [start_worker(checkpoints["llama"], extra_args=args) for _ in range(2)]
     try:
         extra = ["--data-plane-processes", "2", "--lora-keep-versions", str(KEEP)]
         router, url = start_router([u for _, u in procs], extra_args=extra, wait_healthy=2)
         try:
-            yield url, [u for _, u in procs]
+            yield url, [u for _, u in procs], [p for p, _ in procs]
         finally:
             router.stop()
     finally:
@@ -148,9 +148,9 @@ class _Resident:
 
 
 def test_twenty_flips_under_load_fail_no_request_and_keep_residents_bounded(
-    fleet: tuple[str, list[str]], versions: list[tuple[str, list[int]]]
+    fleet: tuple[str, list[str], list[Any]], versions: list[tuple[str, list[int]]]
 ) -> None:
-    url, workers = fleet
+    url, workers, _ = fleet
     status, answer = _load(url, 0, versions[0][0])
     assert status == 200 and answer["success"], answer
     _served_by(url, 0)
@@ -192,9 +192,9 @@ def test_twenty_flips_under_load_fail_no_request_and_keep_residents_bounded(
 
 
 def test_versions_are_immutable_and_a_version_not_held_is_a_404(
-    fleet: tuple[str, list[str]], versions: list[tuple[str, list[int]]]
+    fleet: tuple[str, list[str], list[Any]], versions: list[tuple[str, list[int]]]
 ) -> None:
-    url, workers = fleet
+    url, workers, _ = fleet
     name = "pin"
     for k in (1, 2):
         status, answer = http_json(
@@ -233,3 +233,32 @@ def test_versions_are_immutable_and_a_version_not_held_is_a_404(
         status, _ = http_json("POST", url + "/unload_lora_adapter", {"lora_name": f"{name}@v{k}"})
         assert status == 200
     assert all(not _resident(w, name) for w in workers)
+
+
+def test_a_restarted_worker_is_given_every_version_the_fleet_holds(
+    fleet: tuple[str, list[str], list[Any]], versions: list[tuple[str, list[int]]]
+) -> None:
+    url, workers, procs = fleet
+    name = "back"
+    for k in (1, 2):
+        status, answer = http_json(
+            "POST", url + "/load_lora_adapter", {"lora_name": f"{name}@v{k}", "lora_path": versions[k][0]}
+        )
+        assert status == 200, answer
+    procs[0].kill()
+    procs[0].start()
+    procs[0].wait_http_ready(workers[0] + "/health", timeout=90)
+    # A new process holds nothing: it can only list both versions below because the router's catch-up gave them.
+    deadline = time.monotonic() + 30
+    while _resident(workers[0], name) != {f"{name}@v1", f"{name}@v2"} or any(
+        len(_table(url)[f"{name}@v{k}"]["holders"]) < 2 for k in (1, 2)
+    ):
+        assert time.monotonic() < deadline, (_table(url), _resident(workers[0], name))
+        time.sleep(0.2)
+    for asked, k in ((name, 2), (f"{name}@v1", 1), (name, 2), (f"{name}@v1", 1)):  # either worker serves each
+        status, answer = _generate(url, asked)
+        assert status == 200 and answer["meta_info"]["lora_name"] == f"{name}@v{k}", answer
+        assert answer["output_ids"] == versions[k][1]
+    for k in (1, 2):
+        status, _ = http_json("POST", url + "/unload_lora_adapter", {"lora_name": f"{name}@v{k}"})
+        assert status == 200
