@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from router.contract import lora
-from router.contract.errors import BadRequest, NotFound
+from router.contract.errors import BadRequest, Conflict, NotFound
 from router.contract.fleet_adapters import FleetAdapter
 from router.contract.fleet_answers import FleetAnswer, WorkerResult
 from router.contract.lora import TENSOR_SOURCE, split_version
@@ -104,7 +104,11 @@ async def load_adapter(
     adapters = ctx.registry.adapters
     family = family_of(name) if split_version(name) is not None else None
     async with AdminRun.open(op, ctx) as run:
-        refuse_taken(adapters, name)
+        try:
+            refuse_taken(adapters, name)
+        except Conflict:
+            run.outcome = "refused"  # nothing was sent
+            raise
         targets = ctx.live_targets(serving=op.path)
         if call.expect.checksum is not None:
             _refuse_undigested(targets, op)
