@@ -38,7 +38,6 @@ import torch
 from router.trainer import (
     AsyncRouterClient,
     BucketPlan,
-    GroupSpec,
     RouterCallError,
     RouterClient,
     SyncError,
@@ -92,13 +91,7 @@ def main(cfg: dict) -> dict:
     plan = BucketPlan.from_named_tensors(tensors, budget_bytes=cfg["bucket_bytes"])
     world = client.get_world_size().world_size + 1
     sender = TrainerWeightSender(master_port=cfg["port"], world_size=world, timeout_s=60)
-    group = GroupSpec(
-        master_address="127.0.0.1",
-        master_port=cfg["port"],
-        join=lambda world: sender.join(cancel=group.cancel, world_size=world),
-        leave=sender.close,
-        timeout_s=60,
-    )
+    group = sender.group_spec()
     report: dict = {"world_size": world, "num_buckets": len(plan.buckets), "steps": []}
     syncing: RouterClient | AsyncRouterClient = client
     if cfg.get("client") == "async":

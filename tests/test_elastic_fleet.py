@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from router.contract.weight_sync import DEFAULT_GROUP_NAME as GROUP
-from router.trainer import BucketPlan, GroupSpec, RouterClient, SyncReport, TrainerWeightSender, sent_checksum
+from router.trainer import BucketPlan, RouterClient, SyncReport, TrainerWeightSender, sent_checksum
 from tests._router_fixtures import ADMIN_KEY, auth, by_url, generate_via, start_router, start_workers, wait_for
 from tests._tiers import process_fixture
 from tests._weight_sync_fixtures import WORKER_ARGS
@@ -35,13 +35,7 @@ class Trainer:
         self.plan = BucketPlan.from_named_tensors(self.tensors, budget_bytes=64 * 1024)
         port = free_port()
         self.sender = TrainerWeightSender(master_port=port, world_size=1, timeout_s=60)
-        self.group = GroupSpec(
-            master_address="127.0.0.1",
-            master_port=port,
-            join=lambda world: self.sender.join(cancel=self.group.cancel, world_size=world),
-            leave=self.sender.close,
-            timeout_s=60,
-        )
+        self.group = self.sender.group_spec()
         self.step = 0
 
     def sync(self) -> tuple[SyncReport, str]:

@@ -40,6 +40,7 @@ from router.dataplane.buckets import allocate_bytes, bucket_checksum, dtype_name
 from router.dataplane.digest import digest_named_tensors
 from router.dataplane.formats import for_load_format
 from router.dataplane.group import GroupError, WeightUpdateGroup, init_weight_update_group
+from router.trainer.driver import GroupSpec
 
 DEFAULT_BUCKET_BYTES = 1 << 30
 Progress = Callable[[int, int, int], None]  # (buckets done, buckets total, bytes done)
@@ -166,7 +167,11 @@ class TrainerWeightSender:
         backend: str | None = None,
         timeout_s: float = DEFAULT_GROUP_TIMEOUT_S,
         device: torch.device | str = "cpu",
+        load_format: str | None = None,
     ):
+        """``load_format``: how every send packs its buckets unless the send names another (the workers must be
+        told the same: ``RouterClient.sync_weights(..., load_format=sender.load_format)``)."""
+        self.load_format = load_format
         self.master_address = master_address
         self.master_port = master_port
         self.world_size = world_size
@@ -176,6 +181,35 @@ class TrainerWeightSender:
         self.device = torch.device(device)
         self.group: WeightUpdateGroup | None = None
         self._buffers: list[torch.Tensor] = []
+
+    def group_spec(self, **options: Any) -> GroupSpec:
+        """The group this sender hosts as rank 0, as :meth:`RouterClient.sync_weights` takes it: its address,
+        name and timeout, joined with this sender (giving up at once when the router refuses the workers' side)
+        and left with :meth:`close`. ``options``: :class:`GroupSpec`'s other fields (``backend``)."""
+        cancel = threading.Event()
+
+        def join(world_size: int) -> None:
+            self.join(cancel, world_size=world_size)
+
+        return GroupSpec(
+            master_address=self.master_address,
+            master_port=self.master_port,
+            join=join,
+            group_name=self.group_name,
+            timeout_s=self.timeout_s,
+            leave=self.close,
+            cancel=cancel,
+            **options,
+        )
+
+    def broadcaster(self, plan: BucketPlan, tensors: Mapping[str, torch.Tensor]) -> Callable[[int], None]:
+        """The ``broadcast(i)`` callback of :meth:`RouterClient.sync_weights`: bucket ``i`` of ``plan``, sent
+        in this sender's ``load_format``."""
+
+        def broadcast(index: int) -> None:
+            self.send_bucket(plan, index, tensors)
+
+        return broadcast
 
     def init_request(self, rank_offset: int, **fields: Any) -> InitWeightsUpdateGroupRequest:
         """An ``/init_weights_update_group`` request for the worker whose first rank is ``rank_offset``."""
@@ -237,7 +271,7 @@ class TrainerWeightSender:
         has left, so a packing format reuses two staging buffers.
         """
         group = self._require_group()
-        fmt = for_load_format(load_format)
+        fmt = for_load_format(load_format if load_format is not None else self.load_format)
         started = time.perf_counter()
         deadline = time.monotonic() + self.timeout_s
         if fmt.packs:
