@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import threading
 import time
+import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests._lora_helpers import peft_model, reference_greedy
 from tests._router_fixtures import start_router
@@ -186,6 +188,14 @@ def test_twenty_flips_under_load_fail_no_request_and_keep_residents_bounded(
         time.sleep(0.1)
     for w in workers:
         assert _resident(w) == newest, w
+    with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+        gauge = {
+            s.labels["worker"]: s.value
+            for family in text_string_to_metric_families(resp.read().decode())
+            for s in family.samples
+            if s.name == "omni_router_lora_resident_versions" and s.labels["adapter"] == FAMILY
+        }
+    assert len(gauge) == 2 and set(gauge.values()) == {KEEP}, gauge
     for version in sorted(newest):  # the other test's versions need the room
         status, _ = http_json("POST", url + "/unload_lora_adapter", {"lora_name": version})
         assert status == 200
