@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
-from router.contract.errors import Conflict, NotFound
+from router.contract.errors import Conflict, NotFound, Unavailable
 from router.contract.lora import split_version
 from router.gateway.admin.locked import ONE_PROCESS, AdminContext
 from router.gateway.admin.update_gate import UpdateGate
@@ -23,7 +23,7 @@ from router.gateway.catch_up.adapters import AdapterCatchUp
 from router.gateway.fleet.adapters import FleetAdapters
 from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.routing.adapter_names import renamed_body
-from router.gateway.sync.adapter_versions import outdated, refuse_taken
+from router.gateway.sync.adapter_versions import outdated, refuse_over_bound, refuse_taken
 from router.gateway.upstream.client import WorkerClient
 
 
@@ -114,6 +114,13 @@ def test_a_publish_drops_what_is_older_than_the_newest_n() -> None:
     table.keep_versions = 1
     assert outdated(table, "policy") == ["policy@a", "policy@b"]
     assert outdated(table, "other") == [] and outdated(table, "nothing") == []
+    # Versions a holder failed to unload are still outdated: the next version is not sent (503), nothing changes.
+    with pytest.raises(Unavailable, match="policy@a, policy@b of LoRA adapter 'policy' are outside the newest 1") as r:
+        refuse_over_bound(table, "policy", "policy@d")
+    assert r.value.status == 503
+    table.remove("policy@a")
+    table.remove("policy@b")
+    refuse_over_bound(table, "policy", "policy@d")
 
 
 # -- catch-up on an SGLang server that holds a copy the router does not know ----------------------------------

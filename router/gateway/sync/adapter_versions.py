@@ -14,8 +14,9 @@ the ones the workers hold, all or nothing, as any load (:mod:`router.gateway.syn
   flight is never failed by it: new requests had stopped naming those versions, and an omni-worker finishes
   a request with the adapter it started with.
 - **The bound.** The next load of a version first drops, under its own lock, whatever the background drop has
-  not dropped yet, so no more than N versions are loaded when a new one is sent, and at most N + 1 of one
-  adapter are ever resident on a worker: the new one while the oldest drains.
+  not dropped yet, and is refused (503, nothing sent) when a holder could not unload one of them, so no more
+  than N versions are loaded when a new one is sent, and at most N + 1 of one adapter are ever resident on a
+  worker: the new one while the oldest drains.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from typing import Any
 
 from router.contract import lora
 from router.contract.admin import OPERATION_HEADER
-from router.contract.errors import Conflict
+from router.contract.errors import Conflict, Unavailable
 from router.contract.lora import split_version
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext, AdminRun
@@ -58,6 +59,19 @@ def refuse_taken(adapters: FleetAdapters, name: str) -> None:
         raise Conflict(
             f"LoRA adapter {family!r} is loaded without a version: unload it before loading versions of it "
             f"({name}). Nothing was sent"
+        )
+
+
+def refuse_over_bound(adapters: FleetAdapters, family: str, name: str) -> None:
+    """503 when versions of ``family`` outside the newest N are still loaded (a holder failed to unload them):
+    loading ``name`` too would leave more than N + 1 resident. Nothing of it was sent; the next try drops them
+    again first."""
+    left = outdated(adapters, family)
+    if left:
+        raise Unavailable(
+            f"{name} was not loaded: versions {', '.join(left)} of LoRA adapter {family!r} are outside the newest "
+            f"{adapters.keep_versions} (--lora-keep-versions) and could not be unloaded from every holder; loading "
+            f"another would leave more than {adapters.keep_versions + 1} resident. Nothing was sent"
         )
 
 

@@ -45,7 +45,7 @@ from router.gateway.engines import engine_of
 from router.gateway.fleet.adapter_versions import family_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.sync.adapter_drain import REPORTS_CATCH_UP_S, UNLOAD_DRAIN_S, drain
-from router.gateway.sync.adapter_versions import refuse_taken, retire, retire_later, unload_of
+from router.gateway.sync.adapter_versions import refuse_over_bound, refuse_taken, retire, retire_later, unload_of
 from router.gateway.tasks import TaskSet
 
 __all__ = ["REPORTS_CATCH_UP_S", "UNLOAD_DRAIN_S", "load_adapter", "unload_adapter"]
@@ -114,6 +114,7 @@ async def load_adapter(
             _refuse_undigested(targets, op)
         if family is not None:  # at most N versions loaded when one more is sent: see the bound
             await retire(run, unload_of(op), family, call.headers)
+            refuse_over_bound(adapters, family, name)
         previous = adapters.get(name)
         results = await run.fan_out(targets, call)
         loaded = {r.worker for r in results if r.success}
