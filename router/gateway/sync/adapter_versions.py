@@ -125,7 +125,11 @@ async def retire(
             continue
         adapters.forget_holders(name, [r.worker for r in results if r.success])
         adapters.resume_serving(name)
-        log.warning("dropping LoRA adapter version %s failed on %s; it is retried at the next drop", name, failed)
+        log.warning(
+            "dropping LoRA adapter version %s failed on %s; it is retried before the next version is loaded",
+            name,
+            ", ".join(r.worker for r in failed),
+        )
     ctx.barrier.announce()
     await adapters.save()
     if dropped:
