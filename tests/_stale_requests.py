@@ -18,7 +18,7 @@ from tests._router_fixtures import ADMIN_KEY, auth, wait_for, workers
 from tests.procs import ManagedProcess, http_json
 
 #: With the workers' slow decode step, long enough that every request is still decoding at the pause.
-TOKENS = 400
+TOKENS = 150
 
 
 @dataclass
