@@ -78,6 +78,23 @@ def start_workers(
     return out
 
 
+@contextmanager
+def router_over(
+    procs: Sequence[tuple[ManagedProcess, str]], *, extra_args: Sequence[str] = ()
+) -> Iterator[tuple[str, list[str], list[ManagedProcess]]]:
+    """A router with ``extra_args`` in front of the started workers ``procs`` (waited for until all are healthy):
+    (its URL, the workers' URLs, their processes). The router stops first, then the workers."""
+    try:
+        router, url = start_router([u for _, u in procs], extra_args=extra_args, wait_healthy=len(procs))
+        try:
+            yield url, [u for _, u in procs], [p for p, _ in procs]
+        finally:
+            router.stop()
+    finally:
+        for proc, _ in procs:
+            proc.stop()
+
+
 def start_router(
     worker_urls: Sequence[str],
     *,

@@ -20,7 +20,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests._lora_helpers import hf_model, reference_greedy, write_adapter
-from tests._router_fixtures import start_router
+from tests._polling import wait_for
+from tests._router_fixtures import router_over, start_router
+from tests._router_fixtures import workers as router_workers
 from tests._tiers import process_fixture
 from tests.procs import http_json, start_worker
 
@@ -48,16 +50,8 @@ def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[str, list[str], list[A
     """(router URL, [worker taking rank 8, worker taking rank 4 at most], their processes)."""
     wide = start_worker(checkpoints["llama"], extra_args=[*LORA_ARGS, "--max-lora-rank", "16"])
     narrow = start_worker(checkpoints["llama"], extra_args=[*LORA_ARGS, "--max-lora-rank", "4"])
-    procs = [wide, narrow]
-    try:
-        router, url = start_router([u for _, u in procs], extra_args=["--data-plane-processes", "2"], wait_healthy=2)
-        try:
-            yield url, [u for _, u in procs], [p for p, _ in procs]
-        finally:
-            router.stop()
-    finally:
-        for proc, _ in procs:
-            proc.stop()
+    with router_over([wide, narrow], extra_args=["--data-plane-processes", "2"]) as fleet:
+        yield fleet
 
 
 def _post(url: str, path: str, body: dict[str, Any], timeout: float = 120) -> tuple[int, Any]:
@@ -225,7 +219,7 @@ def test_an_unload_waits_for_the_requests_naming_the_adapter(fleet: Any, made: d
     _wait_routed(url, "going", made["rslora"][1])
     with ThreadPoolExecutor(max_workers=1) as pool:
         running = pool.submit(_generate, url, "going", 40)  # 20 ms a step: about a second
-        time.sleep(0.3)
+        wait_for(lambda: sum(w["inflight"] for w in router_workers(url, None)) == 1, 10, what="the request running")
         status, answer = _post(url, "/unload_lora_adapter", {"lora_name": "going"})
         status_running, out = running.result(timeout=60)
     assert status == 200 and answer["success"], answer
@@ -268,10 +262,11 @@ def test_a_restarted_worker_is_given_the_fleets_adapters_before_it_serves_them(
     wide_proc.wait_http_ready(wide + "/health", timeout=90)
     # A new process holds nothing; the router's catch-up may already be loading it, so that is not asserted
     # here: the new process can only hold the adapter below because the router gave it.
-    deadline = time.monotonic() + 30
-    while "back" not in _loaded_on(wide) or len(_table(url)["back"]["holders"]) < 2:
-        assert time.monotonic() < deadline, (_table(url), _loaded_on(wide))
-        time.sleep(0.2)
+    wait_for(
+        lambda: "back" in _loaded_on(wide) and len(_table(url)["back"]["holders"]) == 2,
+        30,
+        what="the restarted worker given the adapter",
+    )
     holding = _table(url)["back"]["holders"]
     assert {h["version"] for h in holding.values()} == {1}
     for _ in range(4):  # both workers serve it again, with its tokens

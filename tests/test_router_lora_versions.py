@@ -22,7 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests._lora_helpers import peft_model, reference_greedy
-from tests._router_fixtures import start_router
+from tests._router_fixtures import router_over
 from tests._tiers import process_fixture
 from tests.procs import http_json, start_worker
 
@@ -60,16 +60,16 @@ def versions(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 def fleet(checkpoints: dict[str, Path]) -> Iterator[tuple[str, list[str], list[Any]]]:
     args = ["--enable-lora", "--max-loras", str(KEEP + 1), "--max-lora-rank", "8"]
     procs = [start_worker(checkpoints["llama"], extra_args=args) for _ in range(2)]
-    try:
-        extra = ["--data-plane-processes", "2", "--lora-keep-versions", str(KEEP)]
-        router, url = start_router([u for _, u in procs], extra_args=extra, wait_healthy=2)
-        try:
-            yield url, [u for _, u in procs], [p for p, _ in procs]
-        finally:
-            router.stop()
-    finally:
-        for proc, _ in procs:
-            proc.stop()
+    with router_over(procs, extra_args=["--data-plane-processes", "2", "--lora-keep-versions", str(KEEP)]) as fleet:
+        yield fleet
+
+
+def _publish(url: str, name: str, versions: list[tuple[str, list[int]]], ks: tuple[int, ...]) -> None:
+    """Load versions ``ks`` of adapter ``name`` (``name@v<k>``) from the made adapters, through the router."""
+    for k in ks:
+        body = {"lora_name": f"{name}@v{k}", "lora_path": versions[k][0]}
+        status, answer = http_json("POST", url + "/load_lora_adapter", body)
+        assert status == 200, answer
 
 
 def _name(k: int) -> str:
@@ -206,11 +206,7 @@ def test_versions_are_immutable_and_a_version_not_held_is_a_404(
 ) -> None:
     url, workers, _ = fleet
     name = "pin"
-    for k in (1, 2):
-        status, answer = http_json(
-            "POST", url + "/load_lora_adapter", {"lora_name": f"{name}@v{k}", "lora_path": versions[k][0]}
-        )
-        assert status == 200, answer
+    _publish(url, name, versions, (1, 2))
     before = _table(url)
     # Loading a held version again, through either engine's route, or the name without a version: 409, nothing sent.
     for route, body in (
@@ -250,11 +246,7 @@ def test_a_restarted_worker_is_given_every_version_the_fleet_holds(
 ) -> None:
     url, workers, procs = fleet
     name = "back"
-    for k in (1, 2):
-        status, answer = http_json(
-            "POST", url + "/load_lora_adapter", {"lora_name": f"{name}@v{k}", "lora_path": versions[k][0]}
-        )
-        assert status == 200, answer
+    _publish(url, name, versions, (1, 2))
     procs[0].kill()
     procs[0].start()
     procs[0].wait_http_ready(workers[0] + "/health", timeout=90)

@@ -1,4 +1,4 @@
-"""Waiting for the requests that name adapters to end, before those adapters are unloaded.
+"""Taking adapters out of routing and waiting for the requests that name them to end, before they are unloaded.
 
 An unload (:mod:`router.gateway.sync.adapters`) and a drop of old versions
 (:mod:`router.gateway.sync.adapter_versions`) first stop routing the adapters; requests admitted before that
@@ -22,6 +22,24 @@ UNLOAD_DRAIN_S = 30.0
 REPORTS_CATCH_UP_S = 0.75
 #: How often an unload looks at those counts.
 DRAIN_POLL_S = 0.05
+
+
+async def stop_routing(ctx: AdminContext, names: Collection[str], refused: str) -> None:
+    """Stop routing ``names`` in every process that routes (the fence barrier); when a process has not applied it
+    within its bound, route them again and raise (``refused`` says what was refused), so nothing was unloaded."""
+    adapters = ctx.registry.adapters
+    for name in names:
+        adapters.stop_serving(name)
+    ctx.barrier.announce()
+    await adapters.save()
+    try:
+        await ctx.barrier.confirm(refused)
+    except BaseException:
+        for name in names:
+            adapters.resume_serving(name)
+        ctx.barrier.announce()
+        await adapters.save()
+        raise
 
 
 async def drain(ctx: AdminContext, names: Collection[str]) -> None:

@@ -33,7 +33,7 @@ from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.locked import AdminContext, AdminRun
 from router.gateway.admin.operations import LORA_UNLOAD, V1_LORA_LOAD, V1_LORA_UNLOAD, Operation
 from router.gateway.fleet.adapters import FleetAdapters
-from router.gateway.sync.adapter_drain import drain
+from router.gateway.sync.adapter_drain import drain, stop_routing
 
 log = logging.getLogger(__name__)
 
@@ -97,18 +97,7 @@ async def retire(
     if not old:
         return []
     holders = {name: [w for w in ctx.registry.live() if adapters.holding(w, name) is not None] for name in old}
-    for name in old:
-        adapters.stop_serving(name)
-    ctx.barrier.announce()
-    await adapters.save()
-    try:
-        await ctx.barrier.confirm(f"dropping versions {', '.join(old)} refused")
-    except BaseException:
-        for name in old:
-            adapters.resume_serving(name)
-        ctx.barrier.announce()
-        await adapters.save()
-        raise
+    await stop_routing(ctx, old, f"dropping versions {', '.join(old)} refused")
     await drain(ctx, old)
     dropped: list[str] = []
     headers = {k: v for k, v in headers.items() if k != OPERATION_HEADER}

@@ -44,7 +44,7 @@ from router.gateway.admin.verify import Digest, judge
 from router.gateway.engines import engine_of
 from router.gateway.fleet.adapter_versions import family_of
 from router.gateway.fleet.registry import Worker
-from router.gateway.sync.adapter_drain import REPORTS_CATCH_UP_S, UNLOAD_DRAIN_S, drain
+from router.gateway.sync.adapter_drain import REPORTS_CATCH_UP_S, UNLOAD_DRAIN_S, drain, stop_routing
 from router.gateway.sync.adapter_versions import refuse_over_bound, refuse_taken, retire, retire_later, unload_of
 from router.gateway.tasks import TaskSet
 
@@ -203,16 +203,7 @@ async def unload_adapter(
             loaded = ", ".join(adapters.serving_names()) or "none"
             raise NotFound(f"LoRA adapter {name!r} is not loaded on the fleet (loaded: {loaded})")
         holders = [w for w in ctx.live_targets(serving=op.path) if adapters.holding(w, name) is not None]
-        adapters.stop_serving(name)
-        ctx.barrier.announce()
-        await adapters.save()
-        try:
-            await ctx.barrier.confirm(f"unload of {name!r} refused")
-        except BaseException:
-            adapters.resume_serving(name)
-            ctx.barrier.announce()
-            await adapters.save()
-            raise
+        await stop_routing(ctx, [name], f"unload of {name!r} refused")
         await drain(ctx, [name])
         results = await run.fan_out(holders, call) if holders else []
         outcome = await run.settle(results) if results else Outcome(200, _nobody(op))
