@@ -22,6 +22,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests._lora_helpers import peft_model, reference_greedy
+from tests._polling import wait_for
 from tests._router_fixtures import router_over
 from tests._tiers import process_fixture
 from tests.procs import http_json, start_worker
@@ -182,10 +183,7 @@ def test_twenty_flips_under_load_fail_no_request_and_keep_residents_bounded(
         assert tokens == versions[int(name.rpartition("@v")[2])][1], (name, tokens)
     # Once the last drop is done: the newest KEEP versions, on every worker, and nothing else.
     newest = {_name(k) for k in range(FLIPS + 1 - KEEP, FLIPS + 1)}
-    deadline = time.monotonic() + 30
-    while {n for n in _table(url) if n.startswith(FAMILY + "@")} != newest:
-        assert time.monotonic() < deadline, _table(url)
-        time.sleep(0.1)
+    wait_for(lambda: {n for n in _table(url) if n.startswith(FAMILY + "@")} == newest, 30, what=f"only {newest} held")
     for w in workers:
         assert _resident(w) == newest, w
     with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
@@ -251,12 +249,14 @@ def test_a_restarted_worker_is_given_every_version_the_fleet_holds(
     procs[0].start()
     procs[0].wait_http_ready(workers[0] + "/health", timeout=90)
     # A new process holds nothing: it can only list both versions below because the router's catch-up gave them.
-    deadline = time.monotonic() + 30
-    while _resident(workers[0], name) != {f"{name}@v1", f"{name}@v2"} or any(
-        len(_table(url)[f"{name}@v{k}"]["holders"]) < 2 for k in (1, 2)
-    ):
-        assert time.monotonic() < deadline, (_table(url), _resident(workers[0], name))
-        time.sleep(0.2)
+    wait_for(
+        lambda: (
+            _resident(workers[0], name) == {f"{name}@v1", f"{name}@v2"}
+            and all(len(_table(url)[f"{name}@v{k}"]["holders"]) == 2 for k in (1, 2))
+        ),
+        30,
+        what="the restarted worker given both versions",
+    )
     for asked, k in ((name, 2), (f"{name}@v1", 1), (name, 2), (f"{name}@v1", 1)):  # either worker serves each
         status, answer = _generate(url, asked)
         assert status == 200 and answer["meta_info"]["lora_name"] == f"{name}@v{k}", answer
