@@ -39,7 +39,7 @@ from router.gateway.config import RouterConfig
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.frontend.budget import BodyBudget, process_share
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
-from router.gateway.routing.prepare import prepare_payload, prepare_tokens_payload
+from router.gateway.routing.prepare import prepare_generate, prepare_tokens_payload
 from router.gateway.sync.ranks import plan_ranks
 from router.gateway.upstream import decode_answer
 
@@ -399,30 +399,31 @@ class TestWire:
         assert prepared is not None and prepared.ok is False
 
     def test_rid_injection(self):
-        body, rid, stream = prepare_payload(b'{"text": "hi", "stream": true}')
-        assert stream and json.loads(body)["rid"] == rid
-        body, rid, _ = prepare_payload(b'{"input_ids": [[1, 2], [3]]}')
-        assert json.loads(body)["rid"] == [f"{rid}-0", f"{rid}-1"]
-        body, rid, _ = prepare_payload(b'{"input_ids": [1, 2]}')
-        assert json.loads(body)["rid"] == rid
-        assert prepare_payload(b'{"text": "x", "rid": "mine"}')[1] == "mine"
-        assert prepare_payload(b"not json") == (b"not json", None, False)
+        ready = prepare_generate(b'{"text": "hi", "stream": true}')
+        assert ready.stream and json.loads(ready.body)["rid"] == ready.rid
+        assert ready.fields == {"text": "hi", "stream": True}  # as the caller sent it, for the session key
+        ready = prepare_generate(b'{"input_ids": [[1, 2], [3]]}')
+        assert json.loads(ready.body)["rid"] == [f"{ready.rid}-0", f"{ready.rid}-1"]
+        ready = prepare_generate(b'{"input_ids": [1, 2]}')
+        assert json.loads(ready.body)["rid"] == ready.rid
+        assert prepare_generate(b'{"text": "x", "rid": "mine"}').rid == "mine"
+        assert prepare_generate(b"not json") == (b"not json", None, False, None)
         # A body that names its rid is forwarded byte for byte.
         mine = b'{ "text" : "x","rid":"mine" }'
-        assert prepare_payload(mine)[0] is mine
+        assert prepare_generate(mine).body is mine
         # Injection keeps every other byte of the body; bodies it cannot splice are re-encoded whole.
         for raw in (
             b' \n{"text": "a", "sampling_params": {"max_new_tokens": 1}} ',
             b'{"rid": null, "text": "a"}',
             b"{}",
         ):
-            body, rid, _ = prepare_payload(raw)
-            sent = json.loads(body)
-            assert sent.pop("rid") == rid and sent == {k: v for k, v in json.loads(raw).items() if k != "rid"}
-        body, rid, _ = prepare_payload(b'{"text": "x"}')
-        assert body == b'{"rid": "' + rid.encode() + b'", "text": "x"}'
+            ready = prepare_generate(raw)
+            sent = json.loads(ready.body)
+            assert sent.pop("rid") == ready.rid and sent == {k: v for k, v in json.loads(raw).items() if k != "rid"}
+        ready = prepare_generate(b'{"text": "x"}')
+        assert ready.body == b'{"rid": "' + ready.rid.encode() + b'", "text": "x"}'
         # Workers abort by prefix: no assigned rid is a prefix of another.
-        rids = [prepare_payload(b'{"text": "x"}')[1] for _ in range(20)]
+        rids = [prepare_generate(b'{"text": "x"}').rid for _ in range(20)]
         assert not any(a != b and b.startswith(a) for a in rids for b in rids)
 
     def test_request_id_injection_for_vllm_token_generation(self):
@@ -430,12 +431,14 @@ class TestWire:
         mine = b'{"token_ids": [1], "request_id": "mine"}'
         assert prepare_tokens_payload(mine, None) == (mine, "generate-tokens-mine", json.loads(mine))
         assert prepare_tokens_payload(mine, "hdr")[:2] == (mine, "generate-tokens-hdr")  # X-Request-Id wins, as in vLLM
-        body, request_id, _ = prepare_tokens_payload(b'{"token_ids": [1]}', None)
-        assert request_id == "generate-tokens-" + json.loads(body)["request_id"]
-        assert body.endswith(b', "token_ids": [1]}')  # spliced, the rest byte for byte
+        ready = prepare_tokens_payload(b'{"token_ids": [1]}', None)
+        assert ready.request_id == "generate-tokens-" + json.loads(ready.body)["request_id"]
+        assert ready.body.endswith(b', "token_ids": [1]}')  # spliced, the rest byte for byte
         for raw in (b'{"token_ids": [1], "request_id": ""}', b'{"request_id": null}', b"{}"):
-            body, request_id, _ = prepare_tokens_payload(raw, None)
-            sent = json.loads(body)
+            ready = prepare_tokens_payload(raw, None)
+            request_id = ready.request_id
+            sent = json.loads(ready.body)
+            assert request_id is not None
             assert request_id == "generate-tokens-" + sent.pop("request_id") and len(request_id) > 20
         # Not an id: passed on as it came, for the worker's 400.
         assert prepare_tokens_payload(b'{"request_id": 5}', None)[:2] == (b'{"request_id": 5}', None)

@@ -15,7 +15,7 @@ import json
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from router.contract import endpoints as ep
 from router.contract.endpoint import AnyEndpoint
@@ -32,14 +32,29 @@ def _new_rid() -> str:
     return f"{_RID_PREFIX}{next(_rid_counter):012x}"
 
 
-def prepare_payload(raw: bytes) -> tuple[bytes, Any, bool]:
-    """Return (body to send, rid to abort with, stream?). Injects a rid when none was given."""
-    body, rid, stream, _ = prepare_generate(raw)
-    return body, rid, stream
+class GenerateBody(NamedTuple):
+    """A ``/generate`` (or OpenAI) body made ready to forward."""
+
+    body: bytes
+    rid: Any
+    """The rid to abort with (a prefix of every rid of a batch), or ``None`` when the body did not parse."""
+    stream: bool
+    fields: dict[str, Any] | None
+    """The caller's JSON object as parsed, or ``None``."""
 
 
-def prepare_generate(raw: bytes) -> tuple[bytes, Any, bool, dict[str, Any] | None]:
-    """Return (body to send, rid to abort with, stream?, the caller's JSON object as parsed, or ``None``).
+class TokensBody(NamedTuple):
+    """A vLLM ``/inference/v1/generate`` body made ready to forward."""
+
+    body: bytes
+    request_id: str | None
+    """The id its worker runs it as (and aborts it by), or ``None`` when there is none to abort by."""
+    fields: dict[str, Any] | None
+    """The caller's JSON object when it is one (its ``model`` names a LoRA adapter)."""
+
+
+def prepare_generate(raw: bytes) -> GenerateBody:
+    """Inject a rid when none was given.
 
     The caller's object is left as it came (its own ``rid`` only), for the session key. A body that
     carries its rid is forwarded as it came. An injected rid is spliced in after the opening brace
@@ -49,13 +64,13 @@ def prepare_generate(raw: bytes) -> tuple[bytes, Any, bool, dict[str, Any] | Non
     try:
         payload = json.loads(raw) if raw else None
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return raw, None, False, None  # the worker answers 400 with its own message
+        return GenerateBody(raw, None, False, None)  # the worker answers 400 with its own message
     if not isinstance(payload, dict):
-        return raw, None, False, None
+        return GenerateBody(raw, None, False, None)
     stream = payload.get("stream") is True
     rid = payload.get("rid")
     if rid is not None:
-        return raw, rid, stream, payload
+        return GenerateBody(raw, rid, stream, payload)
     base = _new_rid()
     text = payload.get("text")
     if text is not None:
@@ -68,34 +83,33 @@ def prepare_generate(raw: bytes) -> tuple[bytes, Any, bool, dict[str, Any] | Non
     start = len(raw) - len(raw.lstrip())
     if payload and "rid" not in payload and raw[start : start + 1] == b"{":
         spliced = raw[: start + 1] + b'"rid": ' + json.dumps(assigned).encode() + b", " + raw[start + 1 :]
-        return spliced, base, stream, payload
-    return json.dumps({**payload, "rid": assigned}).encode(), base, stream, payload
+        return GenerateBody(spliced, base, stream, payload)
+    return GenerateBody(json.dumps({**payload, "rid": assigned}).encode(), base, stream, payload)
 
 
-def prepare_tokens_payload(raw: bytes, header_id: str | None) -> tuple[bytes, str | None, dict[str, Any] | None]:
-    """vLLM's ``/inference/v1/generate``: (body to send, the id its worker runs it as, the caller's JSON object
-    when it is one: its ``model`` names a LoRA adapter). The worker names it ``generate-tokens-<X-Request-Id |
+def prepare_tokens_payload(raw: bytes, header_id: str | None) -> TokensBody:
+    """vLLM's ``/inference/v1/generate``. The worker names it ``generate-tokens-<X-Request-Id |
     request_id>``; a body with neither (or an empty one) gets a ``request_id`` spliced in (re-encoded where that
     is not a plain byte splice), so the router can abort it."""
     try:
         payload = json.loads(raw) if raw else None
     except (UnicodeDecodeError, ValueError, RecursionError):
-        return raw, None, None  # the worker answers 400 with its own message
+        return TokensBody(raw, None, None)  # the worker answers 400 with its own message
     if not isinstance(payload, dict):
-        return raw, None, None
+        return TokensBody(raw, None, None)
     if header_id:
-        return raw, REQUEST_ID_PREFIX + header_id, payload
+        return TokensBody(raw, REQUEST_ID_PREFIX + header_id, payload)
     given = payload.get("request_id")
     if isinstance(given, str) and given:
-        return raw, REQUEST_ID_PREFIX + given, payload
+        return TokensBody(raw, REQUEST_ID_PREFIX + given, payload)
     if given is not None and given != "":
-        return raw, None, payload  # not an id: the worker refuses the body
+        return TokensBody(raw, None, payload)  # not an id: the worker refuses the body
     base = _new_rid()
     start = len(raw) - len(raw.lstrip())
     if payload and "request_id" not in payload and raw[start : start + 1] == b"{":
         spliced = raw[: start + 1] + b'"request_id": ' + json.dumps(base).encode() + b", " + raw[start + 1 :]
-        return spliced, REQUEST_ID_PREFIX + base, payload
-    return json.dumps({**payload, "request_id": base}).encode(), REQUEST_ID_PREFIX + base, payload
+        return TokensBody(spliced, REQUEST_ID_PREFIX + base, payload)
+    return TokensBody(json.dumps({**payload, "request_id": base}).encode(), REQUEST_ID_PREFIX + base, payload)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,30 +123,41 @@ class AbortCall:
     label: str
 
 
-#: How a route's body is made ready to forward: (body, how to abort it, or None when there is nothing to abort,
-#: the caller's JSON object when the route parsed it, for the session key; None otherwise).
-Prepared = tuple[bytes, AbortCall | None, dict[str, Any] | None]
+class Prepared(NamedTuple):
+    """How a route's body is made ready to forward."""
+
+    body: bytes
+    abort: AbortCall | None
+    """How to abort it, or ``None`` when there is nothing to abort by."""
+    fields: dict[str, Any] | None
+    """The caller's JSON object when the route parsed it (for the session key and the LoRA adapter it
+    names), ``None`` otherwise."""
+
+
 Prepare = Callable[[bytes, Caller[object]], Prepared]
 
 
 def sglang_prepare(raw: bytes, _caller: Caller[object]) -> Prepared:
     """``/generate`` and the OpenAI routes: a ``rid`` (assigned when missing), aborted by prefix."""
-    body, rid, _, payload = prepare_generate(raw)
-    return body, None if rid is None else AbortCall(ep.ABORT_REQUEST, {"rid": rid}, f"rid {rid}"), payload
+    ready = prepare_generate(raw)
+    rid = ready.rid
+    abort = None if rid is None else AbortCall(ep.ABORT_REQUEST, {"rid": rid}, f"rid {rid}")
+    return Prepared(ready.body, abort, ready.fields)
 
 
 def tokens_prepare(raw: bytes, caller: Caller[object]) -> Prepared:
     """vLLM's ``/inference/v1/generate``: aborted by its id (``/abort_requests``: the call and its choices); routed
     by the LoRA adapter its ``model`` names, as the OpenAI routes are."""
-    body, request_id, payload = prepare_tokens_payload(raw, caller.header(REQUEST_ID_HEADER))
+    ready = prepare_tokens_payload(raw, caller.header(REQUEST_ID_HEADER))
+    request_id = ready.request_id
     abort = (
         None
         if request_id is None
         else AbortCall(ep.ABORT_REQUESTS, {"request_ids": [request_id]}, f"request {request_id}")
     )
-    return body, abort, payload
+    return Prepared(ready.body, abort, ready.fields)
 
 
 def passthrough(raw: bytes, _caller: Caller[object]) -> Prepared:
     """A route whose answer needs no generation (``/tokenize``): forwarded as it came, nothing to abort."""
-    return raw, None, None
+    return Prepared(raw, None, None)

@@ -220,7 +220,8 @@ class GenerateProxy:
         policy, explicit = self.request_policy(caller)
         bound = staleness_bound(policy, explicit)
         raw = await caller.read()
-        body, abort, fields = prepare(raw, caller)
+        ready = prepare(raw, caller)
+        body, abort, fields = ready.body, ready.abort, ready.fields
         named = self._registry.adapters.resolve(fields) if fields is not None else NO_ADAPTERS
         adapters = named.names
         if named.renamed:  # it named an adapter without its version: the worker is told which one serves it
