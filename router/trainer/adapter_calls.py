@@ -8,7 +8,7 @@ adapter by ``lora_path`` (``/generate``) or ``model`` (the OpenAI routes).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Unpack
 
 from router.contract.fleet_adapters import FleetAdapterTable
 from router.contract.fleet_answers import FleetAnswer
@@ -19,6 +19,7 @@ from router.contract.lora import (
     UnloadLoraAdapterRequest,
 )
 from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, LOAD_LORA_ADAPTER_FROM_TENSORS, UNLOAD_LORA_ADAPTER
+from router.trainer.call_fields import LoraTensorsFields
 from router.trainer.transport import Transport
 
 
@@ -42,7 +43,7 @@ class AdapterCalls(Transport):
         serialized_named_tensors: list[str],
         *,
         expected_checksum: str | None = None,
-        **fields: Any,
+        **fields: Unpack[LoraTensorsFields],
     ) -> FleetAnswer[LoraUpdateResult]:
         """SGLang's ``/load_lora_adapter_from_tensors`` on every worker, or on none: ``config`` is the
         adapter's ``adapter_config.json``, ``serialized_named_tensors`` one serialized tensor list per rank

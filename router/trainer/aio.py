@@ -15,7 +15,8 @@ import aiohttp
 from router.contract.base import WireResponse
 from router.contract.budget import DEFAULT_LOCK_WAIT_S
 from router.contract.fleet import ROUTER_ROLE_HEADER, STANDBY_ROLE
-from router.trainer.calls import Bucket, Call, RouterCalls, decode_answer, unreachable
+from router.contract.weight_sync import BucketMetadata
+from router.trainer.calls import Call, RouterCalls, decode_answer, unreachable
 from router.trainer.client import RouterClient
 from router.trainer.driver import SyncReport
 from router.trainer.failover import (
@@ -106,7 +107,7 @@ class AsyncRouterClient(RouterCalls):
         return status, raw
 
     async def sync_weights(
-        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Unpack[SyncOptions]
+        self, *, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None], **options: Unpack[SyncOptions]
     ) -> SyncReport:
         """:meth:`RouterClient.sync_weights` on a thread (``broadcast`` and ``join`` run there too)."""
         return await asyncio.to_thread(self._blocking.sync_weights, buckets=buckets, broadcast=broadcast, **options)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, Unpack
 from urllib.parse import quote, urlencode
 
 from pydantic import BaseModel, ValidationError
@@ -87,13 +87,13 @@ from router.contract.weight_sync import (
     WeightSyncResponse,
 )
 from router.trainer.adapter_calls import AdapterCalls
+from router.trainer.call_fields import DiskUpdateFields, TensorUpdateFields
 from router.trainer.failover import DEFAULT_FAILOVER_BUDGET_S
 from router.trainer.transport import given
 from router.trainer.vllm_calls import VllmCalls
 
 A = TypeVar("A", bound=WireResponse)
 M = TypeVar("M", bound=BaseModel)
-Bucket = BucketMetadata | dict[str, Any]
 #: The HTTP timeout of calls outside the admin table (registry, journal, world size): they answer at once.
 REGISTRY_TIMEOUT_S = 30.0
 
@@ -210,8 +210,9 @@ def query_string(req: WireRequest) -> str:
     return urlencode(pairs)
 
 
-def _buckets(buckets: Sequence[Bucket]) -> list[BucketMetadata]:
-    return [b if isinstance(b, BucketMetadata) else BucketMetadata.model_validate(b) for b in buckets]
+def _buckets(buckets: Sequence[BucketMetadata]) -> list[BucketMetadata]:
+    # A model passes as it is; an untyped caller's dict (the shape the wire takes) is still validated into one.
+    return [BucketMetadata.model_validate(b) for b in buckets]
 
 
 class RouterCalls(AdapterCalls, VllmCalls):
@@ -286,7 +287,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
 
     # -- weights
     def update_weights_from_disk(
-        self, model_path: str, *, expected_checksum: str | None = None, **fields: Any
+        self, model_path: str, *, expected_checksum: str | None = None, **fields: Unpack[DiskUpdateFields]
     ) -> FleetAnswer[UpdateWeightsFromDiskResult]:
         """``expected_checksum``: the digest every worker must hold afterwards (:mod:`router.trainer.digests`);
         the router publishes the update only if each does (a 502 names each worker's otherwise)."""
@@ -296,7 +297,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
         )
 
     def update_weights_from_tensor(
-        self, *, expected_checksum: str | None = None, **fields: Any
+        self, *, expected_checksum: str | None = None, **fields: Unpack[TensorUpdateFields]
     ) -> FleetAnswer[AdminResult]:
         return self._admin(
             ep.UPDATE_WEIGHTS_FROM_TENSOR,
@@ -334,7 +335,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
 
     def update_weights_from_distributed(
         self,
-        bucket: Bucket,
+        bucket: BucketMetadata,
         *,
         group_name: str = DEFAULT_GROUP_NAME,
         load_format: str | None = None,
@@ -358,7 +359,7 @@ class RouterCalls(AdapterCalls, VllmCalls):
 
     def prepare_weights_update(
         self,
-        buckets: Sequence[Bucket],
+        buckets: Sequence[BucketMetadata],
         *,
         group_name: str = DEFAULT_GROUP_NAME,
         load_format: str | None = None,

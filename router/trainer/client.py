@@ -9,7 +9,8 @@ from typing import TypeVar, Unpack
 
 from router.contract.base import WireResponse
 from router.contract.fleet import ROUTER_ROLE_HEADER, STANDBY_ROLE
-from router.trainer.calls import Bucket, Call, RouterCalls, decode_answer, unreachable
+from router.contract.weight_sync import BucketMetadata
+from router.trainer.calls import Call, RouterCalls, decode_answer, unreachable
 from router.trainer.driver import SyncReport, WeightSync
 from router.trainer.failover import StandbyAnswered, TransportFailed, never_connected, through_failover
 from router.trainer.options import SyncOptions
@@ -49,7 +50,7 @@ class RouterClient(RouterCalls):
         return status, raw
 
     def sync_weights(
-        self, *, buckets: Sequence[Bucket], broadcast: Callable[[int], None], **options: Unpack[SyncOptions]
+        self, *, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None], **options: Unpack[SyncOptions]
     ) -> SyncReport:
         """Run one whole weight sync through the router: ``group`` and :class:`WeightSync`'s other
         keywords (:class:`~router.trainer.options.SyncOptions`)."""

@@ -47,7 +47,7 @@ from router.contract.budget import HOP_MARGIN_S
 from router.contract.endpoint import Endpoint
 from router.contract.fleet_answers import CompleteFleetAnswer, GroupInitFleetAnswer, WorkerResult
 from router.contract.weight_sync import DEFAULT_GROUP_NAME, BucketMetadata
-from router.trainer.calls import Bucket, RouterCallError, RouterCalls
+from router.trainer.calls import RouterCallError, RouterCalls
 from router.trainer.rendezvous import alongside
 
 log = logging.getLogger(__name__)
@@ -260,9 +260,10 @@ class WeightSync:
 
     # ------------------------------------------------------------------ the cycle
 
-    def run(self, buckets: Sequence[Bucket], broadcast: Callable[[int], None]) -> SyncReport:
+    def run(self, buckets: Sequence[BucketMetadata], broadcast: Callable[[int], None]) -> SyncReport:
         start = time.perf_counter()
-        metas = [b if isinstance(b, BucketMetadata) else BucketMetadata.model_validate(b) for b in buckets]
+        # A model passes as it is; an untyped caller's dict (the shape the wire takes) is still validated into one.
+        metas = [BucketMetadata.model_validate(b) for b in buckets]
         world = self._stage("init_group", self.ensure_group, uncertain=False)
         self._stage("pause", lambda: self.client.pause_generation(self.pause_mode), uncertain=False)
         try:
