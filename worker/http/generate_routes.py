@@ -17,37 +17,19 @@ from collections.abc import AsyncIterator
 from aiohttp import web
 
 from router.contract.errors import ApiError, Unavailable
-from router.contract.generate import GenerateRequest, GenerateResponse, SamplingParams
+from router.contract.generate import GenerateRequest, GenerateResponse
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
 from worker.engine.model_worker import ModelWorker
-from worker.engine.request import GenerationParams
 from worker.generation_admission import SHUTTING_DOWN
 from worker.generation_handle import GenerationHandle
 from worker.http.keys import ADAPTERS, COORDINATOR
+from worker.http.sampling import generation_params
 from worker.http.streaming import ClientGone, client_gone, event_stream, open_sse, send_event
 from worker.http.wire import json_answer
 
 POLL_S = 0.5
-
-
-def generation_params(sp: SamplingParams, return_logprob: bool, top_logprobs_num: int | None) -> GenerationParams:
-    return GenerationParams(
-        max_new_tokens=sp.max_new_tokens,
-        min_new_tokens=sp.min_new_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p,
-        top_k=sp.top_k,
-        min_p=sp.min_p,
-        stop_strings=tuple(sp.stop_strings()),
-        stop_token_ids=frozenset(sp.stop_token_ids or ()),
-        ignore_eos=sp.ignore_eos,
-        no_stop_trim=sp.no_stop_trim,
-        seed=sp.effective_seed,
-        return_logprob=return_logprob,
-        top_logprobs_num=(top_logprobs_num or 0) if return_logprob else 0,
-    )
 
 
 def prompts_of(body: GenerateRequest, worker: ModelWorker) -> list[list[int]]:
@@ -103,7 +85,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         rid = body.item_rid(i)
         if rid is not None and coord.generation.rid_in_flight(rid):
             raise ApiError(400, f"a request with rid {rid!r} is already in flight")
-        params = generation_params(sp, body.item_return_logprob(i), body.top_logprobs_num)
+        logprobs = (body.top_logprobs_num or 0) if body.item_return_logprob(i) else None
+        params = generation_params(sp, max_new_tokens=sp.max_new_tokens, seed=sp.effective_seed, logprobs=logprobs)
         items.append((ids, params, rid, adapters.resolve(body.item_lora_path(i))))
     check_admission(coord)
 

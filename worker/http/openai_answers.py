@@ -16,6 +16,8 @@ newest token, or the served one before any token.
 
 from __future__ import annotations
 
+from typing import Any
+
 from router.contract.openai import (
     ChatChoice,
     ChatCompletionResponse,
@@ -170,36 +172,27 @@ def response_body(call: Call, worker: ModelWorker) -> Answer:
 # -- streamed chunks ------------------------------------------------------------------------------
 
 
-def _completion_chunk(call: Call, worker: ModelWorker, choices: list[CompletionChoice]) -> CompletionResponse:
+def _chunk_fields(call: Call, worker: ModelWorker) -> dict[str, Any]:
+    """What every streamed chunk of ``call`` carries besides its ``object`` and ``choices``."""
     version = weight_version(call, worker)
-    out = CompletionResponse(
-        id=call.id,
-        object="text_completion",
-        created=call.created,
-        model=call.model,
-        weight_version=version,
-        metadata=ResponseMetadata(weight_version=version),
-        choices=choices,
-    )
+    fields: dict[str, Any] = {
+        "id": call.id,
+        "created": call.created,
+        "model": call.model,
+        "weight_version": version,
+        "metadata": ResponseMetadata(weight_version=version),
+    }
     if call.include_usage:
-        out.usage = None  # sent as null on every chunk, counted on the last (OpenAI's include_usage)
-    return out
+        fields["usage"] = None  # sent as null on every chunk, counted on the last (OpenAI's include_usage)
+    return fields
+
+
+def _completion_chunk(call: Call, worker: ModelWorker, choices: list[CompletionChoice]) -> CompletionResponse:
+    return CompletionResponse(object="text_completion", choices=choices, **_chunk_fields(call, worker))
 
 
 def _chat_chunk(call: Call, worker: ModelWorker, choices: list[ChatChunkChoice]) -> ChatCompletionChunk:
-    version = weight_version(call, worker)
-    out = ChatCompletionChunk(
-        id=call.id,
-        object="chat.completion.chunk",
-        created=call.created,
-        model=call.model,
-        weight_version=version,
-        metadata=ResponseMetadata(weight_version=version),
-        choices=choices,
-    )
-    if call.include_usage:
-        out.usage = None  # sent as null on every chunk, counted on the last (OpenAI's include_usage)
-    return out
+    return ChatCompletionChunk(object="chat.completion.chunk", choices=choices, **_chunk_fields(call, worker))
 
 
 def opening(call: Call, worker: ModelWorker, choice: Choice) -> Chunk | None:

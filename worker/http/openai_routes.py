@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from typing import Protocol
 
 from aiohttp import web
 
@@ -40,12 +39,12 @@ from router.contract.openai import (
 from router.contract.web.openapi import Route
 from router.contract.web.parsing import parse_body
 from worker.coordinator import Coordinator
-from worker.engine.request import GenerationParams
 from worker.generation_handle import GenerationHandle
 from worker.http import openai_answers as answers
 from worker.http.generate_routes import check_admission, check_lengths, check_prompts, follow
 from worker.http.keys import ADAPTERS, COORDINATOR
 from worker.http.openai_calls import Call, Choice, Kind
+from worker.http.sampling import Sampling, generation_params
 from worker.http.streaming import ClientGone, event_stream, open_sse, send_event
 from worker.http.wire import json_answer
 from worker.model.chat_template import ChatTemplateError
@@ -60,34 +59,6 @@ def _choice_seed(seed: int | None, j: int) -> int | None:
     if seed is None or j == 0:
         return seed
     return (seed + j) % _SEED_SPAN
-
-
-class Sampling(Protocol):
-    """What a call's choices sample with: the OpenAI requests, and vLLM's ``SamplingParams``."""
-
-    @property
-    def max_new_tokens(self) -> int | None: ...
-    @property
-    def choices_per_prompt(self) -> int: ...
-    @property
-    def effective_temperature(self) -> float: ...
-    @property
-    def effective_top_p(self) -> float: ...
-    @property
-    def effective_top_k(self) -> int: ...
-    @property
-    def effective_min_p(self) -> float: ...
-    @property
-    def min_tokens(self) -> int: ...
-    @property
-    def stop_token_ids(self) -> list[int] | None: ...
-    @property
-    def ignore_eos(self) -> bool: ...
-    @property
-    def include_stop_str_in_output(self) -> bool: ...
-    @property
-    def seed(self) -> int | None: ...
-    def stop_strings(self) -> list[str]: ...
 
 
 def _plan(
@@ -141,20 +112,8 @@ def plan_call(request: web.Request, sampling: Sampling, call: Call, *, rid: str)
             choice_rid = rid if total == 1 else f"{rid}-{index}"
             if coord.generation.rid_in_flight(choice_rid):
                 raise ApiError(400, f"a request with rid {choice_rid!r} is already in flight")
-            params = GenerationParams(
-                max_new_tokens=max_new,
-                min_new_tokens=min(sampling.min_tokens, max_new),
-                temperature=sampling.effective_temperature,
-                top_p=sampling.effective_top_p,
-                top_k=sampling.effective_top_k,
-                min_p=sampling.effective_min_p,
-                stop_strings=tuple(sampling.stop_strings()),
-                stop_token_ids=frozenset(sampling.stop_token_ids or ()),
-                ignore_eos=sampling.ignore_eos,
-                no_stop_trim=sampling.include_stop_str_in_output,
-                seed=_choice_seed(sampling.seed, j),
-                return_logprob=call.logprobs is not None,
-                top_logprobs_num=call.logprobs or 0,
+            params = generation_params(
+                sampling, max_new_tokens=max_new, seed=_choice_seed(sampling.seed, j), logprobs=call.logprobs
             )
             offset = len(call.echo_texts[p]) if call.echo_texts is not None else 0
             call.choices.append(Choice(index=index, prompt_index=p, rid=choice_rid, params=params, text_offset=offset))
