@@ -353,16 +353,32 @@ class ChatResponseMessage(WireResponse):
     content: str | None = None
 
 
-class ChatChoice(WireResponse):
-    index: int
-    message: ChatResponseMessage
+class ChoiceTail(WireResponse):
+    """The fields a chat choice and a streamed chunk's choice share, after their ``message`` / ``delta``.
+
+    A choice class lists it first among its bases and its own head (``index`` and the message) second:
+    pydantic orders fields by the reversed MRO, so the head's come first and the wire order is
+    OpenAI's (``index``, ``message``, ``logprobs``, ...) in both."""
+
     logprobs: ChatLogprobs | None = None
     finish_reason: FinishReasonName | None = None
     stop_reason: int | str | None = None
     token_ids: list[int] | None = None
-    #: The weights that sampled each span of this choice's tokens, and its first token's (omni-worker).
+    #: The weights that sampled each span of the choice's tokens (so far, in a chunk), and its first token's
+    #: (omni-worker).
     weight_versions: list[WeightVersionSpan] | None = None
     first_token_weight_version: str | None = None
+
+
+class _ChatChoiceHead(WireResponse):
+    index: int
+    message: ChatResponseMessage
+
+
+# One choice of a chat completion: ``index``, ``message``, then ChoiceTail's fields. (No docstring: it
+# would become the choice's description in the OpenAPI document, which has none.)
+class ChatChoice(ChoiceTail, _ChatChoiceHead):
+    pass
 
 
 class ChatCompletionResponse(WireResponse):

@@ -14,8 +14,7 @@ not null. Nothing here imports torch.
 from __future__ import annotations
 
 from router.contract.base import WireResponse
-from router.contract.generate import WeightVersionSpan
-from router.contract.openai import ChatLogprobs, FinishReasonName, ResponseMetadata, Usage
+from router.contract.openai import ChoiceTail, ResponseMetadata, Usage
 
 
 class ChatDelta(WireResponse):
@@ -25,18 +24,14 @@ class ChatDelta(WireResponse):
     content: str | None = None
 
 
-class ChatChunkChoice(WireResponse):
-    """One choice of a chunk; ``stop_reason`` only on its last, ``token_ids`` only with ``return_token_ids``."""
-
+class _ChatChunkChoiceHead(WireResponse):
     index: int
     delta: ChatDelta
-    logprobs: ChatLogprobs | None = None
-    finish_reason: FinishReasonName | None = None
-    stop_reason: int | str | None = None
-    token_ids: list[int] | None = None
-    #: The weights that sampled each span of the choice's tokens so far, and its first token's (omni-worker).
-    weight_versions: list[WeightVersionSpan] | None = None
-    first_token_weight_version: str | None = None
+
+
+# Fields: ``index``, ``delta``, then ChoiceTail's (see there for the order).
+class ChatChunkChoice(ChoiceTail, _ChatChunkChoiceHead):
+    """One choice of a chunk; ``stop_reason`` only on its last, ``token_ids`` only with ``return_token_ids``."""
 
 
 class ChatCompletionChunk(WireResponse):
