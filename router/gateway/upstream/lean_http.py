@@ -46,7 +46,7 @@ from urllib.parse import urlsplit
 from router.gateway.upstream import lean_batch
 from router.gateway.upstream.lean_batch import Exchange
 from router.gateway.upstream.lean_conn import LeanConnection
-from router.gateway.upstream.transport import MAX_BODY_BYTES, NotAdmitted, UpstreamError
+from router.gateway.upstream.transport import MAX_BODY_BYTES, NotAdmitted, Transport, UpstreamError
 
 __all__ = ["KEEPALIVE_S", "Exchange", "HttpUpstream", "LeanResponse"]
 
@@ -129,7 +129,7 @@ class LeanResponse:
             self._pool.checkin(self._key, self._conn)
 
 
-class HttpUpstream:
+class HttpUpstream(Transport):
     """Pooled keep-alive connections per worker ``host:port``, for plain-http workers.
 
     ``limit``: requests in flight at once (0: no bound); ``max_idle_per_host``: idle connections
@@ -176,27 +176,6 @@ class HttpUpstream:
             if len(self._targets) > 4096:  # workers come and go: never grow without bound
                 self._targets.clear()
         return target
-
-    async def fetch(
-        self,
-        method: str,
-        base_url: str,
-        path: str,
-        body: bytes | None,
-        headers: dict[str, str],
-        *,
-        timeout_s: float,
-        max_bytes: int = MAX_BODY_BYTES,
-    ) -> tuple[int, bytes]:
-        """One whole exchange: ``(status, body)``, the body at most ``max_bytes``; the deadline covers it all.
-
-        Raises as :meth:`request` does, and :class:`UpstreamError` or ``TimeoutError`` while reading.
-        """
-        resp = await self.request(method, base_url, path, body, headers, timeout_s=timeout_s)
-        try:
-            return resp.status, await resp.read(max_bytes)
-        finally:
-            resp.release()
 
     async def fetch_all(
         self,

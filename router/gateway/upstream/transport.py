@@ -60,7 +60,10 @@ class UpstreamResponse(Protocol):
 
 
 class Transport(Protocol):
-    """One way to reach workers: a request whose answer streams, or a whole exchange."""
+    """One way to reach workers: a request whose answer streams, or a whole exchange.
+
+    Each transport subclasses it, so mypy checks its methods against these signatures, and inherits
+    :meth:`fetch`, which only needs :meth:`request`."""
 
     def request(
         self,
@@ -90,8 +93,15 @@ class Transport(Protocol):
         timeout_s: float,
         max_bytes: int = MAX_BODY_BYTES,
     ) -> tuple[int, bytes]:
-        """One whole exchange: ``(status, body)``; the deadline covers it all."""
-        ...
+        """One whole exchange: ``(status, body)``, the body at most ``max_bytes``; the deadline covers it all.
+
+        Raises as :meth:`request` does, and :class:`UpstreamError` or ``TimeoutError`` while reading.
+        Written once, here: each transport subclasses this protocol and inherits it."""
+        resp = await self.request(method, base_url, path, body, headers, timeout_s=timeout_s)
+        try:
+            return resp.status, await resp.read(max_bytes)
+        finally:
+            resp.release()
 
     def cut(self, base_url: str, message: str, *, unanswered_only: bool = False) -> int:
         """End the requests in flight to one worker: their waits raise :class:`UpstreamError` (``message``).

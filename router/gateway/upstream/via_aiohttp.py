@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable
 
 import aiohttp
 
-from router.gateway.upstream.transport import MAX_BODY_BYTES, NotAdmitted, UpstreamError
+from router.gateway.upstream.transport import NotAdmitted, Transport, UpstreamError
 
 __all__ = ["AiohttpUpstream"]
 
@@ -86,7 +86,7 @@ class _AiohttpResponse:
         self._resp.release()
 
 
-class AiohttpUpstream:
+class AiohttpUpstream(Transport):
     """Requests to ``https`` workers over one lazily opened aiohttp session."""
 
     def __init__(self, *, limit: int, connect_timeout_s: float):
@@ -161,24 +161,6 @@ class AiohttpUpstream:
         for answer in answers:
             answer.cut(message)
         return len(answers)
-
-    async def fetch(
-        self,
-        method: str,
-        base_url: str,
-        path: str,
-        body: bytes | None,
-        headers: dict[str, str],
-        *,
-        timeout_s: float,
-        max_bytes: int = MAX_BODY_BYTES,
-    ) -> tuple[int, bytes]:
-        """One whole exchange: ``(status, body)``, the body at most ``max_bytes``."""
-        resp = await self.request(method, base_url, path, body, headers, timeout_s=timeout_s)
-        try:
-            return resp.status, await resp.read(max_bytes)
-        finally:
-            resp.release()
 
     async def close(self) -> None:
         if self._session is not None:
