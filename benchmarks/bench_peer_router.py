@@ -70,7 +70,7 @@ from benchmarks.peer_tools import (
     peer_argv,
 )
 from demo.launch import ManagedProcess, cli, free_port, http_json
-from router.gateway.data_planes.launch import data_plane_count
+from router.gateway.processes.launch import data_plane_count
 
 
 @dataclass

@@ -189,7 +189,7 @@ def _grants(role: Obj) -> set[tuple[str, str, str, str | None]]:
 
 
 def test_rbac_grants_exactly_discovery_the_lease_and_the_state_configmaps(objs: tuple[Obj, ...]) -> None:
-    from router.gateway.leader.takeover import RECORDS
+    from router.gateway.leadership import RECORDS
     from router.gateway.state.k8s_store import configmap_name
 
     assert not _of_kind(objs, "ClusterRole")

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from router import __version__
-from router.gateway.discovery.k8s import require_client
+from router.gateway.k8s_extra import require_client
 
 pytestmark = pytest.mark.process
 

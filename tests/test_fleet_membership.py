@@ -27,9 +27,9 @@ from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.discovery.k8s import PodWorker
 from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.fleet.groups import WeightGroups, membership_changes
-from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import FleetWeights
+from router.gateway.health import HealthChecker, WorkerProber
 from router.gateway.metrics import RouterMetrics
 from router.gateway.upstream import WorkerClient
 

@@ -3,7 +3,7 @@ its generation routes with (its lean server, :mod:`router.gateway.frontend`, and
 :mod:`router.gateway.edge`), in-process, with scripted stand-in workers.
 
 What a caller can do to cost the router memory, a worker's time or another caller's answer, and what the
-router must answer (docs/router.md, "The front door"; :mod:`router.gateway.frontend.rules`):
+router must answer (docs/router.md, "The front door"; :mod:`router.gateway.head_rules`):
 
 - a head that is refused before any body byte is read (a repeated single header, no key, a declared length
   over the bound, the lean server's body budget): answered at once, ``Connection: close``, then closed;

@@ -10,7 +10,10 @@ stands: at module level, inside a function, or under ``if TYPE_CHECKING:``. The 
   import only ``router.contract`` (and ``router.__version__``);
 - ``router.gateway`` and ``router.contract`` never reach torch, directly or through any project module
   they import (followed transitively, with the parent packages each import runs);
-- no import cycles among project modules.
+- no import cycles among project modules;
+- inside ``router.gateway``, each sub-package and each root module (``keys.py``, ``config.py``, ...) is one
+  unit: the units form no loop, and each imports only units on its floor of :data:`GATEWAY_FLOORS` or below
+  (the floors are written in docs/architecture.md, "The gateway's floors").
 
 A subprocess also checks the runtime fact the torch rule is for: importing the gateway loads no torch.
 """
@@ -33,6 +36,28 @@ PACKAGES = ("router", "worker")
 WORKER_MAY_USE = ("router.contract", "router.dataplane")
 #: Modules of the optional heavy dependencies the torch rule forbids (torch's own submodules included).
 TORCH = "torch"
+
+GATEWAY = "router.gateway"
+#: The gateway's units (a sub-package, or a module at its root), floor by floor from the bottom: a unit may
+#: import units of its own floor (never in a loop) and of the floors below it. A new unit is placed here and in
+#: docs/architecture.md ("The gateway's floors").
+GATEWAY_FLOORS: tuple[tuple[str, ...], ...] = (
+    ("config", "dashboard", "head_rules", "k8s_extra", "leader", "shutdown", "tasks", "upstream"),
+    ("serving", "state"),
+    ("fleet",),
+    ("engines", "metrics_adapters"),
+    ("health", "metrics"),
+    ("edge", "routing"),
+    ("admin", "data_planes"),
+    ("discovery", "status", "sync"),
+    ("keys",),
+    ("catch_up", "frontend", "leadership"),
+    ("api",),
+    ("app",),
+    ("processes",),
+    ("cli",),
+)
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
 
 
 @dataclass(frozen=True)
@@ -218,9 +243,8 @@ def test_the_rules_see_a_torch_import_through_the_graph() -> None:
         assert any(_in(i.target, TORCH) for m in runs(name) for i in project()[m].imports), name
 
 
-def import_cycles() -> list[list[str]]:
-    """The strongly connected components of more than one module (or a module importing itself), by Tarjan."""
-    graph = {name: sorted(edges(name)) for name in project()}
+def loops(graph: dict[str, list[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node, by Tarjan (``graph``: node → the nodes it imports)."""
     index: dict[str, int] = {}
     low: dict[str, int] = {}
     stack: list[str] = []
@@ -231,7 +255,7 @@ def import_cycles() -> list[list[str]]:
         index[node] = low[node] = len(index)
         stack.append(node)
         on_stack.add(node)
-        for nxt in graph[node]:
+        for nxt in graph.get(node, ()):
             if nxt not in index:
                 visit(nxt)
                 low[node] = min(low[node], low[nxt])
@@ -259,6 +283,11 @@ def import_cycles() -> list[list[str]]:
     return sorted(components)
 
 
+def import_cycles() -> list[list[str]]:
+    """The import cycles among project modules (no module imports itself: :func:`edges` leaves that out)."""
+    return loops({name: sorted(edges(name)) for name in project()})
+
+
 def test_no_import_cycles() -> None:
     cycles = import_cycles()
     assert not cycles, "import cycles among project modules:\n" + "\n".join(" ↔ ".join(c) for c in cycles)
@@ -275,3 +304,89 @@ def test_gateway_import_loads_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def gateway_unit(name: str) -> str | None:
+    """The gateway unit a module belongs to: its sub-package, or itself for a module at the gateway's root."""
+    if not name.startswith(GATEWAY + "."):
+        return None
+    return name[len(GATEWAY) + 1 :].split(".")[0]
+
+
+def gateway_imports() -> dict[str, dict[str, list[str]]]:
+    """Unit → the other units it imports → where (``file:line imports target``), every import counted."""
+    found: dict[str, dict[str, list[str]]] = {}
+    for module in project().values():
+        unit = gateway_unit(module.name)
+        if unit is None:
+            continue
+        targets = found.setdefault(unit, {})
+        for imp in module.imports:
+            target = _project_target(imp.target)
+            other = gateway_unit(target) if target is not None else None
+            if other is not None and other != unit:
+                targets.setdefault(other, []).append(_where(module, imp))
+    return found
+
+
+def gateway_loops(imports: dict[str, dict[str, list[str]]]) -> list[str]:
+    """Each loop among the units, with the imports that close it."""
+    found = []
+    for loop in loops({unit: sorted(targets) for unit, targets in imports.items()}):
+        inside = set(loop)
+        lines = [
+            f"  {where}"
+            for unit in loop
+            for other, wheres in sorted(imports[unit].items())
+            if other in inside
+            for where in wheres
+        ]
+        found.append(" ↔ ".join(loop) + ":\n" + "\n".join(lines))
+    return found
+
+
+def test_gateway_units_form_no_loop() -> None:
+    found = gateway_loops(gateway_imports())
+    assert not found, "loops among router.gateway's sub-packages and root modules:\n" + "\n".join(found)
+
+
+def test_gateway_units_import_only_their_floor_or_below() -> None:
+    floor_of = {unit: floor for floor, units in enumerate(GATEWAY_FLOORS) for unit in units}
+    imports = gateway_imports()
+    unplaced = sorted(set(imports) - set(floor_of))
+    assert not unplaced, f"place these router.gateway units in GATEWAY_FLOORS and docs/architecture.md: {unplaced}"
+    assert not set(floor_of) - set(imports), "GATEWAY_FLOORS names units that do not exist"
+    upward = [
+        f"{unit} (floor {floor_of[unit]}) → {other} (floor {floor_of[other]}): {where}"
+        for unit, targets in sorted(imports.items())
+        for other, wheres in sorted(targets.items())
+        if floor_of[other] > floor_of[unit]
+        for where in wheres
+    ]
+    assert not upward, "router.gateway units importing above their floor:\n" + "\n".join(upward)
+
+
+def written_floors() -> list[tuple[str, ...]]:
+    """The floors as docs/architecture.md writes them: the table under "The gateway's floors", bottom row first;
+    its second column names the units in backquotes (a package with a trailing ``/``, a module with ``.py``)."""
+    text = ARCHITECTURE.read_text()
+    section = text.split("### The gateway's floors", 1)[1].split("\n#", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("| ") and line[2:3].isdigit()]
+    floors = []
+    for row in rows:
+        names = row.split("|")[2].split("`")[1::2]
+        floors.append(tuple(sorted(name.removesuffix("/").removesuffix(".py") for name in names)))
+    return floors
+
+
+def test_the_floors_are_the_ones_docs_architecture_writes() -> None:
+    assert written_floors() == [tuple(sorted(units)) for units in GATEWAY_FLOORS]
+
+
+def test_the_gateway_rules_see_a_loop_and_an_import_upward() -> None:
+    """The checks above would catch a loop coming back: one added import up the floors closes one."""
+    imports = gateway_imports()
+    assert "admin" in imports["sync"] and "keys" in imports["api"]
+    imports["admin"].setdefault("sync", []).append("router/gateway/admin/x.py:1 imports router.gateway.sync.x")
+    found = gateway_loops(imports)
+    assert len(found) == 1 and found[0].startswith("admin ↔ sync:"), found

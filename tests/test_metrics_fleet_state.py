@@ -16,12 +16,11 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from router.gateway import keys
+from router.gateway import keys, leadership
 from router.gateway.admin.journal import UpdateJournal
 from router.gateway.data_planes.metrics_merge import merge
 from router.gateway.data_planes.supervisor import DataPlaneSupervisor
 from router.gateway.fleet.registry import Worker, WorkerRegistry
-from router.gateway.leader import takeover
 from router.gateway.leader.elector import LeaseElector
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.leader.pod_label import PodRole
@@ -62,7 +61,7 @@ def state_series(samples: Samples) -> set[str]:
 
 
 class FakeLease:
-    """The election as the gate and :func:`takeover.lead` see it: the lease is taken at once and
+    """The election as the gate and :func:`leadership.lead` see it: the lease is taken at once and
     held until :attr:`lost` is set."""
 
     identity, holder = "router-a", "router-a"
@@ -185,7 +184,7 @@ async def test_a_worker_off_the_fleets_weights_is_pending(tmp_path: Path) -> Non
 
 async def test_the_leader_role_and_the_takeover_it_counts(monkeypatch: Any) -> None:
     """The gate's role as it moves (standby, taking over, leader, stepped down), and one transition
-    counted by :func:`takeover.lead` when the gate opens."""
+    counted by :func:`leadership.lead` when the gate opens."""
     lease = FakeLease()
     gate = LeaderGate(lease)
     metrics = RouterMetrics(WorkerRegistry(), leader=gate)
@@ -206,11 +205,11 @@ async def test_the_leader_role_and_the_takeover_it_counts(monkeypatch: Any) -> N
         reading.set()
         await read.wait()
 
-    monkeypatch.setattr(takeover, "take_over", take_over)
+    monkeypatch.setattr(leadership, "take_over", take_over)
     exits: list[str] = []
     label = PodLabel()
     leading = asyncio.create_task(
-        takeover.lead(app, cast(LeaseElector, lease), gate, exit_process=exits.append, role=cast(PodRole, label))
+        leadership.lead(app, cast(LeaseElector, lease), gate, exit_process=exits.append, role=cast(PodRole, label))
     )
     await reading.wait()
     taking_over = scrape(metrics)

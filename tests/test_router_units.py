@@ -35,9 +35,9 @@ from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.operations import OPERATIONS
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.admin.verdicts import judge
-from router.gateway.config import RouterConfig
+from router.gateway.config import RouterConfig, process_share
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry, normalize_url, worker_id_for
-from router.gateway.frontend.budget import BodyBudget, process_share
+from router.gateway.frontend.budget import BodyBudget
 from router.gateway.routing.policy import LeastInflight, Random, RoundRobin, make_policy
 from router.gateway.routing.prepare import prepare_generate, prepare_tokens_payload
 from router.gateway.sync.ranks import plan_ranks

@@ -50,11 +50,11 @@ from router.gateway.discovery.reconcile import DiscoveredFleet
 from router.gateway.edge import edge_middleware, expect_after_head
 from router.gateway.fleet.adapters import ADAPTERS_FILE
 from router.gateway.fleet.groups import GROUPS_FILE, WeightGroups
-from router.gateway.fleet.health import HealthChecker, WorkerProber
 from router.gateway.fleet.registry import HealthThresholds, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, FleetWeights
 from router.gateway.frontend.site import FRONTEND, Frontend
-from router.gateway.leader.takeover import Leadership
+from router.gateway.health import HealthChecker, WorkerProber
+from router.gateway.leadership import Leadership
 from router.gateway.metrics import RouterMetrics
 from router.gateway.routing.affinity import SessionAffinity
 from router.gateway.routing.policy import make_policy

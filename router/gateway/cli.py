@@ -20,10 +20,10 @@ from router.contract.errors import ApiError
 from router.contract.settings import Flag, add_flags, from_args
 from router.gateway.app import create_app
 from router.gateway.config import RouterConfig
-from router.gateway.data_planes.control import DEFAULT_ACK_TIMEOUT_S
-from router.gateway.data_planes.launch import data_plane_count, run_control, run_data_plane
-from router.gateway.discovery.k8s import require_client
 from router.gateway.frontend.site import lean_tcp
+from router.gateway.k8s_extra import require_client
+from router.gateway.processes.control import DEFAULT_ACK_TIMEOUT_S
+from router.gateway.processes.launch import data_plane_count, run_control, run_data_plane
 from router.gateway.serving import Hooks, serve, tcp
 
 log = logging.getLogger("router")

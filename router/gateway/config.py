@@ -12,10 +12,10 @@ from typing import Annotated, Literal, get_args
 from router.contract.budget import DEFAULT_LOCK_WAIT_S
 from router.contract.fleet import EngineName
 from router.contract.settings import Flag, key_value
+from router.contract.version_policy import parse_version_policy
 from router.contract.web.auth import ADMIN_KEY_ENV
+from router.contract.web.parsing import MAX_BODY_BYTES
 from router.contract.weight_digest import VerifyUpdates
-from router.gateway.frontend.budget import process_share
-from router.gateway.routing.version_policy import parse_version_policy
 
 PolicyName = Literal["least_inflight", "round_robin", "random"]
 POLICY_NAMES: tuple[str, ...] = get_args(PolicyName)
@@ -27,6 +27,18 @@ SyncJoinersName = Literal["peer", "off"]
 SYNC_JOINERS_NAMES: tuple[str, ...] = get_args(SyncJoinersName)
 WorkerEngineName = Literal["auto", "omni", "vllm", "sglang"]
 WORKER_ENGINE_NAMES: tuple[str, ...] = get_args(WorkerEngineName)
+
+#: The router's default body budget (:mod:`router.gateway.frontend.budget`), shared by its serving processes:
+#: sixteen bodies of the largest size.
+DEFAULT_ROUTER_BUDGET_BYTES = 16 * MAX_BODY_BYTES
+#: Each serving process may hold at least this much, so two of the largest bodies always fit.
+MIN_PROCESS_BUDGET_BYTES = 2 * MAX_BODY_BYTES
+
+
+def process_share(router_budget_bytes: int | None, processes: int) -> int:
+    """One serving process's share of the router's body budget (the default when ``None``)."""
+    total = DEFAULT_ROUTER_BUDGET_BYTES if router_budget_bytes is None else router_budget_bytes
+    return max(MIN_PROCESS_BUDGET_BYTES, total // max(1, processes))
 
 
 def worker_floor(text: str) -> float:
@@ -333,7 +345,7 @@ class RouterConfig:
         return 2 * self.health_failure_threshold
 
     def body_budget_bytes(self) -> int:
-        """This process's share of the router's body budget (:mod:`router.gateway.frontend.budget`)."""
+        """This process's share of the router's body budget (:func:`process_share`)."""
         total = None if self.body_budget_mb is None else self.body_budget_mb * 1024 * 1024
         return process_share(total, self.generation_processes)
 

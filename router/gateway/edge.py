@@ -8,7 +8,7 @@ fusing them saves about a tenth of the CPU a proxied request costs (docs/benchma
 The order is the one three layers had: the metrics see the status of the error answer,
 and a 401 is counted like any other answer.
 
-What is refused at the head (:mod:`router.gateway.frontend.rules`, the same rules as the lean
+What is refused at the head (:mod:`router.gateway.head_rules`, the same rules as the lean
 server's) is refused before the handler reads a body byte, and the answer closes the connection.
 aiohttp's parser already refuses a repeated ``Host`` or ``Content-Length``; a repeated
 ``Authorization`` is refused here, and a declared length over the bound too (aiohttp's own bound,
@@ -29,7 +29,7 @@ from router.contract.web.auth import AccessCheck
 from router.contract.web.middleware import Handler, error_response
 from router.contract.web.openapi import ExpectHandler
 from router.contract.web.parsing import MAX_BODY_BYTES
-from router.gateway.frontend.rules import repeated, too_large
+from router.gateway.head_rules import repeated, too_large
 from router.gateway.metrics import RouterMetrics
 
 #: The route label of a request that matched no route.

@@ -14,8 +14,8 @@ from router.gateway.config import RouterConfig
 from router.gateway.data_planes.hub import DataPlaneHub
 from router.gateway.discovery.k8s import DiscoveryStatus
 from router.gateway.discovery.reconcile import DiscoveredFleet
-from router.gateway.fleet.health import HealthChecker
 from router.gateway.fleet.registry import WorkerRegistry
+from router.gateway.health import HealthChecker
 from router.gateway.leader.elector import LeaseElector
 from router.gateway.leader.gate import LeaderGate
 from router.gateway.metrics import RouterMetrics

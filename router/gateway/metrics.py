@@ -20,20 +20,16 @@ from __future__ import annotations
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol, get_args
+from typing import Protocol, get_args
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
-from router.contract.fleet import LeaderRole
+from router.contract.fleet import JournalState, LeaderRole, LeaderView
 from router.gateway.fleet.registry import WorkerRegistry
 from router.gateway.metrics_adapters import AdapterCollector
-
-if TYPE_CHECKING:
-    from router.gateway.admin.journal import UpdateJournal
-    from router.gateway.leader.gate import LeaderGate
 
 #: A bucket bound as Prometheus writes it (``+Inf``, ``0.005``); prometheus_client ships it unannotated.
 _go_float: Callable[[float], str] = floatToGoString
@@ -53,8 +49,24 @@ class RestartCount(Protocol):
     def restarts(self) -> int: ...
 
 
+class JournalSource(Protocol):
+    """What the metrics read of the update journal (:class:`~router.gateway.admin.journal.UpdateJournal`, which
+    sits above the metrics: its admin runs record into them)."""
+
+    @property
+    def pending(self) -> JournalState | None: ...
+
+    def names(self, worker_id: str) -> bool: ...
+
+
+class RoleSource(Protocol):
+    """What the metrics read of the leader gate (:class:`~router.gateway.leader.gate.LeaderGate`)."""
+
+    def view(self) -> LeaderView: ...
+
+
 class _FleetCollector(Collector):
-    def __init__(self, registry: WorkerRegistry, journal: UpdateJournal | None):
+    def __init__(self, registry: WorkerRegistry, journal: JournalSource | None):
         self._registry = registry
         self._journal = journal
 
@@ -127,7 +139,7 @@ class _FleetCollector(Collector):
             yield from _journal_families(journal)
 
 
-def _journal_families(journal: UpdateJournal) -> Iterator[Metric]:
+def _journal_families(journal: JournalSource) -> Iterator[Metric]:
     """The unresolved entry: both states always (0 or 1), so an alert on it resolves instead of going stale."""
     entry = journal.pending
     state = GaugeMetricFamily(
@@ -152,10 +164,10 @@ class ControlState(Collector):
     series exists only where its source does (no gate without --leader-election, no supervisor
     without --data-plane-processes)."""
 
-    def __init__(self, leader: LeaderGate | None):
+    def __init__(self, leader: RoleSource | None):
         self.leader = leader
         self.leader_transitions = 0
-        """Counted by :func:`router.gateway.leader.takeover.lead` when the gate opens."""
+        """Counted by :func:`router.gateway.leadership.lead` when the gate opens."""
         self.data_planes: RestartCount | None = None
         """The data-plane supervisor, set by the control process that runs one."""
         self._created = time.time()
@@ -311,8 +323,8 @@ class RouterMetrics:
         workers: WorkerRegistry,
         *,
         fleet_gauges: bool = True,
-        journal: UpdateJournal | None = None,
-        leader: LeaderGate | None = None,
+        journal: JournalSource | None = None,
+        leader: RoleSource | None = None,
     ):
         """``fleet_gauges``: export the per-worker gauges and the control process's state (a data-plane
         process leaves them to its control process, which owns the registry, the journal and the gate,

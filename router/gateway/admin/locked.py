@@ -56,9 +56,9 @@ from router.gateway.admin.verify import Digest, digests_view, read_digests
 from router.gateway.admin.verify import judge as judge_digests
 from router.gateway.engines import refuse_unserved
 from router.gateway.fleet.groups import WeightGroups
-from router.gateway.fleet.health import WorkerProber
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import agreed_checksum
+from router.gateway.health import WorkerProber
 from router.gateway.metrics import RouterMetrics
 
 log = logging.getLogger(__name__)

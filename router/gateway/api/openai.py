@@ -32,8 +32,9 @@ from router.contract.openai import (
 )
 from router.contract.web.openapi import Route
 from router.gateway import keys
-from router.gateway.api.proxied import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH, proxied
+from router.gateway.api.proxied import proxied
 from router.gateway.fleet.registry import Worker
+from router.gateway.routing.proxied import CHAT_COMPLETIONS_PATH, COMPLETIONS_PATH
 from router.gateway.routing.proxy import describe_fleet
 from router.gateway.upstream import WorkerClient
 

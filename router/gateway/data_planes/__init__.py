@@ -9,7 +9,7 @@ With ``--data-plane-processes N`` (N > 1) the router runs as:
 * **N data-plane processes**, each listening on the public port with ``SO_REUSEPORT`` (the
   kernel spreads connections over them): each serves the generation routes itself from a
   mirror of the control process's routing state and forwards every other route (admin,
-  registry, metrics, health) to the control process over its Unix socket (:mod:`.data_plane`,
+  registry, metrics, health) to the control process over its Unix socket (:mod:`router.gateway.processes.data_plane`,
   :mod:`.forward`).
 
 The routing state travels as versioned snapshots (:mod:`.messages`): every change the control
@@ -21,4 +21,7 @@ before it writes a request's first byte, so after the acknowledgement no new req
 fenced worker from any process. A data plane that does not acknowledge in time fails the
 operation closed (503, nothing sent) and is restarted; one that dies is restarted, and only its
 own requests in flight are lost.
+
+This package holds what the app's objects use (the hub, the snapshots, the mirror, the relay, the
+supervisor); each process's app, built on the router's app, is :mod:`router.gateway.processes`.
 """

@@ -29,7 +29,6 @@ pod's service account inside a cluster, else ``KUBECONFIG``, else
 from __future__ import annotations
 
 import asyncio
-import importlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -37,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tenacity import AsyncRetrying, retry_if_exception_type, wait_exponential_jitter
+
+from router.gateway.k8s_extra import require_client
 
 if TYPE_CHECKING:
     from lightkube import AsyncClient
@@ -86,27 +87,6 @@ class DiscoveryStatus:
             "pods_seen": self.pods_seen,
             "candidates": self.candidates,
         }
-
-
-#: The modules of the ``k8s`` extra (lightkube and the HTTP client it is built on).
-K8S_EXTRA_MODULES = ("lightkube", "httpx2")
-EXTRA_MISSING = "{feature} needs the k8s extra: pip install 'omni-router[k8s]'"
-
-
-def require_client(feature: str = "--service-discovery k8s") -> None:
-    """Raise :class:`RuntimeError` (one line naming ``feature`` and the extra) unless the Kubernetes client imports.
-
-    ``omni-router`` calls it at start-up for every flag that needs it (discovery, ``--state-store k8s``,
-    ``--leader-election``), so a router without the extra refuses to start rather than serving with
-    that part dead; the plain router never imports lightkube."""
-    missing = []
-    for name in K8S_EXTRA_MODULES:
-        try:
-            importlib.import_module(name)
-        except ImportError:
-            missing.append(name)
-    if missing:
-        raise RuntimeError(f"{EXTRA_MISSING.format(feature=feature)} (cannot import {', '.join(missing)})")
 
 
 class ListFailed(Exception):

@@ -35,8 +35,8 @@ from router.gateway.admin.journal import UpdateJournal
 from router.gateway.admin.locked import ONE_PROCESS, FenceBarrier, LockHold
 from router.gateway.admin.update_gate import UpdateGate
 from router.gateway.discovery.k8s import PodWorker
-from router.gateway.fleet.health import HealthChecker
 from router.gateway.fleet.registry import Worker, WorkerRegistry, normalize_url, worker_id_for
+from router.gateway.health import HealthChecker
 
 log = logging.getLogger(__name__)
 

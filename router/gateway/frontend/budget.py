@@ -5,23 +5,11 @@ the next (:mod:`.connection`), so one caller's memory is bounded by the body bou
 (``MAX_BODY_BYTES``); many callers together are bounded by this budget. A body is counted as its
 bytes arrive and given back once its answer is done (or its connection closed); a request that would
 pass the budget is answered 503 with ``Retry-After`` at once, at its headers when it declares its
-length, rather than the process growing.
+length, rather than the process growing. Each process's share of the router's budget is a setting
+(:meth:`router.gateway.config.RouterConfig.body_budget_bytes`).
 """
 
 from __future__ import annotations
-
-from router.contract.web.parsing import MAX_BODY_BYTES
-
-#: The router's default budget, shared by its serving processes: sixteen bodies of the largest size.
-DEFAULT_ROUTER_BUDGET_BYTES = 16 * MAX_BODY_BYTES
-#: Each serving process may hold at least this much, so two of the largest bodies always fit.
-MIN_PROCESS_BUDGET_BYTES = 2 * MAX_BODY_BYTES
-
-
-def process_share(router_budget_bytes: int | None, processes: int) -> int:
-    """One serving process's share of the router's budget (the default when ``None``)."""
-    total = DEFAULT_ROUTER_BUDGET_BYTES if router_budget_bytes is None else router_budget_bytes
-    return max(MIN_PROCESS_BUDGET_BYTES, total // max(1, processes))
 
 
 class BodyBudget:

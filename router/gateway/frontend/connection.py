@@ -1,12 +1,12 @@
 """One caller's connection to a data plane's lean server: parse, answer generation, hand the rest to aiohttp.
 
 Requests are parsed by llhttp (through ``httptools``, as the router's worker client parses answers).
-A request for a generation route (:data:`~router.gateway.api.proxied.PROXIED`, by method and path) is
+A request for a generation route (:data:`~router.gateway.routing.proxied.PROXIED`, by method and path) is
 served here, one at a time in the order they came (HTTP/1.1 answers in order; pipelined requests wait
 their turn). The first request for any other route hands the connection to aiohttp's server in this
 process: the protocol object of the connection is replaced by aiohttp's, which is given every byte
 from that request's first on, so from then on aiohttp serves the connection as if it had accepted it
-(relays, probes, readiness: :mod:`router.gateway.data_planes.data_plane`).
+(relays, probes, readiness: :mod:`router.gateway.processes.data_plane`).
 
 The bytes of that request are known when it began a read from the socket, as every request of a
 caller that waits for each answer does. A request for another route pipelined behind a generation
@@ -43,12 +43,12 @@ from aiohttp import web
 
 from router.contract.web.middleware import error_answer, json_error
 from router.contract.web.parsing import MAX_BODY_BYTES
-from router.gateway.api.proxied import Proxied
 from router.gateway.edge import UNMATCHED
 from router.gateway.frontend.budget import BodyBudget
-from router.gateway.frontend.rules import SINGLE_HEADERS, over_budget, repeated, too_large
 from router.gateway.frontend.wire import LeanCaller, encode_response
+from router.gateway.head_rules import SINGLE_HEADERS, over_budget, repeated, too_large
 from router.gateway.routing.caller import StreamStalled
+from router.gateway.routing.proxied import Proxied
 
 log = logging.getLogger(__name__)
 

@@ -30,11 +30,11 @@ from router.contract.web.auth import TokenCheck
 from router.contract.web.middleware import error_answer
 from router.contract.web.openapi import Route
 from router.gateway import keys
-from router.gateway.api.proxied import PROXIED, Proxied
 from router.gateway.frontend.budget import BodyBudget
 from router.gateway.frontend.connection import IDLE_S, CallerConnection
 from router.gateway.frontend.wire import LeanCaller
 from router.gateway.metrics import RouterMetrics
+from router.gateway.routing.proxied import PROXIED, Proxied
 from router.gateway.routing.proxy import GenerateProxy
 from router.gateway.serving import Listen
 from router.gateway.shutdown import DRAIN, RequestDrain
@@ -57,7 +57,7 @@ class Frontend:
     def of(
         cls, table: Iterable[Route], check: TokenCheck, gate: Callable[[str], web.Response | None] | None = None
     ) -> Frontend:
-        """The proxied generation routes of a route table (:data:`~router.gateway.api.proxied.PROXIED`)."""
+        """The proxied generation routes of a route table (:data:`~router.gateway.routing.proxied.PROXIED`)."""
         served = {(r.method, r.path): PROXIED[r.path] for r in table if r.access == "generation" and r.path in PROXIED}
         return cls(served, check, gate)
 

@@ -1,7 +1,7 @@
 """What a router replica answers while it is not the leader (``--leader-election``).
 
 The gate is closed from start-up until this replica holds the Lease *and* has re-read the durable
-state (:mod:`router.gateway.leader.takeover`); it closes again, for good, the moment leadership is
+state (:mod:`router.gateway.leadership`); it closes again, for good, the moment leadership is
 lost. While it is closed nothing a client asks is run here (the worker registry, discovery and
 health probes keep running behind it, so a standby that takes over knows the fleet already):
 

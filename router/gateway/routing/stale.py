@@ -42,10 +42,10 @@ from typing import Any
 from prometheus_client import Counter
 
 from router.contract.errors import error_body
+from router.contract.version_policy import VersionPolicy
 from router.gateway.engines import serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.routing.prepare import AbortCall
-from router.gateway.routing.version_policy import VersionPolicy
 from router.gateway.tasks import TaskSet
 
 log = logging.getLogger(__name__)

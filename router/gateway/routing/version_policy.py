@@ -25,61 +25,24 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Collection
-from dataclasses import dataclass, field
-from typing import Literal
 
 from router.contract.errors import BadRequest, NotFound, Unavailable
+
+# The grammar sits in the contract, below the router's settings, which check --version-policy with it.
+# The proxy names the policies and the headers through this module: they are re-exported.
+from router.contract.version_policy import LATEST_ONLY as LATEST_ONLY
+from router.contract.version_policy import POLICY_HEADER as POLICY_HEADER
+from router.contract.version_policy import SMG_POLICY_HEADER as SMG_POLICY_HEADER
+from router.contract.version_policy import VersionPolicy as VersionPolicy
+from router.contract.version_policy import parse_version_policy as parse_version_policy
 from router.gateway.engines import GENERATION_PATHS
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import BOOT_SEQUENCE, FleetWeights
-
-#: The request header that asks for a policy, and SGLang Model Gateway's spelling of it.
-POLICY_HEADER = "X-Version-Policy"
-SMG_POLICY_HEADER = "x-smg-version-policy"
-
-PolicyKind = Literal["latest-only", "max-staleness", "min-version", "any"]
-POLICY_FORMS = "latest-only, max-staleness:K (K >= 0), min-version:V or any"
 
 #: Why a worker was left out of a request's candidates (the ``reason`` label of the metric).
 FILTER_REASONS = ("paused", "fenced", "unhealthy", "pending", "stale", "unversioned", "engine", "adapter")
 
 _MAX_CACHED_FLOORS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class VersionPolicy:
-    """One parsed policy; ``text`` is its canonical spelling (the cache key and what errors name)."""
-
-    kind: PolicyKind
-    staleness: int = 0
-    min_version: str | None = None
-    adapters: frozenset[str] = frozenset()
-    """The LoRA adapters the request names: only a worker holding each at its fleet version serves it
-    (:mod:`router.gateway.fleet.adapters`). Not part of ``text``: floors do not depend on it."""
-    text: str = field(init=False, compare=False)
-
-    def __post_init__(self) -> None:
-        text = {"max-staleness": f"{self.kind}:{self.staleness}", "min-version": f"{self.kind}:{self.min_version}"}
-        object.__setattr__(self, "text", text.get(self.kind, self.kind))
-
-
-LATEST_ONLY = VersionPolicy("latest-only")
-
-
-def parse_version_policy(text: str) -> VersionPolicy:
-    """``latest-only``, ``max-staleness:K``, ``min-version:V`` or ``any``; ``ValueError`` naming the forms."""
-    raw = text.strip()
-    name, sep, arg = raw.partition(":")
-    name = name.strip().lower()
-    if not sep and name in ("latest-only", "any"):
-        return LATEST_ONLY if name == "latest-only" else VersionPolicy("any")
-    if sep and name == "max-staleness":
-        value = arg.strip()
-        if value.isdigit() and len(value) <= 6:
-            return VersionPolicy("max-staleness", staleness=int(value))
-    if sep and name == "min-version" and arg.strip():
-        return VersionPolicy("min-version", min_version=arg.strip())
-    raise ValueError(f"unknown version policy {text[:100]!r}; use {POLICY_FORMS}")
 
 
 #: Header values already parsed: a trainer sends the same few on every request (bounded, cleared when full).

@@ -14,7 +14,7 @@ Invariants:
 * **A remove deletes with a resourceVersion precondition**; a record already gone is removed.
 * **Only a read or a write this store saw succeed teaches it a version.** After a conflict the
   record stays refused until it is read again (a new leader re-reads every record when it takes
-  over, :mod:`router.gateway.leader.takeover`).
+  over, :mod:`router.gateway.leadership`).
 * **A write whose answer was lost is recognised, not counted as a conflict.** When a write or
   remove got no answer (a timeout after sending), the content it carried is kept; if a later
   write then meets a conflict and the ConfigMap holds exactly that content (or is gone, for a
@@ -33,7 +33,7 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
-from router.gateway.discovery.k8s import require_client
+from router.gateway.k8s_extra import require_client
 
 if TYPE_CHECKING:
     from lightkube import Client

@@ -3,7 +3,7 @@
     omni-router status [--url URL] [--admin-api-key KEY] [--timeout-s S] [--watch [SECONDS]] [--json]
 
 It reads the router's ``GET /fleet/status`` (one request: the router judges its workers itself, in
-:mod:`router.gateway.status.verdict`, and :mod:`router.gateway.status.answer` serves the verdicts)
+:mod:`router.gateway.status.verdict`, and :mod:`router.gateway.api.fleet_status` serves the verdicts)
 and prints the workers, the journal's entry and the last recorded fleet versions; the exit status
 says whether every worker takes generation traffic (docs/router.md, "Status at a glance").
 """

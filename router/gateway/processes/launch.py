@@ -11,11 +11,11 @@ from collections.abc import Sequence
 from aiohttp import web
 
 from router.gateway.config import RouterConfig
-from router.gateway.data_planes.control import attach_data_planes
-from router.gateway.data_planes.data_plane import create_data_plane_app
 from router.gateway.data_planes.handoff import HandoffSite, handoff_path
 from router.gateway.data_planes.supervisor import DataPlaneSupervisor
 from router.gateway.frontend.site import lean_tcp
+from router.gateway.processes.control import attach_data_planes
+from router.gateway.processes.data_plane import create_data_plane_app
 from router.gateway.serving import Hooks, serve, tcp, unix
 
 log = logging.getLogger("router")
