@@ -26,8 +26,8 @@ class VersionPolicy:
     staleness: int = 0
     min_version: str | None = None
     adapters: frozenset[str] = frozenset()
-    """The LoRA adapters the request names: only a worker holding each at its fleet version serves it
-    (:mod:`router.gateway.fleet.adapters`). Not part of ``text``: floors do not depend on it."""
+    """The LoRA adapters the request names: only a worker holding each at its fleet version serves it.
+    Not part of ``text``: floors do not depend on it."""
     text: str = field(init=False, compare=False)
 
     def __post_init__(self) -> None:
