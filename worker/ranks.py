@@ -16,6 +16,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -206,7 +207,9 @@ class Stage:
 
         return await self._on_leader(action, run, timeout_s)
 
-    def submit_everywhere(self, action: str, local: Callable[[], Any], follower_op: RankOp, timeout_s: float) -> Any:
+    def submit_everywhere(
+        self, action: str, local: Callable[[], T], follower_op: RankOp, timeout_s: float
+    ) -> Future[T]:
         """From any thread: a future for ``local()`` run on rank 0's scheduler thread while the followers run
         ``follower_op``; it fails when any follower's result is a failure (a streamed bucket, say)."""
         assert self.peers is not None
@@ -257,9 +260,7 @@ def _everywhere(
     return [local, *remote]
 
 
-def _with_followers(
-    action: str, local: Callable[[], Any], follower_op: RankOp, peers: TPPeers, timeout_s: float
-) -> Any:
+def _with_followers(action: str, local: Callable[[], T], follower_op: RankOp, peers: TPPeers, timeout_s: float) -> T:
     """On rank 0's scheduler thread: ``local()`` while the followers run ``follower_op``; raises if any failed."""
     peers.send_op(action, follower_op)
     try:

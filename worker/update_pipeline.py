@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
+from router.contract.admin import WeightsEffect
 from router.contract.budget import APPLY_S, CLEANUP_S
 from router.contract.budget import HOP_MARGIN_S as WRITER_WAIT_S
 from router.dataplane.buckets import NamedTensors
@@ -44,7 +45,6 @@ from worker.engine import weight_ops
 from worker.engine.results import Applied, Committed, Ended, Taken, effect_of
 from worker.engine.scheduler import Scheduler
 from worker.engine.weight_ops import CommitOptions
-from worker.engine.weight_state import WeightsEffect
 from worker.peer.lease import ReadLeases
 from worker.ranks import AdminBusy, RankOp, Stage, StageResult
 

@@ -270,7 +270,7 @@ class CausalLM(nn.Module):
         over ranks is the full update (:mod:`worker.model.lora.loaded`).
         """
         if self.tp.size == 1:
-            out = linear(x)
+            out: torch.Tensor = linear(x)
             if lora is not None:
                 lora.add(layer, projection, x, out)
             return out

@@ -8,7 +8,7 @@ arguments that checks their types and returns a record (:class:`SharedTensor`,
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -94,13 +94,14 @@ class CudaTensor:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.args[1])
 
+    # ``args`` were checked when the record was built (``rebuild_cuda_record``): the casts name what they hold.
     @property
     def dtype(self) -> torch.dtype:
-        return self.args[5]
+        return cast(torch.dtype, self.args[5])
 
     @property
     def device(self) -> int | str:
-        return self.args[CUDA_DEVICE_ARG]
+        return cast(int | str, self.args[CUDA_DEVICE_ARG])
 
 
 LazyTensor = SharedTensor | CudaTensor

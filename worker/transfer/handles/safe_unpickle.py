@@ -245,7 +245,9 @@ def _materialize_cuda(record: CudaTensor) -> torch.Tensor:  # pragma: no cover -
         # An empty storage has no IPC handle; torch's rebuild would construct the storage class.
         return torch.empty(record.shape, dtype=record.dtype, device=torch.device("cuda", device))
     args[0], args[4], args[CUDA_DEVICE_ARG] = torch.Tensor, torch.UntypedStorage, device
-    return rebuild_cuda_tensor(*args).clone()
+    # torch leaves its reductions unannotated.
+    shared: torch.Tensor = rebuild_cuda_tensor(*args)  # type: ignore[no-untyped-call]
+    return shared.clone()
 
 
 def materialize(record: LazyTensor) -> torch.Tensor:
@@ -260,10 +262,12 @@ def materialize(record: LazyTensor) -> torch.Tensor:
     extent = record.offset + sum((n - 1) * s for n, s in zip(record.shape, record.stride, strict=True)) + 1
     if 0 not in record.shape and extent > st.size:
         raise UnsafePayload(f"a tensor reaches element {extent} of a {st.size}-element storage")
-    storage = rebuild_storage_filename(torch.UntypedStorage, st.manager, st.handle, st.size * itemsize)
-    view = torch.empty(0, dtype=record.dtype).set_(
-        storage.untyped(), record.offset, torch.Size(record.shape), record.stride
+    # torch leaves its reductions unannotated.
+    storage: torch.UntypedStorage = rebuild_storage_filename(  # type: ignore[no-untyped-call]
+        torch.UntypedStorage, st.manager, st.handle, st.size * itemsize
     )
+    untyped = storage.untyped()  # type: ignore[no-untyped-call]  # torch leaves it unannotated too
+    view = torch.empty(0, dtype=record.dtype).set_(untyped, record.offset, torch.Size(record.shape), record.stride)
     copy = view.clone()
-    del view, storage
+    del view, untyped, storage
     return copy

@@ -25,6 +25,7 @@ from router.contract.vllm import WeightTransferUpdateInfo
 from router.contract.weight_sync import TensorListMeta
 from router.dataplane.buckets import NamedTensors, dtype_name
 from worker.transfer.handles import json_message, safe_unpickle
+from worker.transfer.handles.pickle_records import CudaTensor, rebuild_cuda_record
 from worker.transfer.validation import Spec, validate_buckets
 
 #: ``rebuild_cuda_tensor``'s argument that holds the producer's device index.
@@ -61,7 +62,7 @@ def prepare(
     return lambda: [(name, safe_unpickle.materialize(r)) for name, r in zip(info.names, records, strict=True)]
 
 
-def _pickled_records(info: WeightTransferUpdateInfo, device: torch.device) -> list[safe_unpickle.CudaTensor]:
+def _pickled_records(info: WeightTransferUpdateInfo, device: torch.device) -> list[CudaTensor]:
     assert info.ipc_handles_pickled is not None
     handles = safe_unpickle.loads(info.ipc_handles_pickled)
     if not isinstance(handles, list) or len(handles) != len(info.names):
@@ -74,9 +75,9 @@ def _pickled_records(info: WeightTransferUpdateInfo, device: torch.device) -> li
         if not isinstance(per_gpu, dict) or uuid not in per_gpu:
             raise ValueError(f"{name!r}: no IPC handle for this worker's GPU {uuid}")
         handle = per_gpu[uuid]
-        if not (isinstance(handle, tuple) and len(handle) == 2 and handle[0] is safe_unpickle.rebuild_cuda_record):
+        if not (isinstance(handle, tuple) and len(handle) == 2 and handle[0] is rebuild_cuda_record):
             raise ValueError(f"{name!r}: the handle is not a (rebuild_cuda_tensor, args) pair")
         args = list(handle[1])
         args[_DEVICE_INDEX_ARG] = device.index if device.index is not None else torch.cuda.current_device()
-        records.append(safe_unpickle.rebuild_cuda_record(*args))
+        records.append(rebuild_cuda_record(*args))
     return records

@@ -58,7 +58,7 @@ class BroadcastWork(dist.Work):
         self.tensor = tensor
 
     def is_completed(self) -> bool:
-        return bool(self.event.query())
+        return bool(self.event.query())  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
 
     def wait(self, timeout: timedelta = timedelta(0)) -> bool:
         self.group.wait(self, timeout.total_seconds() or self.group.timeout_s)
@@ -95,7 +95,7 @@ class VllmNcclGroup(WeightUpdateGroup):
                     comm.broadcast(
                         tensor.data_ptr(), count, nccl_dtype, 0, stream.cuda_stream, time.monotonic() + self.timeout_s
                     )
-                done = torch.cuda.Event()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
                 done.record(stream)
                 tensor.record_stream(stream)
         except NcclError as exc:
@@ -159,7 +159,7 @@ def wait_event(
     """Poll ``event`` until it completes. Raises :class:`NcclError` if the communicator reports an
     error, ``_Stopped`` when ``stop()`` names a reason or the deadline passes."""
     pause = 2e-5
-    while not event.query():
+    while not event.query():  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
         reason = stop()
         if reason is not None:
             raise _Stopped(reason)
@@ -241,7 +241,7 @@ def join_vllm_nccl_group(
         lib, unique_id, rank=rank, world_size=world_size, device_index=index, deadline=deadline, cancel=cancel
     )
     try:
-        stream = torch.cuda.Stream(device=index)
+        stream = torch.cuda.Stream(device=index)  # type: ignore[no-untyped-call]  # torch leaves Stream unannotated
         _warm_up(comm, torch.device("cuda", index), stream, deadline, cancel)
     except BaseException as exc:
         comm.abort()
@@ -276,7 +276,7 @@ def _warm_up(
         data = torch.zeros(1, dtype=torch.float32, device=device)
         stream.wait_stream(torch.cuda.current_stream(device))
         comm.all_reduce(data.data_ptr(), 1, NCCL_FLOAT32, stream.cuda_stream, deadline)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves Event unannotated
         done.record(stream)
         data.record_stream(stream)
     wait_event(done, comm, deadline, lambda: "cancelled" if cancel is not None and cancel.is_set() else None)
@@ -299,4 +299,5 @@ def _placeholder_pg(rank: int, world_size: int) -> dist.ProcessGroup:
         return dist.ProcessGroup(store, rank, world_size)
     except TypeError:  # torch before 2.6 also takes the group's options
         make: Any = dist.ProcessGroup
-        return make(store, rank, world_size, make.Options(backend="undefined"))
+        pg: dist.ProcessGroup = make(store, rank, world_size, make.Options(backend="undefined"))
+        return pg
