@@ -37,7 +37,7 @@ import asyncio
 import contextlib
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, TypeVar
 
@@ -45,14 +45,12 @@ from router.contract.budget import DEFAULT_GROUP_TIMEOUT_S, DEFAULT_RECEIVE_TIME
 from router.contract.weight_sync import (
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,
-    TensorListMeta,
     WeightSyncResponse,
 )
-from router.dataplane.formats import BucketFormat
 from router.dataplane.group import WeightUpdateGroup
 from worker.ranks import held
 from worker.transfer.group.bracket import UpdateBracket
-from worker.transfer.group.receive_session import SYNC_ACTION, Receives, ReceiveSession
+from worker.transfer.group.receive_session import SYNC_ACTION, ReceiveRequest, Receives, ReceiveSession
 from worker.transfer.group.single_phase import SinglePhase
 from worker.transfer.group.table import GroupTable
 from worker.transfer.group.two_phase import TwoPhase
@@ -163,31 +161,22 @@ class WeightSyncController:
             finally:
                 self._lock_holder = None
 
-    async def start_receive(
-        self,
-        buckets: Sequence[TensorListMeta],
-        group_name: str,
-        fmt: BucketFormat,
-        *,
-        atomic: bool,
-        abort_all: bool,
-        weight_version: str | None,
-        timeout_s: float | None,
-    ) -> ReceiveSession:
+    async def start_receive(self, ask: ReceiveRequest) -> ReceiveSession:
         """Check everything, begin the pipeline's transaction, start the receive; raise :class:`UpdateRefused`
         (nothing posted, the transaction undone)."""
         await self.two_phase.make_room()
-        group = self.groups.get(group_name)
+        name = ask.group_name
+        group = self.groups.get(name)
         if group is None:
-            raise UpdateRefused(f"Process group {group_name!r} not initialized; call /init_weights_update_group first")
+            raise UpdateRefused(f"Process group {name!r} not initialized; call /init_weights_update_group first")
         if not group.alive:
-            raise UpdateRefused(f"group {group_name!r} is broken ({group.broken_reason}); destroy and re-initialize it")
-        plan = self.receives.plan(buckets, fmt)
-        window = timeout_s or self.receive_timeout_s
-        txn = await self.updates.begin(SYNC_ACTION, abort_all=abort_all, streaming=not atomic, timeout_s=window)
+            raise UpdateRefused(f"group {name!r} is broken ({group.broken_reason}); destroy and re-initialize it")
+        plan = self.receives.plan(ask.buckets, ask.fmt)
+        window = ask.timeout_s or self.receive_timeout_s
+        txn = await self.updates.begin(SYNC_ACTION, abort_all=ask.abort_all, streaming=not ask.atomic, timeout_s=window)
         try:
             return await self.receives.start(
-                txn, group, plan, atomic=atomic, window_s=window, weight_version=weight_version
+                txn, group, plan, atomic=ask.atomic, window_s=window, weight_version=ask.weight_version
             )
         except UpdateRefused:
             await self.updates.end_refused(txn)

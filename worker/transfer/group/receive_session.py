@@ -60,6 +60,20 @@ CANCEL_WAIT_S = 10.0
 PARTIAL_NOTE = " The full weights of the ModelRunner are partially updated. Please discard the whole weights."
 
 
+@dataclass(frozen=True, slots=True)
+class ReceiveRequest:
+    """What a protocol call asks the controller to receive (``start_receive``): the buckets it announced, the
+    group they come over and their format, and the call's own options."""
+
+    buckets: Sequence[TensorListMeta]
+    group_name: str
+    fmt: BucketFormat
+    atomic: bool
+    abort_all: bool
+    weight_version: str | None
+    timeout_s: float | None
+
+
 @dataclass(eq=False)
 class ReceiveSession:
     """One prepared two-phase update (or a running single-phase one): its transaction and its receive."""

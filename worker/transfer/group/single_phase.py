@@ -15,15 +15,15 @@ flushed as asked. Each call is one transaction of the worker's update pipeline
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import Any, Protocol, TypeVar
 
-from router.contract.weight_sync import TensorListMeta, UpdateWeightsFromDistributedRequest, WeightSyncResponse
-from router.dataplane.formats import BucketFormat, for_load_format
+from router.contract.weight_sync import UpdateWeightsFromDistributedRequest, WeightSyncResponse
+from router.dataplane.formats import for_load_format
 from worker.engine.results import effect_of
-from worker.transfer.group.receive_session import PARTIAL_NOTE, Receives, ReceiveSession
+from worker.transfer.group.receive_session import PARTIAL_NOTE, ReceiveRequest, Receives, ReceiveSession
 from worker.update_pipeline import UpdateFailed, UpdatePipeline, UpdateRefused
 
 T = TypeVar("T")
@@ -43,17 +43,7 @@ class SinglePhasePorts(Protocol):
 
     def holding(self, action: str, *, timeout_s: float | None = ...) -> AbstractAsyncContextManager[None]: ...
 
-    async def start_receive(
-        self,
-        buckets: Sequence[TensorListMeta],
-        group_name: str,
-        fmt: BucketFormat,
-        *,
-        atomic: bool,
-        abort_all: bool,
-        weight_version: str | None,
-        timeout_s: float | None,
-    ) -> ReceiveSession: ...
+    async def start_receive(self, ask: ReceiveRequest) -> ReceiveSession: ...
 
     async def in_thread(self, fn: Callable[[], T]) -> T: ...
 
@@ -67,7 +57,7 @@ class SinglePhase:
     async def update(self, req: UpdateWeightsFromDistributedRequest) -> WeightSyncResponse:
         async with self._sync.holding(ACTION, timeout_s=req.timeout_s):
             try:
-                update = await self._sync.start_receive(
+                ask = ReceiveRequest(
                     [req],
                     req.group_name,
                     for_load_format(req.load_format),
@@ -76,6 +66,7 @@ class SinglePhase:
                     weight_version=req.weight_version,
                     timeout_s=req.timeout_s,
                 )
+                update = await self._sync.start_receive(ask)
             except UpdateRefused as exc:
                 return _fail(f"{FAILED}: {exc}.", weights="intact")
             receives = self._sync.receives

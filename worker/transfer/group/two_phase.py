@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from functools import partial
 from typing import TYPE_CHECKING, Protocol, TypeVar
@@ -52,14 +52,13 @@ from router.contract.weight_sync import (
     PrepareWeightsUpdateRequest,
     PrepareWeightsUpdateResponse,
     RankChecksum,
-    TensorListMeta,
 )
-from router.dataplane.formats import BucketFormat, for_load_format
+from router.dataplane.formats import for_load_format
 from router.dataplane.group import WeightUpdateGroup
 from worker.engine.results import effect_of
 from worker.ranks import AdminBusy
 from worker.transfer.group.held import Held
-from worker.transfer.group.receive_session import PARTIAL_NOTE, Receives, ReceiveSession
+from worker.transfer.group.receive_session import PARTIAL_NOTE, ReceiveRequest, Receives, ReceiveSession
 from worker.transfer.group.table import group_note
 from worker.update_pipeline import UpdateFailed, UpdatePipeline, UpdateRefused
 
@@ -92,17 +91,7 @@ class TwoPhasePorts(Protocol):
         self, action: str, *, timeout_s: float | None = ..., wait_s: float = ...
     ) -> AbstractAsyncContextManager[None]: ...
 
-    async def start_receive(
-        self,
-        buckets: Sequence[TensorListMeta],
-        group_name: str,
-        fmt: BucketFormat,
-        *,
-        atomic: bool,
-        abort_all: bool,
-        weight_version: str | None,
-        timeout_s: float | None,
-    ) -> ReceiveSession: ...
+    async def start_receive(self, ask: ReceiveRequest) -> ReceiveSession: ...
 
     async def in_thread(self, fn: Callable[[], T]) -> T: ...
 
@@ -124,7 +113,7 @@ class TwoPhase:
     async def prepare(self, req: PrepareWeightsUpdateRequest) -> PrepareWeightsUpdateResponse:
         async with self._sync.holding("prepare_weights_update", timeout_s=req.timeout_s):
             try:
-                update = await self._sync.start_receive(
+                ask = ReceiveRequest(
                     req.buckets,
                     req.group_name,
                     for_load_format(req.load_format),
@@ -133,6 +122,7 @@ class TwoPhase:
                     weight_version=req.weight_version,
                     timeout_s=req.timeout_s,
                 )
+                update = await self._sync.start_receive(ask)
             except UpdateRefused as exc:
                 return PrepareWeightsUpdateResponse(status="error", message=str(exc))
             # Nobody may hold the worker's weights forever: an update never completed nor aborted
