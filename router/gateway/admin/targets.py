@@ -26,44 +26,17 @@ from multidict import MultiMapping
 
 from router.contract import endpoints as ep
 from router.contract.admin import ModelInfo
-from router.contract.fleet import EngineName
 from router.contract.rl import RlCapabilities, RlRefusal
 from router.gateway.admin.selectors import Selector, SelectorError, parse_selector
-from router.gateway.engines import serves
+from router.gateway.engines import engine_of, serves
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.upstream import WorkerClient
 
 #: The query parameters that choose targets; never forwarded to a worker.
 TARGET_PARAMS = frozenset({"workers", "selector"})
-
-#: smg's ``engine`` (the admin dialect a worker speaks) for each engine: omni-worker speaks SGLang's first
-#: (vLLM's routes too, but ``engine`` names one dialect).
-RL_ENGINE: dict[EngineName | None, str] = {"omni": "sglang", "sglang": "sglang", "vllm": "vllm", None: "unknown"}
-
-_SGLANG_ROW = RlCapabilities(
-    source="static",
-    pause_modes=["abort", "retract", "in_place"],
-    update_from=["disk", "tensor", "distributed"],
-    abort=True,
-    flush_cache=True,
-    sleep_wake=True,
-    reports_weight_version=True,
-)
-#: What each engine can do for RL control (smg's static capability rows; vLLM's as 0.32 serves it in dev mode).
-CAPABILITIES: dict[EngineName | None, RlCapabilities] = {
-    "omni": _SGLANG_ROW,
-    "sglang": _SGLANG_ROW,
-    "vllm": RlCapabilities(
-        source="static",
-        pause_modes=["abort", "wait", "keep"],
-        update_from=["disk", "distributed"],
-        abort=True,
-        flush_cache=True,
-        sleep_wake=True,
-        reports_weight_version=True,
-    ),
-    None: RlCapabilities(source="static"),
-}
+#: smg's dialect and capabilities of a worker whose engine is not known yet.
+UNKNOWN_DIALECT = "unknown"
+NO_CAPABILITIES = RlCapabilities(source="static")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,12 +114,24 @@ class WorkerFacts:
     def tp_size(self) -> int | None:
         return self.info.tp_size if self.info is not None else self.worker.tp_size
 
+    @property
+    def rl_dialect(self) -> str:
+        """smg's ``engine``: the admin dialect the worker speaks (``unknown`` while its engine is not known)."""
+        engine = engine_of(self.worker)
+        return engine.rl_dialect if engine is not None else UNKNOWN_DIALECT
+
+    @property
+    def rl_capabilities(self) -> RlCapabilities:
+        """What the worker's engine can do for RL control (no capability claimed while it is not known)."""
+        engine = engine_of(self.worker)
+        return engine.rl_capabilities if engine is not None else NO_CAPABILITIES
+
     def selector_facts(self) -> dict[str, str | None]:
         """The values a selector clause compares (absent facts are ``None``)."""
         tp = self.tp_size
         return {
             "id": self.worker.id,
-            "engine": RL_ENGINE[self.worker.engine],
+            "engine": self.rl_dialect,
             "role": None,
             "model": self.model_id if self.info is not None else None,
             "model_id": self.model_id if self.info is not None else None,

@@ -42,7 +42,7 @@ from router.gateway.admin.broadcast import broadcast
 from router.gateway.admin.expectation import Expectation
 from router.gateway.admin.fanout import AdminCall
 from router.gateway.admin.operations import OPERATIONS, AnyOperation
-from router.gateway.admin.targets import CAPABILITIES, RL_ENGINE, TargetQuery, WorkerFacts, target_query
+from router.gateway.admin.targets import TargetQuery, WorkerFacts, target_query
 from router.gateway.api.admin import check_floor, fleet_facts, forwarded_query, parse_request
 from router.gateway.fleet.registry import Worker
 
@@ -78,7 +78,7 @@ def _entry(facts: WorkerFacts) -> RlWorkerEntry:
         id=w.id,
         url=w.url,
         base_url=w.url,
-        engine=RL_ENGINE[w.engine],
+        engine=facts.rl_dialect,
         model_id=facts.model_id,
         tp_size=facts.tp_size,
         dp_size=1,
@@ -86,7 +86,7 @@ def _entry(facts: WorkerFacts) -> RlWorkerEntry:
         health=facts.health,
         weight_version=facts.weight_version,
         labels=facts.labels(),
-        capabilities=CAPABILITIES[w.engine],
+        capabilities=facts.rl_capabilities,
     )
 
 

@@ -39,11 +39,10 @@ from router.contract.lora import (
     LoadLoraAdapterRequest,
     LoraUpdateResult,
     UnloadLoraAdapterRequest,
-    VllmLoadLoraAdapterRequest,
 )
 from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, UNLOAD_LORA_ADAPTER, V1_LOAD_LORA_ADAPTER
 from router.gateway.catch_up.scan import ScanLoop
-from router.gateway.engines import serves
+from router.gateway.engines import engine_of
 from router.gateway.fleet.registry import Worker
 from router.gateway.tasks import running
 from router.gateway.upstream.answer import WorkerAnswer, decode_answer, decode_plain
@@ -64,8 +63,9 @@ class AdapterCatchUp(ScanLoop):
         registry = self._ctx.registry
         if not registry.is_routable(worker) or worker.update_holds or worker.instance_id is None:
             return None
-        if not (serves(worker, LOAD_LORA_ADAPTER.path) or serves(worker, V1_LOAD_LORA_ADAPTER.path)):
-            return None
+        engine = engine_of(worker)
+        if engine is not None and engine.lora_load_route(worker) is None:
+            return None  # its server takes no LoRA load (a worker of unknown engine is tried)
         entries = (registry.adapters.get(name) for name in registry.adapters.serving_names())
         # The latest first: requests naming a versioned adapter without its version go to holders of its latest.
         for entry in sorted((e for e in entries if e is not None), key=lambda e: -e.published):
@@ -146,10 +146,13 @@ def _already_loaded(answer: WorkerAnswer[Any]) -> bool:
 
 
 def _load_call(worker: Worker, name: str, path: str) -> tuple[AnyEndpoint, WireRequest]:
-    """The load route ``worker`` serves: SGLang's, else vLLM's (its answer is a plain-text sentence)."""
-    if serves(worker, LOAD_LORA_ADAPTER.path):
+    """The load route ``worker``'s engine takes (:meth:`~router.gateway.engines.base.Engine.lora_load`); SGLang's
+    for a worker whose engine is not known yet."""
+    engine = engine_of(worker)
+    call = engine.lora_load(worker, name, path) if engine is not None else None
+    if call is None:
         return LOAD_LORA_ADAPTER, LoadLoraAdapterRequest(lora_name=name, lora_path=path)
-    return V1_LOAD_LORA_ADAPTER, VllmLoadLoraAdapterRequest(lora_name=name, lora_path=path, load_inplace=True)
+    return call.endpoint, call.request
 
 
 async def adapter_catch_up_ctx(app: web.Application) -> AsyncIterator[None]:

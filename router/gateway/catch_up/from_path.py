@@ -25,23 +25,14 @@ is checked, and the joiner's answer says so.
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import Any
 
 from pydantic import ValidationError
 
-from router.contract import endpoints as ep
-from router.contract.admin import (
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightVersionRequest,
-    WeightsCheckerRequest,
-    WeightsCheckerResult,
-)
-from router.contract.base import WireRequest
-from router.contract.endpoint import AnyEndpoint
+from router.contract.admin import WeightsCheckerResult
 from router.contract.fleet import FleetVersionEntry
-from router.contract.vllm_rl import CollectiveRpcRequest, VllmWeightCheckerRequest, VllmWeightCheckerResult
-from router.gateway.engines import engine_of, serves
+from router.contract.vllm_rl import VllmWeightCheckerResult
+from router.gateway.engines import engine_of
+from router.gateway.engines.base import EngineCall
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import decode_answer
@@ -51,39 +42,20 @@ class PathLoadFailed(Exception):
     """The load or its check failed; the message says why."""
 
 
-@dataclass(frozen=True, slots=True)
-class LoadStep:
-    endpoint: AnyEndpoint
-    request: WireRequest
-
-
-def steps(worker: Worker, entry: FleetVersionEntry) -> list[LoadStep] | None:
-    """The calls that load ``entry``'s checkpoint into ``worker`` with the fleet's label; ``None`` when its
-    engine has no way to (or the entry has no checkpoint)."""
-    path = entry.source_path
-    if path is None:
+def steps(worker: Worker, entry: FleetVersionEntry) -> list[EngineCall] | None:
+    """The calls that load ``entry``'s checkpoint into ``worker`` with the fleet's label (its engine's
+    :meth:`~router.gateway.engines.base.Engine.reload_plan`); ``None`` when its engine has no way to, or the
+    entry has no checkpoint."""
+    engine = engine_of(worker)
+    if entry.source_path is None or engine is None:
         return None
-    label = entry.weight_version
     try:
-        if worker.engine == "vllm" and serves(worker, ep.COLLECTIVE_RPC.path):
-            load = CollectiveRpcRequest.model_validate({"method": "reload_weights", "kwargs": {"weights_path": path}})
-            relabel = [] if label is None else [LoadStep(ep.UPDATE_WEIGHT_VERSION, _relabel(label))]
-            return [LoadStep(ep.COLLECTIVE_RPC, load), *relabel]
-        if worker.engine in ("sglang", "omni") and serves(worker, ep.UPDATE_WEIGHTS_FROM_DISK.path):
-            fields: dict[str, Any] = {"model_path": path, "abort_all_requests": False}
-            if label is not None:
-                fields["weight_version"] = label
-            return [LoadStep(ep.UPDATE_WEIGHTS_FROM_DISK, UpdateWeightsFromDiskRequest.model_validate(fields))]
+        return engine.reload_plan(worker, entry)
     except ValidationError:
         return None
-    return None
 
 
-def _relabel(label: str) -> UpdateWeightVersionRequest:
-    return UpdateWeightVersionRequest(new_version=label, abort_all_requests=False)
-
-
-async def load(client: WorkerClient, worker: Worker, plan: list[LoadStep], headers: dict[str, str]) -> None:
+async def load(client: WorkerClient, worker: Worker, plan: list[EngineCall], headers: dict[str, str]) -> None:
     """Run ``plan`` on ``worker`` in order; :class:`PathLoadFailed` at the first call that did not succeed."""
     engine = engine_of(worker)
     decode = engine.decode if engine is not None else decode_answer
@@ -100,15 +72,9 @@ async def same_weights(client: WorkerClient, joiner: Worker, holder: Worker, hea
     if joiner.engine != holder.engine or joiner.tp_size != holder.tp_size:
         return None
     engine = engine_of(joiner)
-    if engine is None:
+    if engine is None or engine.digest_request is None:
         return None
-    if joiner.engine == "vllm":
-        ask: tuple[AnyEndpoint, WireRequest] = (
-            ep.WEIGHT_CHECKER,
-            VllmWeightCheckerRequest(action="checksum"),
-        )
-    else:
-        ask = (ep.WEIGHTS_CHECKER, WeightsCheckerRequest(action="checksum"))
+    ask = engine.digest_request
     answers = await asyncio.gather(
         *(client.call(w.url, ask[0], ask[1], headers=headers, decode=engine.decode) for w in (joiner, holder))
     )

@@ -67,7 +67,8 @@ from router.gateway.admin.locked import AdminContext
 from router.gateway.catch_up import from_path
 from router.gateway.catch_up.scan import Backoff, ScanLoop, Tries
 from router.gateway.catch_up.scan import backoff_s as backoff_s  # part of this module's interface
-from router.gateway.engines import serves
+from router.gateway.engines import engine_of, serves
+from router.gateway.engines.base import EngineCall
 from router.gateway.fleet.registry import Worker
 from router.gateway.fleet.weights import FleetWeights
 from router.gateway.leader.gate import LeaderGate
@@ -183,9 +184,9 @@ class JoinerSync(ScanLoop):
         """The holders ``joiner`` can load from as a peer: both serve the peer routes (omni-worker's)."""
         if not serves(joiner, ep.UPDATE_WEIGHTS_FROM_PEER.path):
             return []
-        return [w for w in self.holders(joiner) if w.engine == "omni"]
+        return [w for w in self.holders(joiner) if (engine := engine_of(w)) is not None and engine.peer_source]
 
-    def path_plan(self, joiner: Worker) -> list[from_path.LoadStep] | None:
+    def path_plan(self, joiner: Worker) -> list[EngineCall] | None:
         """How ``joiner`` loads the fleet's weights from their checkpoint when no peer can give them."""
         record = self._ctx.registry.fleet.record
         return None if record is None else from_path.steps(joiner, record.latest)

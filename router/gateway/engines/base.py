@@ -16,7 +16,13 @@ worker and which of the router's routes the worker serves:
   routes its engine serves, so a mixed fleet can use exactly the routes every engine in it serves
   (a call that some target's engine lacks is refused before anything is locked, fenced or sent);
 - **translations**: the call that stands, on its servers, for a route some trainer sends that the engine
-  does not serve itself (AReaL's vLLM server's pause and continue: :meth:`Engine.generation_control`).
+  does not serve itself (AReaL's vLLM server's pause and continue: :meth:`Engine.generation_control`);
+- **catch-up**: how a joiner loads the fleet's checkpoint (:meth:`Engine.reload_plan`) and whether it can
+  give its weights to a peer (:attr:`Engine.peer_source`);
+- **RL API**: the dialect and the capabilities smg's ``/v1/rl`` API reports for its workers
+  (:attr:`Engine.rl_dialect`, :attr:`Engine.rl_capabilities`).
+
+Nothing outside this package compares an engine's name: what differs by engine is asked of its class.
 
 Each engine is a stateless singleton (:mod:`router.gateway.engines`); what it learns about a
 worker is written on the :class:`~router.gateway.fleet.registry.Worker`.
@@ -24,14 +30,25 @@ worker is written on the :class:`~router.gateway.fleet.registry.Worker`.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from urllib.parse import urlencode
 
 from router.contract import endpoints as ep
-from router.contract.admin import ContinueRequest, HealthStatus, PauseRequest, WeightsCheckerRequest
+from router.contract.admin import (
+    ContinueRequest,
+    HealthStatus,
+    PauseRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightVersionRequest,
+    WeightsCheckerRequest,
+)
 from router.contract.base import WireRequest
 from router.contract.endpoint import AnyEndpoint
-from router.contract.fleet import EngineName
+from router.contract.fleet import EngineName, FleetVersionEntry
+from router.contract.lora import LoadLoraAdapterRequest, VllmLoadLoraAdapterRequest
+from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, V1_LOAD_LORA_ADAPTER
+from router.contract.rl import RlCapabilities
 from router.contract.vllm import EmptyVllmRequest, PauseQuery
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
@@ -67,7 +84,33 @@ SGLANG_ABORTING_PAUSE = EngineCall(ep.PAUSE_GENERATION, PauseRequest(mode="abort
 SGLANG_CONTINUE = EngineCall(ep.CONTINUE_GENERATION, ContinueRequest())
 
 
-class Engine:
+#: smg's static capability row of a server speaking SGLang's dialect (SGLang's, and omni-worker's).
+SGLANG_RL_CAPABILITIES = RlCapabilities(
+    source="static",
+    pause_modes=["abort", "retract", "in_place"],
+    update_from=["disk", "tensor", "distributed"],
+    abort=True,
+    flush_cache=True,
+    sleep_wake=True,
+    reports_weight_version=True,
+)
+
+
+def relabel(label: str) -> EngineCall:
+    """The fleet's label set on weights a worker already loaded, without aborting its requests (SGLang's relabel
+    aborts every request by default)."""
+    return EngineCall(ep.UPDATE_WEIGHT_VERSION, UpdateWeightVersionRequest(new_version=label, abort_all_requests=False))
+
+
+def load_from_disk(entry: FleetVersionEntry) -> list[EngineCall]:
+    """SGLang's and omni-worker's load of ``entry``'s checkpoint with its label in one call, requests kept."""
+    fields: dict[str, object] = {"model_path": entry.source_path, "abort_all_requests": False}
+    if entry.weight_version is not None:
+        fields["weight_version"] = entry.weight_version
+    return [EngineCall(ep.UPDATE_WEIGHTS_FROM_DISK, UpdateWeightsFromDiskRequest.model_validate(fields))]
+
+
+class Engine(ABC):
     """One kind of inference server (subclasses set the class attributes and :meth:`describe`)."""
 
     name: EngineName
@@ -84,6 +127,13 @@ class Engine:
     trainer's ``X-Expected-Weights-Checksum`` can be checked on it."""
     digest_request: tuple[AnyEndpoint, WireRequest] | None = None
     """The admin call that reports the weights a worker serves (a checker's ``checksum``); ``None``: none."""
+    peer_source: bool = False
+    """Its servers stream their weights to a joiner of the same engine (omni-worker's snapshot stream behind
+    ``/update_weights_from_peer``); the others catch up from the fleet's checkpoint only."""
+    rl_dialect: str
+    """smg's ``engine`` for its workers: the admin dialect they speak (omni-worker speaks SGLang's first)."""
+    rl_capabilities: RlCapabilities
+    """What its servers can do for RL control, as smg's static capability rows say it."""
 
     def health_path(self, worker: Worker) -> str:
         """The path a probe reads (SGLang's ``/health`` parks while generation is paused)."""
@@ -103,10 +153,34 @@ class Engine:
             return None
         return HealthStatus(status="ok")
 
+    @abstractmethod
     async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
         """Read the worker's weight version, process identity, group ranks and memory state onto ``worker``;
         False when it did not answer. Every read is bounded by ``timeout_s`` (a probe round waits for it)."""
-        raise NotImplementedError
+
+    def reload_plan(self, worker: Worker, entry: FleetVersionEntry) -> list[EngineCall] | None:
+        """The calls that load ``entry``'s checkpoint into ``worker`` under the fleet's label (a catch-up from a
+        path, :mod:`router.gateway.catch_up.from_path`); ``None`` when its server has no way to."""
+        return None
+
+    def lora_load_route(self, worker: Worker) -> AnyEndpoint | None:
+        """The route that loads a LoRA adapter from a path into ``worker``: SGLang's where it serves it, else
+        vLLM's; ``None`` when it serves neither."""
+        paths = self.admin_paths_of(worker)
+        for route in (LOAD_LORA_ADAPTER, V1_LOAD_LORA_ADAPTER):
+            if route.path in paths:
+                return route
+        return None
+
+    def lora_load(self, worker: Worker, name: str, path: str) -> EngineCall | None:
+        """The call that loads LoRA adapter ``name`` from ``path`` into ``worker`` (a catch-up; vLLM's loads in
+        place); ``None`` when its server takes no such load."""
+        route = self.lora_load_route(worker)
+        if route is LOAD_LORA_ADAPTER:
+            return EngineCall(route, LoadLoraAdapterRequest(lora_name=name, lora_path=path))
+        if route is V1_LOAD_LORA_ADAPTER:
+            return EngineCall(route, VllmLoadLoraAdapterRequest(lora_name=name, lora_path=path, load_inplace=True))
+        return None
 
     def discards_weights(self, path: str, request: object) -> bool:
         """Whether a successful ``path`` call with ``request`` leaves the server's weights unknown once its memory

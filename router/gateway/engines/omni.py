@@ -5,10 +5,18 @@ from __future__ import annotations
 
 from router.contract import endpoints as ep
 from router.contract.admin import HealthStatus
+from router.contract.fleet import FleetVersionEntry
 from router.contract.lora_endpoints import LORA_ADMIN
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
 from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
-from router.gateway.engines.base import CHECKSUM_OF_WEIGHTS, HEALTH_PATH, Engine
+from router.gateway.engines.base import (
+    CHECKSUM_OF_WEIGHTS,
+    HEALTH_PATH,
+    SGLANG_RL_CAPABILITIES,
+    Engine,
+    EngineCall,
+    load_from_disk,
+)
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 from router.gateway.upstream.answer import decode_answer
@@ -27,6 +35,12 @@ class OmniEngine(Engine):
     reports_adapter_digest = True
     decode = staticmethod(decode_answer)
     digest_request = CHECKSUM_OF_WEIGHTS
+    peer_source = True
+    rl_dialect = "sglang"
+    rl_capabilities = SGLANG_RL_CAPABILITIES
+
+    def reload_plan(self, worker: Worker, entry: FleetVersionEntry) -> list[EngineCall] | None:
+        return load_from_disk(entry) if ep.UPDATE_WEIGHTS_FROM_DISK.path in self.admin_paths_of(worker) else None
 
     async def health(
         self, client: WorkerClient, worker: Worker, timeout_s: float, headers: dict[str, str]

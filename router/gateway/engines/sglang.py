@@ -24,6 +24,7 @@ import asyncio
 
 from router.contract import endpoints as ep
 from router.contract.admin import MemoryOccupationRequest
+from router.contract.fleet import FleetVersionEntry
 from router.contract.lora_endpoints import LOAD_LORA_ADAPTER, LOAD_LORA_ADAPTER_FROM_TENSORS, UNLOAD_LORA_ADAPTER
 from router.contract.sglang_server import SglangServerIdentity
 from router.gateway.engines.base import (
@@ -31,8 +32,10 @@ from router.gateway.engines.base import (
     HEALTH_PATH,
     SGLANG_ABORTING_PAUSE,
     SGLANG_CONTINUE,
+    SGLANG_RL_CAPABILITIES,
     Engine,
     EngineCall,
+    load_from_disk,
 )
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
@@ -72,6 +75,11 @@ class SglangEngine(Engine):
     admin_paths = SGLANG_ADMIN
     generation_paths = SGLANG_GENERATION
     digest_request = CHECKSUM_OF_WEIGHTS
+    rl_dialect = "sglang"
+    rl_capabilities = SGLANG_RL_CAPABILITIES
+
+    def reload_plan(self, worker: Worker, entry: FleetVersionEntry) -> list[EngineCall] | None:
+        return load_from_disk(entry) if ep.UPDATE_WEIGHTS_FROM_DISK.path in self.admin_paths_of(worker) else None
 
     def health_path(self, worker: Worker) -> str:
         return ep.MODEL_INFO.path if worker.paused else HEALTH_PATH

@@ -31,12 +31,14 @@ import asyncio
 from router.contract import endpoints as ep
 from router.contract.areal import ArealControlRequest
 from router.contract.areal_endpoints import AREAL_ADMIN, AREAL_CONTINUE_GENERATION, AREAL_PAUSE_GENERATION
+from router.contract.fleet import FleetVersionEntry
 from router.contract.lora_endpoints import V1_LOAD_LORA_ADAPTER, V1_UNLOAD_LORA_ADAPTER
+from router.contract.rl import RlCapabilities
 from router.contract.vllm_dev import SleepQuery
-from router.contract.vllm_rl import VllmServerIdentity, VllmWeightCheckerRequest
+from router.contract.vllm_rl import CollectiveRpcRequest, VllmServerIdentity, VllmWeightCheckerRequest
 from router.contract.vllm_tokens import DETOKENIZE_PATH, TOKENIZE_PATH
 from router.contract.vllm_tokens import GENERATE_PATH as TOKENS_GENERATE_PATH
-from router.gateway.engines.base import Engine, EngineCall
+from router.gateway.engines.base import Engine, EngineCall, relabel
 from router.gateway.fleet.registry import Worker
 from router.gateway.upstream import WorkerClient
 
@@ -100,6 +102,28 @@ class VllmEngine(Engine):
     admin_paths = VLLM_ADMIN
     generation_paths = VLLM_GENERATION
     digest_request = (ep.WEIGHT_CHECKER, VllmWeightCheckerRequest(action="checksum"))
+    rl_dialect = "vllm"
+    #: As vLLM 0.32 serves it in dev mode.
+    rl_capabilities = RlCapabilities(
+        source="static",
+        pause_modes=["abort", "wait", "keep"],
+        update_from=["disk", "distributed"],
+        abort=True,
+        flush_cache=True,
+        sleep_wake=True,
+        reports_weight_version=True,
+    )
+
+    def reload_plan(self, worker: Worker, entry: FleetVersionEntry) -> list[EngineCall] | None:
+        """``/collective_rpc`` of ``reload_weights`` from the checkpoint, then the fleet's label (vLLM takes a
+        label only through its own relabel call)."""
+        if ep.COLLECTIVE_RPC.path not in self.admin_paths_of(worker) or entry.source_path is None:
+            return None
+        load = CollectiveRpcRequest.model_validate(
+            {"method": "reload_weights", "kwargs": {"weights_path": entry.source_path}}
+        )
+        labelled = [] if entry.weight_version is None else [relabel(entry.weight_version)]
+        return [EngineCall(ep.COLLECTIVE_RPC, load), *labelled]
 
     async def describe(self, client: WorkerClient, worker: Worker, headers: dict[str, str], timeout_s: float) -> bool:
         version, identity, paused = await asyncio.gather(
