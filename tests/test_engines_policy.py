@@ -27,6 +27,7 @@ from router.contract.areal_endpoints import AREAL_CONTINUE_GENERATION, AREAL_PAU
 from router.contract.errors import BadRequest, NotFound
 from router.contract.fleet import FleetVersionEntry
 from router.contract.sglang_server import SglangServerIdentity
+from router.contract.version_policy import LATEST_ONLY
 from router.contract.vllm_dev import SleepQuery
 from router.contract.vllm_rl import CollectiveRpcRequest, CollectiveRpcResult, VllmServerIdentity, WeightInfo
 from router.contract.weight_sync import PrepareWeightsUpdateRequest
@@ -176,9 +177,9 @@ def test_generation_goes_only_where_the_route_is_served() -> None:
     omni, vllm = _routable(registry, "omni", 1), _routable(registry, "vllm", 2)
     filtered: dict[str, int] = {}
     pick = version_policy.candidates
-    assert pick(registry, version_policy.LATEST_ONLY, (), filtered, "/generate") == [omni]
+    assert pick(registry, LATEST_ONLY, (), filtered, "/generate") == [omni]
     assert filtered == {"engine": 1}
-    assert pick(registry, version_policy.LATEST_ONLY, (), {}, "/v1/completions") == [omni, vllm]
+    assert pick(registry, LATEST_ONLY, (), {}, "/v1/completions") == [omni, vllm]
     version_policy.refuse_unserved_route(registry, "/generate")  # served by one engine of the fleet: no 404
     registry.remove(omni.id)
     with pytest.raises(NotFound, match=r"/generate is served by none of the fleet's engines \(vllm\)"):

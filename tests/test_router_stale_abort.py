@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 
+from router.contract.version_policy import parse_version_policy
 from router.gateway.data_planes.hub import DataPlaneHub, _Plane
 from router.gateway.data_planes.messages import TO_DATA_PLANE, DropStale, StaleDropped
 from router.gateway.fleet.registry import WorkerRegistry, normalize_url, worker_id_for
 from router.gateway.routing.stale import staleness_bound
-from router.gateway.routing.version_policy import parse_version_policy
 from tests._router_fixtures import ADMIN_KEY, start_router, wait_for
 from tests._stale_requests import (
     Sent,

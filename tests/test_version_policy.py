@@ -12,18 +12,12 @@ from pathlib import Path
 import pytest
 
 from router.contract.errors import BadRequest, Unavailable
+from router.contract.version_policy import LATEST_ONLY, VersionPolicy, parse_version_policy
 from router.gateway.data_planes.mirror import VIEW_FIELDS, ViewCache, apply, same_routing, view_of
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import FLEET_FILE, HISTORY_LIMIT, FleetWeights, WorkerWeights, agreed_checksum
 from router.gateway.routing.stamping import answer_mixes_versions
-from router.gateway.routing.version_policy import (
-    LATEST_ONLY,
-    VersionPolicy,
-    candidates,
-    parse_version_policy,
-    policy_from_headers,
-    refusal,
-)
+from router.gateway.routing.version_policy import candidates, policy_from_headers, refusal
 
 
 def fleet_of(n: int, state: Path | None = None) -> tuple[WorkerRegistry, list[Worker]]:

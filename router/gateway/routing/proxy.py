@@ -43,8 +43,10 @@ from typing import TypeVar
 from pydantic import ValidationError
 from tenacity import AsyncRetrying, retry_if_exception_type, stop_after_attempt, wait_exponential_jitter
 
+from router.contract import version_policy as policy_grammar
 from router.contract.errors import ApiError, Unavailable
 from router.contract.generate import INSTANCE_HEADER
+from router.contract.version_policy import VersionPolicy
 from router.contract.vllm_tokens import REQUEST_ID_HEADER
 from router.gateway.config import RouterConfig
 from router.gateway.engines import serves
@@ -59,7 +61,6 @@ from router.gateway.routing.policy import Policy
 from router.gateway.routing.prepare import AbortCall, Prepare, sglang_prepare
 from router.gateway.routing.stale import StaleRequests, Ticket, staleness_bound
 from router.gateway.routing.stamping import answer_mixes_versions, stamp_headers
-from router.gateway.routing.version_policy import VersionPolicy
 from router.gateway.tasks import TaskSet
 from router.gateway.upstream import NotAdmitted, UpstreamError, UpstreamResponse, WorkerClient, mime_type
 
@@ -146,7 +147,7 @@ class GenerateProxy:
         self._stop = stop_after_attempt(1 + config.max_retries)
         self._wait = wait_exponential_jitter(initial=config.retry_initial_backoff_s, max=config.retry_max_backoff_s)
         self._retry_on = retry_if_exception_type(_Retryable)
-        self._version_policy = version_policy.parse_version_policy(config.version_policy)
+        self._version_policy = policy_grammar.parse_version_policy(config.version_policy)
         """The router's default, parsed once: a request without the header costs no parse."""
         self._affinity = affinity
         if self._affinity is None and config.session_affinity:
@@ -157,14 +158,14 @@ class GenerateProxy:
     def request_policy(self, caller: Caller[object]) -> tuple[VersionPolicy, bool]:
         """The request's weight-version policy: its header when it sent one (400 when bad), else the router's;
         and whether it sent one."""
-        value = caller.header(version_policy.POLICY_HEADER)
+        value = caller.header(policy_grammar.POLICY_HEADER)
         if value is None:
-            value = caller.header(version_policy.SMG_POLICY_HEADER)
+            value = caller.header(policy_grammar.SMG_POLICY_HEADER)
         return version_policy.policy_from_headers(value, self._version_policy), value is not None
 
     def pick(
         self,
-        policy: VersionPolicy = version_policy.LATEST_ONLY,
+        policy: VersionPolicy = policy_grammar.LATEST_ONLY,
         tried: set[str] | frozenset[str] = frozenset(),
         session: str | None = None,
         path: str | None = None,
@@ -254,7 +255,7 @@ class GenerateProxy:
         abort: AbortCall | None,
         first: _Retryable,
         session: str | None,
-        policy: VersionPolicy = version_policy.LATEST_ONLY,
+        policy: VersionPolicy = policy_grammar.LATEST_ONLY,
         bound: int | None = None,
     ) -> A:
         """The first attempt failed before any byte reached the caller: back off, then other workers
@@ -296,7 +297,7 @@ class GenerateProxy:
         body: bytes,
         headers: dict[str, str],
         abort: AbortCall | None,
-        policy: VersionPolicy = version_policy.LATEST_ONLY,
+        policy: VersionPolicy = policy_grammar.LATEST_ONLY,
         bound: int | None = None,
     ) -> A:
         """One try on ``worker``. ``bound``: the staleness bound a pause judges the request by (``None``: it is

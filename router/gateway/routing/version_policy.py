@@ -29,12 +29,7 @@ from collections.abc import Collection
 from router.contract.errors import BadRequest, NotFound, Unavailable
 
 # The grammar sits in the contract, below the router's settings, which check --version-policy with it.
-# The proxy names the policies and the headers through this module: they are re-exported.
-from router.contract.version_policy import LATEST_ONLY as LATEST_ONLY
-from router.contract.version_policy import POLICY_HEADER as POLICY_HEADER
-from router.contract.version_policy import SMG_POLICY_HEADER as SMG_POLICY_HEADER
-from router.contract.version_policy import VersionPolicy as VersionPolicy
-from router.contract.version_policy import parse_version_policy as parse_version_policy
+from router.contract.version_policy import POLICY_HEADER, VersionPolicy, parse_version_policy
 from router.gateway.engines import GENERATION_PATHS
 from router.gateway.fleet.registry import Worker, WorkerRegistry
 from router.gateway.fleet.weights import BOOT_SEQUENCE, FleetWeights
